@@ -1,0 +1,57 @@
+"""Shared pieces of the benchmarks: timing, environment description, result files."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def median_ms(fn, *, warmup=25, rep=100) -> float:
+    """Median time of ``fn`` in ms on the GPU (L2 flushed between runs by do_bench)."""
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def median_graph_ms(fn, *, rep=100) -> float:
+    """Median GPU time of ``fn`` replayed from a CUDA graph: no host (Python, launch) overhead."""
+    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+
+
+def environment() -> dict:
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": dev,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+    }
+
+
+def write_results(name: str, rows: list[dict], table: str) -> Path:
+    """Write rows as JSON and the printed table as Markdown under bench/results/."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    (RESULTS / f"{name}.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+    header = "\n".join(f"- {k}: {v}" for k, v in env.items())
+    path = RESULTS / f"{name}.md"
+    path.write_text(f"# {name}\n\n{header}\n\n{table}\n")
+    return path
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    def fmt(v):
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,43 @@
+"""The epilogue language (programs over a GEMM's output tile) and its two executors."""
+
+from .codegen import kernel_source
+from .ir import (
+    FULL,
+    HALF,
+    EpilogueError,
+    Expr,
+    Program,
+    Width,
+    abs,
+    cos,
+    exp,
+    floor,
+    fma,
+    gelu_erf,
+    gelu_tanh,
+    join,
+    log,
+    maximum,
+    minimum,
+    pairs,
+    reciprocal,
+    relu,
+    round_to,
+    rsqrt,
+    segment_max,
+    segment_sum,
+    sigmoid,
+    silu,
+    sin,
+    sqrt,
+    square,
+    where,
+)
+from .reference import run_reference
+
+__all__ = [
+    "FULL", "HALF", "EpilogueError", "Expr", "Program", "Width", "abs", "cos", "exp", "floor", "fma",
+    "gelu_erf", "gelu_tanh", "join", "kernel_source", "log", "maximum", "minimum", "pairs", "reciprocal",
+    "relu", "round_to", "rsqrt", "run_reference", "segment_max", "segment_sum", "sigmoid", "silu", "sin",
+    "sqrt", "square", "where",
+]

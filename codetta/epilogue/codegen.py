@@ -1,0 +1,388 @@
+"""Triton code generation: a program inlined into the epilogue of the persistent GEMM kernel.
+
+The generated kernel walks output tiles persistently (grouped order), gets the fp32
+accumulator of each from the fixed mainloop (:mod:`codetta.matmul.mainloop`) and then
+runs the program's nodes as straight-line Triton code on that tile. Shapes inside a
+tile: a value with rows is [BM, ...], without rows [1, ...]; a value over the N
+columns is [..., BN], over the N/2 pairs [..., BN // 2], constant along columns
+[..., 1]; a scalar is a Triton scalar.
+
+Row reductions over all N write one fp32 partial per (row, column tile), finished
+on the host side (:mod:`codetta.kernels.finish`); per-segment row reductions are
+whole inside a tile and are written finished. Column reductions write one partial
+per (row tile, column), finished the same way. Nothing uses atomics, so every
+result is deterministic.
+
+:func:`kernel_source` returns the source; :func:`load_kernel` writes it to the
+kernel cache and imports it (Triton's JIT reads a function's source from its file).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .ir import FULL, HALF, Program
+
+_TL_DTYPE = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16"}
+
+_UNARY = {
+    "neg": "-({0})",
+    "abs": "tl.abs({0})",
+    "exp": "tl.exp({0})",
+    "log": "tl.log({0})",
+    "sqrt": "tl.sqrt_rn({0})",
+    "rsqrt": "tl.rsqrt({0})",
+    "reciprocal": "tl.div_rn(1.0, {0})",
+    "square": "({0}) * ({0})",
+    "sigmoid": "tl.sigmoid({0})",
+    "silu": "({0}) * tl.sigmoid({0})",
+    "relu": "tl.maximum({0}, 0.0)",
+    # 0.5 x (1 + tanh(u)) == x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
+    "gelu_tanh": "({0}) * tl.sigmoid(1.5957691216057308 * (({0}) + 0.044715 * ({0}) * ({0}) * ({0})))",
+    "gelu_erf": "0.5 * ({0}) * (1.0 + tl.erf(({0}) * 0.7071067811865476))",
+    "sin": "tl.sin({0})",
+    "cos": "tl.cos({0})",
+    "floor": "tl.floor({0})",
+    "not": "~({0})",
+}
+
+_BINARY = {
+    "add": "({0}) + ({1})",
+    "sub": "({0}) - ({1})",
+    "mul": "({0}) * ({1})",
+    "div": "tl.div_rn({0}, {1})",
+    "maximum": "tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
+    "minimum": "tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
+    "lt": "({0}) < ({1})",
+    "le": "({0}) <= ({1})",
+    "gt": "({0}) > ({1})",
+    "ge": "({0}) >= ({1})",
+    "eq": "({0}) == ({1})",
+    "ne": "({0}) != ({1})",
+    "and": "({0}) & ({1})",
+    "or": "({0}) | ({1})",
+}
+
+
+def kernel_name(program: Program, path: str) -> str:
+    return f"{program.name}_{path}_{program.fingerprint()}"
+
+
+def kernel_args(program: Program, path: str):
+    """The kernel's runtime arguments after the GEMM's own, in order, as (name, what).
+
+    On the 'tma' path, tiles (aux operands, stores) are read and written through TMA
+    descriptors (``{name}_desc``); on the 'ptr' path through pointers and strides.
+    """
+    return program._cached(("kernel_args", path), lambda: _kernel_args(program, path))
+
+
+def _tile_args(name, what, path):
+    if path == "tma":
+        return [(f"{name}_desc", f"{what}_desc")]
+    return [(f"{name}_ptr", what), (f"{name}_s0", "stride"), (f"{name}_s1", "stride")]
+
+
+def _kernel_args(program, path):
+    args = []
+    for op in sorted(program.operands.values(), key=lambda o: o.name):
+        if op.kind == "scalar":
+            args.append((op.name, "scalar"))
+        elif op.kind in ("row", "col"):
+            args += [(f"{op.name}_ptr", op.kind), (f"{op.name}_stride", "stride")]
+        else:
+            args += _tile_args(op.name, "aux", path)
+    for out in sorted(program.outputs.values(), key=lambda o: o.name):
+        if out.kind == "store":
+            args += _tile_args(out.name, "out", path)
+        elif out.segment:
+            args += _tile_args(out.name, "out", "ptr")
+        if out.kind == "row_logsumexp" and not out.segment:
+            args += [(f"{out.name}_pmax", "partial"), (f"{out.name}_psum", "partial"), (f"{out.name}_pstride", "stride")]
+        elif (out.kind in ("row_sum", "row_max") and not out.segment) or out.kind == "col_sum":
+            args += [(f"{out.name}_part", "partial"), (f"{out.name}_pstride", "stride")]
+    return args
+
+
+class _Writer:
+    def __init__(self):
+        self.lines = []
+        self.count = 0
+
+    def emit(self, line):
+        self.lines.append("    " + line)
+
+    def fresh(self, expr):
+        name = f"v{self.count}"
+        self.count += 1
+        self.emit(f"{name} = {expr}")
+        return name
+
+
+def _shape(node):
+    rows = "BM" if node.rows else "1"
+    cols = {FULL: "BN", HALF: "BN // 2", None: "1"}[node.width]
+    return rows, cols
+
+
+def _broadcast(name, node, rows, cols):
+    """Code for the value ``name`` of ``node`` broadcast to a [rows, cols] tensor."""
+    if node.rows or node.width is not None:
+        return f"tl.broadcast_to({name}, [{rows}, {cols}])"
+    return f"(tl.zeros([{rows}, {cols}], tl.float32) + {name})"  # a Python or Triton scalar
+
+
+def _const(x):
+    if math.isnan(x):
+        return 'float("nan")'
+    if math.isinf(x):
+        return 'float("inf")' if x > 0 else 'float("-inf")'
+    return repr(float(x))
+
+
+def _epilogue(program: Program, w: _Writer, path: str):
+    """Emit the program's nodes and outputs into ``w``; tiles go through TMA on the 'tma' path."""
+    names = {}
+    width_cols = {FULL: ("cols", "col_ok", "off_n", "BN", "N"), HALF: ("hcols", "hcol_ok", "off_n // 2", "BN // 2", "N // 2")}
+
+    def tile(node):
+        """The node's value as a tensor of its own shape class."""
+        return _broadcast(names[id(node)], node, *_shape(node))
+
+    for node in program.nodes():
+        op, a = node.op, [names[id(x)] for x in node.args]
+        rows, cols = _shape(node)
+        if op == "acc":
+            names[id(node)] = "acc"
+            continue
+        if op == "const":
+            names[id(node)] = _const(node.attrs[0])
+            continue
+        if op == "load_scalar":
+            names[id(node)] = node.attrs[0]
+            continue
+        if op == "load_row":
+            n = node.attrs[0]
+            expr = f"tl.load({n}_ptr + rows64 * {n}_stride, mask=row_ok, other=0.0).to(tl.float32)[:, None]"
+        elif op == "load_col":
+            n = node.attrs[0]
+            c, ok = width_cols[node.width][:2]
+            expr = f"tl.load({n}_ptr + {c}.to(tl.int64) * {n}_stride, mask={ok}, other=0.0).to(tl.float32)[None, :]"
+        elif op == "load_aux" and path == "tma":
+            expr = f"{node.attrs[0]}_desc.load([off_m, {width_cols[node.width][2]}]).to(tl.float32)"
+        elif op == "load_aux":
+            n = node.attrs[0]
+            c, ok = width_cols[node.width][:2]
+            expr = (
+                f"tl.load({n}_ptr + rows64[:, None] * {n}_s0 + {c}.to(tl.int64)[None, :] * {n}_s1, "
+                f"mask=row_ok[:, None] & {ok}[None, :], other=0.0).to(tl.float32)"
+            )
+        elif op == "row_index":
+            expr = "rows.to(tl.float32)[:, None]"
+        elif op == "col_index":
+            expr = f"{width_cols[node.attrs[0]][0]}.to(tl.float32)[None, :]"
+        elif op in _UNARY:
+            expr = _UNARY[op].format(*a)
+        elif op in _BINARY:
+            expr = _BINARY[op].format(*a)
+        elif op == "where":
+            expr = f"tl.where({a[0]}, {a[1]}, {a[2]})"
+        elif op == "fma":
+            expr = "tl.fma(" + ", ".join(_broadcast(names[id(x)], x, rows, cols) for x in node.args) + ")"
+        elif op == "round_to":
+            expr = f"({a[0]}).to({_TL_DTYPE[node.attrs[0]]}).to(tl.float32)"
+        elif op == "pairs":
+            seg = node.attrs[0]
+            src = tile(node.args[0])
+            if seg == 2:
+                w.emit(f"first, second = tl.split(tl.reshape({src}, [{rows}, BN // 2, 2]))")
+            else:
+                w.emit(
+                    f"first, second = tl.split(tl.permute(tl.reshape({src}, [{rows}, BN // {seg}, 2, {seg // 2}]), (0, 1, 3, 2)))"
+                )
+            first = w.fresh(f"tl.reshape(first, [{rows}, BN // 2])")
+            second = w.fresh(f"tl.reshape(second, [{rows}, BN // 2])")
+            names[id(node)] = (first, second)
+            continue
+        elif op == "pair_item":
+            names[id(node)] = names[id(node.args[0])][node.attrs[0]]
+            continue
+        elif op == "join":
+            seg = node.attrs[0]
+            f_, s_ = (_broadcast(names[id(x)], x, rows, "BN // 2") for x in node.args)
+            if seg == 2:
+                expr = f"tl.reshape(tl.join({f_}, {s_}), [{rows}, BN])"
+            else:
+                expr = (
+                    f"tl.reshape(tl.permute(tl.join(tl.reshape({f_}, [{rows}, BN // {seg}, {seg // 2}]), "
+                    f"tl.reshape({s_}, [{rows}, BN // {seg}, {seg // 2}])), (0, 1, 3, 2)), [{rows}, BN])"
+                )
+        elif op in ("segment_sum", "segment_max"):
+            seg = node.attrs[0]
+            red = "tl.sum" if op == "segment_sum" else "tl.max"
+            expr = (
+                f"tl.reshape(tl.broadcast_to({red}(tl.reshape({tile(node.args[0])}, [{rows}, {cols} // {seg}, {seg}]), "
+                f"axis=2, keep_dims=True), [{rows}, {cols} // {seg}, {seg}]), [{rows}, {cols}])"
+            )
+        else:  # pragma: no cover - the IR has no other ops
+            raise AssertionError(op)
+        names[id(node)] = w.fresh(expr)
+
+    for out in sorted(program.outputs.values(), key=lambda o: o.name):
+        c, ok, off, bw, nw = width_cols[out.width]
+        n = out.name
+        v = _broadcast(names[id(out.value)], out.value, "BM", bw)
+        if out.kind == "store" and path == "tma":
+            if out.accumulate:
+                v = f"{n}_desc.load([off_m, {off}]).to(tl.float32) + {v}"
+            w.emit(f"{n}_desc.store([off_m, {off}], ({v}).to({n}_desc.dtype))")
+        elif out.kind == "store":
+            w.emit(f"{n}_ptrs = {n}_ptr + rows64[:, None] * {n}_s0 + {c}.to(tl.int64)[None, :] * {n}_s1")
+            w.emit(f"{n}_mask = row_ok[:, None] & {ok}[None, :]")
+            dt = "{0}_ptr.dtype.element_ty".format(n)
+            if out.accumulate:
+                v = f"tl.load({n}_ptrs, mask={n}_mask, other=0.0).to(tl.float32) + {v}"
+            w.emit(f"tl.store({n}_ptrs, ({v}).to({dt}), mask={n}_mask)")
+        elif out.kind == "col_sum":
+            w.emit(
+                f"tl.store({n}_part + pid_m * {n}_pstride + {c}, "
+                f"tl.sum(tl.where(row_ok[:, None], {v}, 0.0), axis=0), mask={ok})"
+            )
+        elif out.segment:
+            seg = out.segment
+            x = w.fresh(f"tl.reshape({v}, [BM, {bw} // {seg}, {seg}])")
+            if out.kind == "row_sum":
+                r = w.fresh(f"tl.sum({x}, axis=2)")
+            elif out.kind == "row_max":
+                r = w.fresh(f"tl.max({x}, axis=2)")
+            else:
+                mx = w.fresh(f"tl.max({x}, axis=2)")
+                mx_safe = w.fresh(f"tl.where({mx} == float('-inf'), 0.0, {mx})")
+                r = w.fresh(f"{mx_safe} + tl.log(tl.sum(tl.exp({x} - {mx_safe}[:, :, None]), axis=2))")
+            sc = w.fresh(f"({off}) // {seg} + tl.arange(0, {bw} // {seg})")
+            w.emit(
+                f"tl.store({n}_ptr + rows64[:, None] * {n}_s0 + {sc}.to(tl.int64)[None, :] * {n}_s1, {r}, "
+                f"mask=row_ok[:, None] & ({sc} < ({nw}) // {seg})[None, :])"
+            )
+        else:
+            if out.kind == "row_logsumexp":
+                masked = w.fresh(f"tl.where({ok}[None, :], {v}, float('-inf'))")
+                mx = w.fresh(f"tl.max({masked}, axis=1)")
+                mx_safe = w.fresh(f"tl.where({mx} == float('-inf'), 0.0, {mx})")
+                se = w.fresh(f"tl.sum(tl.exp({masked} - {mx_safe}[:, None]), axis=1)")
+                w.emit(f"tl.store({n}_pmax + rows64 * {n}_pstride + pid_n, {mx}, mask=row_ok)")
+                w.emit(f"tl.store({n}_psum + rows64 * {n}_pstride + pid_n, {se}, mask=row_ok)")
+            else:
+                fill, red = ("0.0", "tl.sum") if out.kind == "row_sum" else ("float('-inf')", "tl.max")
+                w.emit(
+                    f"tl.store({n}_part + rows64 * {n}_pstride + pid_n, "
+                    f"{red}(tl.where({ok}[None, :], {v}, {fill}), axis=1), mask=row_ok)"
+                )
+
+
+_SOURCE = '''"""Generated by codetta from epilogue program {prog!r}: do not edit."""
+import triton
+import triton.language as tl
+
+from codetta.matmul.mainloop import mma_ptr, mma_tma, tile_coords
+
+
+@triton.jit
+def epilogue(
+    acc, pid_m, pid_n, off_m, off_n, M, N,
+{args}
+    BM: tl.constexpr, BN: tl.constexpr,
+):
+    """The program on one [BM, BN] tile at (off_m, off_n); pid_n counts tiles of this width."""
+    rows = off_m + tl.arange(0, BM)
+    rows64 = rows.to(tl.int64)
+    row_ok = rows < M
+    cols = off_n + tl.arange(0, BN)
+    col_ok = cols < N
+    hcols = off_n // 2 + tl.arange(0, BN // 2)
+    hcol_ok = hcols < N // 2
+{body}
+
+
+@triton.jit
+def {kname}(
+    a, a_s0, a_s1, b0, b1, b2, b3, b_s0, b_s1, b_starts, M, N, K,
+{args}
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    STAGES: tl.constexpr, EPI_SPLIT: tl.constexpr, WARP_SPEC: tl.constexpr, NUM_B: tl.constexpr,
+    A_KM: tl.constexpr, B_KN: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    num_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), warp_specialize=WARP_SPEC):
+        pid_m, pid_n = tile_coords(tile, M, N, BM, BN, GROUP_M)
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+{mainloop}
+        if EPI_SPLIT == 1:
+            epilogue(acc, pid_m, pid_n, off_m, off_n, M, N, {call_args} BM, BN)
+        else:  # two column halves, one after the other: half the registers and staging memory
+            left, right = tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN // 2]), (0, 2, 1)))
+            epilogue(left, pid_m, 2 * pid_n, off_m, off_n, M, N, {call_args} BM, BN // 2)
+            epilogue(right, pid_m, 2 * pid_n + 1, off_m, off_n + BN // 2, M, N, {call_args} BM, BN // 2)
+'''
+
+_MAINLOOP = {
+    "tma": "        acc = mma_tma(a, (b0, b1, b2, b3), b_starts, off_m, off_n, K, BM, BN, BK, NUM_B, A_KM, B_KN, UPCAST, PRECISION, STAGES)",
+    "ptr": "        acc = mma_ptr(a, a_s0, a_s1, (b0, b1, b2, b3), b_s0, b_s1, b_starts, off_m, off_n, M, N, K,\n"
+    "                      BM, BN, BK, NUM_B, UPCAST, PRECISION, STAGES)",
+}
+
+
+def kernel_source(program: Program, path: str) -> str:
+    """The Triton source of ``program`` fused into the GEMM kernel; path is 'tma' or 'ptr'."""
+    program.check()
+    w = _Writer()
+    _epilogue(program, w, path)
+    names = [name for name, _ in kernel_args(program, path)]
+    return _SOURCE.format(
+        prog=program.name,
+        kname=kernel_name(program, path),
+        args="".join(f"    {name},\n" for name in names),
+        call_args="".join(f"{name}, " for name in names),
+        body="\n".join(w.lines),
+        mainloop=_MAINLOOP[path],
+    )
+
+
+_LOADED = {}
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("CODETTA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "codetta")
+    path = Path(root) / "kernels"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def load_kernel(program: Program, path: str):
+    """The compiled-on-demand Triton kernel of ``program`` (cached per process and on disk)."""
+    name = kernel_name(program, path)
+    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    key = (name, interp)
+    if key not in _LOADED:
+        source = kernel_source(program, path)
+        file = _cache_dir() / f"{name}.py"
+        if not file.exists() or file.read_text() != source:
+            fd, tmp = tempfile.mkstemp(dir=file.parent, suffix=".py")
+            with os.fdopen(fd, "w") as f:
+                f.write(source)
+            os.replace(tmp, file)
+        modname = f"codetta_generated.{name}{'_interp' if interp else ''}"
+        spec = importlib.util.spec_from_file_location(modname, file)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[modname] = module
+        spec.loader.exec_module(module)
+        _LOADED[key] = getattr(module, name)
+    return _LOADED[key]

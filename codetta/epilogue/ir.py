@@ -1,0 +1,567 @@
+"""The epilogue language: expressions over one output tile of a GEMM, and programs.
+
+A program describes what happens to the fp32 accumulator tile ``acc = A @ B`` of a
+GEMM before anything reaches global memory. Every value is an expression node with a
+*shape class*:
+
+* ``rows``: whether it varies along the M (token) axis;
+* ``width``: the column space it varies along: ``FULL`` (the N columns of the GEMM),
+  ``HALF`` (the N/2 column *pairs* made by :func:`pairs`), or ``None`` (constant
+  along columns).
+
+So ``acc`` is (rows, FULL), a row vector is (rows, None), a column vector is
+(no rows, FULL or HALF), a scalar is (no rows, None). Operands broadcast like
+NumPy; combining a FULL value with a HALF value is an error, found when the
+expression is built.
+
+Pairs. ``pairs(x, segment=S)`` cuts the columns into segments of width S and pairs
+column j of a segment with column j + S/2 (Hugging Face's ``rotate_half``
+convention); ``segment=2`` pairs adjacent columns (2p, 2p+1). Pair p of the whole
+row is column ``(p // (S/2)) * S + p % (S/2)`` and its partner S/2 further on.
+``join`` is the inverse.
+
+All arithmetic is fp32 (comparisons give booleans); outputs are cast when stored.
+Programs are checked as they are built: an error names the program and the problem.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+
+class EpilogueError(ValueError):
+    """A program or a call of a program is malformed."""
+
+
+class Width(enum.Enum):
+    FULL = "full"
+    HALF = "half"
+
+
+FULL = Width.FULL
+HALF = Width.HALF
+
+# Elementwise functions of one fp32 argument (name -> arity 1). Their meaning is
+# given once, in the reference executor, and once in Triton, in the code generator.
+UNARY_OPS = (
+    "neg", "abs", "exp", "log", "sqrt", "rsqrt", "reciprocal", "square",
+    "sigmoid", "silu", "relu", "gelu_tanh", "gelu_erf", "sin", "cos",
+    "floor", "not",
+)
+BINARY_OPS = ("add", "sub", "mul", "div", "maximum", "minimum", "lt", "le", "gt", "ge", "eq", "ne", "and", "or")
+COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
+LOGICAL = ("and", "or", "not")
+
+STORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Expr:
+    """One node of an epilogue expression graph (immutable; shared subexpressions are reused)."""
+
+    __slots__ = ("program", "op", "args", "attrs", "rows", "width", "is_bool", "_index")
+
+    def __init__(self, program, op, args=(), attrs=(), *, rows, width, is_bool=False):
+        self.program = program
+        self.op = op
+        self.args = tuple(args)
+        self.attrs = tuple(attrs)
+        self.rows = rows
+        self.width = width
+        self.is_bool = is_bool
+        self._index = program._register(self)
+
+    def __repr__(self):
+        return f"<{self.op} #{self._index} of {self.program.name}>"
+
+    # arithmetic ---------------------------------------------------------------
+    def __add__(self, o):
+        return _binary("add", self, o)
+
+    def __radd__(self, o):
+        return _binary("add", o, self)
+
+    def __sub__(self, o):
+        return _binary("sub", self, o)
+
+    def __rsub__(self, o):
+        return _binary("sub", o, self)
+
+    def __mul__(self, o):
+        return _binary("mul", self, o)
+
+    def __rmul__(self, o):
+        return _binary("mul", o, self)
+
+    def __truediv__(self, o):
+        return _binary("div", self, o)
+
+    def __rtruediv__(self, o):
+        return _binary("div", o, self)
+
+    def __neg__(self):
+        return _unary("neg", self)
+
+    def __lt__(self, o):
+        return _binary("lt", self, o)
+
+    def __le__(self, o):
+        return _binary("le", self, o)
+
+    def __gt__(self, o):
+        return _binary("gt", self, o)
+
+    def __ge__(self, o):
+        return _binary("ge", self, o)
+
+    def __and__(self, o):
+        return _binary("and", self, o)
+
+    def __or__(self, o):
+        return _binary("or", self, o)
+
+    def __invert__(self):
+        return _unary("not", self)
+
+    def __bool__(self):
+        raise EpilogueError(
+            f"program {self.program.name!r}: an epilogue value has no truth value while the "
+            "program is built; use where(cond, a, b)"
+        )
+
+    __hash__ = object.__hash__
+
+    def eq(self, o):
+        return _binary("eq", self, o)
+
+    def ne(self, o):
+        return _binary("ne", self, o)
+
+
+def _program_of(*values):
+    progs = {id(v.program): v.program for v in values if isinstance(v, Expr)}
+    if len(progs) != 1:
+        raise EpilogueError("an epilogue expression mixes values of different programs")
+    return next(iter(progs.values()))
+
+
+def _as_expr(program, x):
+    if isinstance(x, Expr):
+        return x
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise EpilogueError(
+            f"program {program.name!r}: cannot use {type(x).__name__} {x!r} in an epilogue; "
+            "use a number, or declare an operand (row, col, scalar, aux)"
+        )
+    return Expr(program, "const", attrs=(float(x),), rows=False, width=None)
+
+
+def _broadcast(program, op, *values):
+    widths = {v.width for v in values if v.width is not None}
+    if len(widths) > 1:
+        raise EpilogueError(
+            f"program {program.name!r}: {op} combines a value over the N columns with a value "
+            "over the N/2 column pairs (width mismatch)"
+        )
+    return any(v.rows for v in values), (widths.pop() if widths else None)
+
+
+def _unary(op, x):
+    p = _program_of(x)
+    if op == "not":
+        if not x.is_bool:
+            raise EpilogueError(f"program {p.name!r}: 'not' needs a boolean value")
+    elif x.is_bool:
+        raise EpilogueError(f"program {p.name!r}: {op} of a boolean value; use where()")
+    return Expr(p, op, (x,), rows=x.rows, width=x.width, is_bool=op == "not")
+
+
+def _binary(op, x, y):
+    p = _program_of(x, y)
+    x, y = _as_expr(p, x), _as_expr(p, y)
+    rows, width = _broadcast(p, op, x, y)
+    if op in LOGICAL:
+        if not (x.is_bool and y.is_bool):
+            raise EpilogueError(f"program {p.name!r}: {op!r} needs two boolean values")
+    elif x.is_bool or y.is_bool:
+        raise EpilogueError(f"program {p.name!r}: {op} of a boolean value; use where()")
+    return Expr(p, op, (x, y), rows=rows, width=width, is_bool=op in COMPARISONS + LOGICAL)
+
+
+def _make_unary(name, doc):
+    def f(x):
+        if not isinstance(x, Expr):
+            raise EpilogueError(f"{name}() takes an epilogue value, got {type(x).__name__}")
+        return _unary(name, x)
+
+    f.__name__ = name
+    f.__doc__ = doc
+    return f
+
+
+abs = _make_unary("abs", "|x|")  # noqa: A001 - the epilogue's own abs
+exp = _make_unary("exp", "e^x")
+log = _make_unary("log", "natural logarithm")
+sqrt = _make_unary("sqrt", "square root")
+rsqrt = _make_unary("rsqrt", "1 / sqrt(x)")
+reciprocal = _make_unary("reciprocal", "1 / x")
+square = _make_unary("square", "x * x")
+sigmoid = _make_unary("sigmoid", "1 / (1 + e^-x)")
+silu = _make_unary("silu", "x * sigmoid(x)")
+relu = _make_unary("relu", "max(x, 0)")
+gelu_tanh = _make_unary("gelu_tanh", "0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) = x sigmoid(2 sqrt(2/pi)(x + 0.044715 x^3))")
+gelu_erf = _make_unary("gelu_erf", "0.5 x (1 + erf(x / sqrt(2)))")
+sin = _make_unary("sin", "sine")
+cos = _make_unary("cos", "cosine")
+floor = _make_unary("floor", "largest integer <= x")
+
+
+def maximum(x, y):
+    return _binary("maximum", x, y)
+
+
+def minimum(x, y):
+    return _binary("minimum", x, y)
+
+
+def where(cond, x, y):
+    """``x`` where ``cond`` holds, else ``y`` (cond must be boolean: a comparison)."""
+    p = _program_of(cond, x, y)
+    cond, x, y = (_as_expr(p, v) for v in (cond, x, y))
+    if not cond.is_bool:
+        raise EpilogueError(f"program {p.name!r}: where() needs a boolean condition (a comparison)")
+    if x.is_bool or y.is_bool:
+        raise EpilogueError(f"program {p.name!r}: where() selects between numbers, not booleans")
+    rows, width = _broadcast(p, "where", cond, x, y)
+    return Expr(p, "where", (cond, x, y), rows=rows, width=width)
+
+
+def fma(x, y, z):
+    """x * y + z with one rounding."""
+    p = _program_of(x, y, z)
+    x, y, z = (_as_expr(p, v) for v in (x, y, z))
+    rows, width = _broadcast(p, "fma", x, y, z)
+    return Expr(p, "fma", (x, y, z), rows=rows, width=width)
+
+
+def round_to(x, dtype):
+    """x rounded to ``dtype`` (bf16, fp16) and back to fp32: the value a store of x would keep."""
+    p = _program_of(x)
+    if dtype not in STORE_DTYPES:
+        raise EpilogueError(f"program {p.name!r}: round_to() takes one of {STORE_DTYPES}, got {dtype}")
+    return Expr(p, "round_to", (x,), attrs=(dtype,), rows=x.rows, width=x.width)
+
+
+def _check_segment(p, what, x, segment, need_width=None):
+    if not isinstance(segment, int) or segment < 2 or segment % 2 or segment & (segment - 1):
+        raise EpilogueError(
+            f"program {p.name!r}: {what} segment must be a power of two >= 2, got {segment!r}"
+        )
+    if x.width is None or (need_width is not None and x.width is not need_width):
+        want = "the N columns" if need_width is FULL else "columns"
+        raise EpilogueError(f"program {p.name!r}: {what} needs a value that varies over {want}")
+
+
+def pairs(x, segment=2):
+    """Split x's columns into pairs: returns (first, second), each over the N/2 pairs.
+
+    ``segment=2``: pairs (2p, 2p+1). ``segment=S``: inside each segment of S columns,
+    column j pairs with j + S/2 (the ``rotate_half`` layout of RoPE, S = head_dim).
+    """
+    p = _program_of(x)
+    _check_segment(p, "pairs()", x, segment, FULL)
+    split = Expr(p, "pairs", (x,), attrs=(segment,), rows=x.rows, width=HALF)
+    first = Expr(p, "pair_item", (split,), attrs=(0,), rows=x.rows, width=HALF)
+    second = Expr(p, "pair_item", (split,), attrs=(1,), rows=x.rows, width=HALF)
+    return first, second
+
+
+def join(first, second, segment=2):
+    """Inverse of :func:`pairs`: interleave two pair-space values back into N columns."""
+    p = _program_of(first, second)
+    first, second = _as_expr(p, first), _as_expr(p, second)
+    rows, width = _broadcast(p, "join()", first, second)
+    if width is not HALF:
+        raise EpilogueError(f"program {p.name!r}: join() needs values over the N/2 column pairs")
+    probe = first if first.width is HALF else second
+    _check_segment(p, "join()", probe, segment)
+    return Expr(p, "join", (first, second), attrs=(segment,), rows=rows, width=FULL)
+
+
+def _segment_reduce(kind, x, segment):
+    p = _program_of(x)
+    _check_segment(p, f"segment_{kind}()", x, segment)
+    return Expr(p, f"segment_{kind}", (x,), attrs=(segment,), rows=x.rows, width=x.width)
+
+
+def segment_sum(x, segment):
+    """Sum of x over each segment of ``segment`` columns, broadcast back to every column of it."""
+    return _segment_reduce("sum", x, segment)
+
+
+def segment_max(x, segment):
+    """Max of x over each segment of ``segment`` columns, broadcast back to every column of it."""
+    return _segment_reduce("max", x, segment)
+
+
+# --------------------------------------------------------------------------------------
+# Programs
+
+
+@dataclass(frozen=True)
+class Operand:
+    """An input the caller passes by name: kind is 'row', 'col', 'scalar' or 'aux'."""
+
+    name: str
+    kind: str
+    width: Width | None = None
+
+
+@dataclass(frozen=True)
+class Output:
+    """Something a program writes.
+
+    kind 'store': a tile [M, width] cast to ``dtype`` (None: the GEMM's input dtype),
+    added into an existing tensor when ``accumulate``.
+    kind 'row_sum' / 'row_max' / 'row_logsumexp': a reduction over the columns, fp32,
+    [M] or [M, width / segment] per segment.
+    kind 'col_sum': a reduction over the rows, fp32, [width].
+    """
+
+    name: str
+    kind: str
+    value: Expr
+    dtype: torch.dtype | None = None
+    accumulate: bool = False
+    segment: int | None = None
+
+    @property
+    def width(self):
+        return self.value.width
+
+
+ROW_REDUCTIONS = ("row_sum", "row_max", "row_logsumexp")
+
+
+@dataclass
+class Program:
+    """An epilogue program under construction; see the module docstring for the values.
+
+    >>> p = Program("rowscale_swiglu")
+    >>> z = p.acc * p.row("rstd")
+    >>> gate, up = pairs(z)
+    >>> p.store("y", silu(gate) * up)
+    """
+
+    name: str
+    _nodes: list = field(default_factory=list, repr=False)
+    operands: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict)
+    _acc: Expr | None = field(default=None, repr=False)
+    _analysis: dict = field(default_factory=dict, repr=False)
+    _loads: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if not self.name.isidentifier():
+            raise EpilogueError(f"a program name must be an identifier, got {self.name!r}")
+
+    def _register(self, node):
+        self._nodes.append(node)
+        return len(self._nodes) - 1
+
+    def _cached(self, what, compute):
+        """``compute()`` memoized until the program changes (calls check it on every launch)."""
+        version = (len(self._nodes), len(self.operands), len(self.outputs))
+        if self._analysis.get("version") != version:
+            self._analysis = {"version": version}
+        if what not in self._analysis:
+            self._analysis[what] = compute()
+        return self._analysis[what]
+
+    # values ---------------------------------------------------------------------
+    @property
+    def acc(self):
+        """The fp32 accumulator tile, A @ B."""
+        if self._acc is None:
+            self._acc = Expr(self, "acc", rows=True, width=FULL)
+        return self._acc
+
+    def _declare(self, name, kind, width=None):
+        if not isinstance(name, str) or not name.isidentifier():
+            raise EpilogueError(f"program {self.name!r}: operand name must be an identifier, got {name!r}")
+        if name in ("a", "b", "epilogue"):
+            raise EpilogueError(f"program {self.name!r}: operand name {name!r} is reserved")
+        if width is not None and not isinstance(width, Width):
+            raise EpilogueError(f"program {self.name!r}: width must be FULL or HALF, got {width!r}")
+        new = Operand(name, kind, width)
+        old = self.operands.get(name)
+        if old is not None and old != new:
+            raise EpilogueError(f"program {self.name!r}: operand {name!r} declared as {old.kind} and as {kind}")
+        if name in self.outputs:
+            raise EpilogueError(f"program {self.name!r}: {name!r} is already an output")
+        self.operands[name] = new
+
+    def _load(self, op, name, **shape):
+        """The one load node of operand ``name`` (a second use reuses it, so it is read once)."""
+        key = (op, name)
+        if key not in self._loads:
+            self._loads[key] = Expr(self, op, attrs=(name,), **shape)
+        return self._loads[key]
+
+    def row(self, name):
+        """A per-row vector operand [M] (e.g. rstd), broadcast along columns."""
+        self._declare(name, "row")
+        return self._load("load_row", name, rows=True, width=None)
+
+    def col(self, name, width=FULL):
+        """A per-column vector operand [N] (width FULL) or [N/2] (width HALF)."""
+        self._declare(name, "col", width)
+        return self._load("load_col", name, rows=False, width=width)
+
+    def scalar(self, name):
+        """A runtime scalar operand (a Python number passed at call time)."""
+        self._declare(name, "scalar")
+        return self._load("load_scalar", name, rows=False, width=None)
+
+    def aux(self, name, width=FULL):
+        """A tile operand [M, N] (or [M, N/2]) read at the output tile's coordinates."""
+        self._declare(name, "aux", width)
+        return self._load("load_aux", name, rows=True, width=width)
+
+    def row_index(self):
+        """The global row index of each row, as fp32 (exact below 2^24)."""
+        return Expr(self, "row_index", rows=True, width=None)
+
+    def col_index(self, width=FULL):
+        """The global column (or pair) index of each column, as fp32 (exact below 2^24)."""
+        return Expr(self, "col_index", attrs=(width,), rows=False, width=width)
+
+    # outputs --------------------------------------------------------------------
+    def _output(self, out):
+        if not isinstance(out.name, str) or not out.name.isidentifier():
+            raise EpilogueError(f"program {self.name!r}: output name must be an identifier, got {out.name!r}")
+        if out.name in self.outputs:
+            raise EpilogueError(f"program {self.name!r}: output {out.name!r} is written twice")
+        if out.name in self.operands:
+            raise EpilogueError(f"program {self.name!r}: output {out.name!r} is also an operand")
+        if not isinstance(out.value, Expr) or out.value.program is not self:
+            raise EpilogueError(f"program {self.name!r}: output {out.name!r} needs a value of this program")
+        if out.value.is_bool:
+            raise EpilogueError(f"program {self.name!r}: output {out.name!r} is boolean; use where()")
+        if out.value.width is None:
+            raise EpilogueError(
+                f"program {self.name!r}: output {out.name!r} needs a value that varies over columns"
+            )
+        self.outputs[out.name] = out
+
+    def store(self, name, value, dtype=None, accumulate=False):
+        """Write ``value`` as an [M, width] tensor of ``dtype`` (None: the inputs' dtype).
+
+        With ``accumulate=True`` the caller passes the existing tensor under ``name``
+        and the program adds into it (out = out + value, in fp32, then rounded).
+        """
+        if dtype is not None and dtype not in STORE_DTYPES:
+            raise EpilogueError(f"program {self.name!r}: store dtype must be one of {STORE_DTYPES}, got {dtype}")
+        self._output(Output(name, "store", value, dtype=dtype, accumulate=bool(accumulate)))
+
+    def _row_reduction(self, kind, name, value, segment):
+        if segment is not None:
+            _check_segment(self, f"{kind}()", value, segment)
+        self._output(Output(name, kind, value, dtype=torch.float32, segment=segment))
+
+    def row_sum(self, name, value, segment=None):
+        """fp32 sum over the columns of each row ([M]), or per segment of columns ([M, width/segment])."""
+        self._row_reduction("row_sum", name, value, segment)
+
+    def row_sumsq(self, name, value, segment=None):
+        """fp32 sum of squares over the columns of each row (see :meth:`row_sum`)."""
+        self._row_reduction("row_sum", name, value * value, segment)
+
+    def row_max(self, name, value, segment=None):
+        """fp32 max over the columns of each row (see :meth:`row_sum`)."""
+        self._row_reduction("row_max", name, value, segment)
+
+    def row_logsumexp(self, name, value, segment=None):
+        """fp32 log(sum(exp(value))) over the columns of each row (see :meth:`row_sum`).
+
+        Each tile keeps (max, sum of exp(value - max)); the finishing step merges them.
+        """
+        self._row_reduction("row_logsumexp", name, value, segment)
+
+    def col_sum(self, name, value):
+        """fp32 sum over the rows of each column ([width]); deterministic (no atomics)."""
+        self._output(Output(name, "col_sum", value, dtype=torch.float32))
+
+    # inspection ---------------------------------------------------------------------
+    def nodes(self):
+        """The nodes the outputs depend on, each after its arguments."""
+        return self._cached("nodes", self._topological_order)
+
+    def _topological_order(self):
+        seen, order = set(), []
+
+        def visit(n):
+            if id(n) in seen:
+                return
+            seen.add(id(n))
+            for a in n.args:
+                visit(a)
+            order.append(n)
+
+        for out in self.outputs.values():
+            visit(out.value)
+        return order
+
+    def check(self):
+        """Raise EpilogueError unless the program writes something."""
+        if not self.outputs:
+            raise EpilogueError(f"program {self.name!r} writes nothing: add a store or a reduction")
+        return self
+
+    def segments(self):
+        """(segment width, width class) of every in-tile segment the program uses: the tile must hold them."""
+        return self._cached("segments", self._segments)
+
+    def _segments(self):
+        need = set()
+        for n in self.nodes():
+            if n.op in ("pairs", "join"):
+                need.add((n.attrs[0], FULL))
+            elif n.op in ("segment_sum", "segment_max"):
+                need.add((n.attrs[0], n.width))
+        for out in self.outputs.values():
+            if out.segment:
+                need.add((out.segment, out.width))
+        return sorted(need, key=lambda s: (s[0], s[1].value))
+
+    def min_block_n(self):
+        """The smallest BLOCK_N whose tile holds every segment whole (a power of two)."""
+        return self._cached("min_block_n", self._min_block_n)
+
+    def _min_block_n(self):
+        need = 1
+        for seg, width in self.segments():
+            need = max(need, seg if width is FULL else 2 * seg)
+        if any(o.width is HALF for o in self.outputs.values()) or any(
+            n.width is HALF for n in self.nodes()
+        ):
+            need = max(need, 2)
+        return need
+
+    def fingerprint(self):
+        """A stable hash of the program's structure (for kernel and tuning caches)."""
+        return self._cached("fingerprint", self._fingerprint)
+
+    def _fingerprint(self):
+        index = {id(n): i for i, n in enumerate(self.nodes())}
+        parts = []
+        for i, n in enumerate(self.nodes()):
+            parts.append(f"{i}:{n.op}:{[index[id(a)] for a in n.args]}:{n.attrs!r}")
+        for o in sorted(self.outputs.values(), key=lambda o: o.name):
+            parts.append(f"out:{o.name}:{o.kind}:{index[id(o.value)]}:{o.dtype}:{o.accumulate}:{o.segment}")
+        for o in sorted(self.operands.values(), key=lambda o: o.name):
+            parts.append(f"in:{o}")
+        return hashlib.sha256(("\n".join(parts)).encode()).hexdigest()[:16]

@@ -1,0 +1,168 @@
+"""The reference executor: a program's semantics in plain PyTorch over whole tensors.
+
+It runs anywhere PyTorch runs and is the definition the Triton code generator is
+checked against. Arithmetic happens in ``compute_dtype`` (fp32 like the kernels, or
+fp64 for tests); outputs come back as the kernels return them (stores in their
+dtype, reductions in fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ir import FULL, Program
+
+_UNARY = {
+    "neg": torch.neg,
+    "abs": torch.abs,
+    "exp": torch.exp,
+    "log": torch.log,
+    "sqrt": torch.sqrt,
+    "rsqrt": torch.rsqrt,
+    "reciprocal": torch.reciprocal,
+    "square": torch.square,
+    "sigmoid": torch.sigmoid,
+    "silu": torch.nn.functional.silu,
+    "relu": torch.relu,
+    "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+    "gelu_erf": lambda x: torch.nn.functional.gelu(x, approximate="none"),
+    "sin": torch.sin,
+    "cos": torch.cos,
+    "floor": torch.floor,
+    "not": torch.logical_not,
+}
+
+_BINARY = {
+    "add": torch.add,
+    "sub": torch.sub,
+    "mul": torch.mul,
+    "div": torch.div,
+    "maximum": torch.maximum,
+    "minimum": torch.minimum,
+    "lt": torch.lt,
+    "le": torch.le,
+    "gt": torch.gt,
+    "ge": torch.ge,
+    "eq": torch.eq,
+    "ne": torch.ne,
+    "and": torch.logical_and,
+    "or": torch.logical_or,
+}
+
+
+def _split_pairs(x, segment):
+    """[R, W] -> two [R, W/2]: column j of each segment with column j + segment/2."""
+    r, w = x.shape
+    v = x.reshape(r, w // segment, 2, segment // 2)
+    return v[:, :, 0, :].reshape(r, w // 2), v[:, :, 1, :].reshape(r, w // 2)
+
+
+def _join_pairs(first, second, segment):
+    r, w2 = first.shape
+    v = torch.stack(
+        [first.reshape(r, w2 * 2 // segment, segment // 2), second.reshape(r, w2 * 2 // segment, segment // 2)],
+        dim=2,
+    )
+    return v.reshape(r, 2 * w2)
+
+
+def _segment_reduce(x, segment, fn):
+    r, w = x.shape
+    v = x.reshape(r, w // segment, segment)
+    return fn(v).expand(r, w // segment, segment).reshape(r, w)
+
+
+def run_reference(program: Program, a, b, operands, compute_dtype=torch.float32):
+    """Evaluate ``program`` on acc = a @ b.
+
+    a: [M, K]; b: [K, N] or a list of [K, N_i] read as concatenated along N;
+    operands: name -> tensor or number (and, for accumulating stores, the tensor to add into).
+    Returns name -> output tensor.
+    """
+    program.check()
+    cd = compute_dtype
+    bs = list(b) if isinstance(b, (list, tuple)) else [b]
+    acc = a.to(cd) @ torch.cat([t.to(cd) for t in bs], dim=1)
+    m, n = acc.shape
+
+    def ncols(width):
+        return n if width is FULL else n // 2
+
+    values = {}
+    for node in program.nodes():
+        op, args = node.op, [values[id(x)] for x in node.args]
+        if op == "acc":
+            v = acc
+        elif op == "const":
+            v = torch.tensor(node.attrs[0], dtype=cd, device=acc.device)
+        elif op == "load_row":
+            v = operands[node.attrs[0]].to(cd).reshape(m, 1)
+        elif op == "load_col":
+            v = operands[node.attrs[0]].to(cd).reshape(1, ncols(node.width))
+        elif op == "load_scalar":
+            v = torch.tensor(float(operands[node.attrs[0]]), dtype=cd, device=acc.device)
+        elif op == "load_aux":
+            v = operands[node.attrs[0]].to(cd).reshape(m, ncols(node.width))
+        elif op == "row_index":
+            v = torch.arange(m, dtype=cd, device=acc.device).reshape(m, 1)
+        elif op == "col_index":
+            v = torch.arange(ncols(node.width), dtype=cd, device=acc.device).reshape(1, -1)
+        elif op in _UNARY:
+            v = _UNARY[op](args[0])
+        elif op in _BINARY:
+            v = _BINARY[op](args[0], args[1])
+        elif op == "where":
+            v = torch.where(*args)
+        elif op == "fma":
+            v = args[0] * args[1] + args[2]
+        elif op == "round_to":
+            v = args[0].to(node.attrs[0]).to(cd)
+        elif op == "pairs":
+            v = _split_pairs(_expand_cols(args[0], n), node.attrs[0])
+        elif op == "pair_item":
+            v = args[0][node.attrs[0]]
+        elif op == "join":
+            first, second = (_expand_cols(x, n // 2) for x in args)
+            rows = max(first.shape[0], second.shape[0])
+            v = _join_pairs(first.expand(rows, -1), second.expand(rows, -1), node.attrs[0])
+        elif op == "segment_sum":
+            v = _segment_reduce(_expand_cols(args[0], ncols(node.width)), node.attrs[0], lambda t: t.sum(-1, keepdim=True))
+        elif op == "segment_max":
+            v = _segment_reduce(
+                _expand_cols(args[0], ncols(node.width)), node.attrs[0], lambda t: t.amax(-1, keepdim=True)
+            )
+        else:  # pragma: no cover - the IR has no other ops
+            raise AssertionError(op)
+        values[id(node)] = v
+
+    results = {}
+    for out in program.outputs.values():
+        w = ncols(out.width)
+        v = values[id(out.value)]
+        tile = (v if v.dim() == 2 else v.reshape(1, 1)).expand(m, w)
+        if out.kind == "store":
+            dtype = out.dtype or a.dtype
+            if out.accumulate:
+                tile = operands[out.name].to(cd).reshape(m, w) + tile
+            results[out.name] = tile.to(dtype)
+        elif out.kind == "col_sum":
+            results[out.name] = tile.sum(0).float()
+        else:
+            seg = out.segment or w
+            t = tile.reshape(m, w // seg if seg else 1, seg)  # N = 0: one empty segment per row
+            if out.kind == "row_sum":
+                r = t.sum(-1)
+            elif out.kind == "row_max":
+                r = t.amax(-1) if seg else torch.full((m, 1), float("-inf"), dtype=cd, device=t.device)
+            else:
+                r = torch.logsumexp(t, -1)
+            results[out.name] = (r if out.segment else r.reshape(m)).float()
+    return results
+
+
+def _expand_cols(v, cols):
+    """A value as a 2-d [rows or 1, cols] tensor (scalars and row vectors broadcast)."""
+    if v.dim() == 0:
+        v = v.reshape(1, 1)
+    return v.expand(v.shape[0], cols)
+

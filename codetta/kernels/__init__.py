@@ -1,0 +1,1 @@
+"""Small kernels outside the GEMM: finishing steps of reductions."""

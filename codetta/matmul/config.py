@@ -1,0 +1,90 @@
+"""Tile configurations of the mainloop, and which of them fit a problem."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Config:
+    """One launch configuration: tile sizes, tile-order grouping, pipeline depth, warps."""
+
+    BM: int
+    BN: int
+    BK: int
+    GROUP_M: int = 8
+    STAGES: int = 3
+    num_warps: int = 8
+    EPI_SPLIT: int = 1  # run the epilogue on 1 or 2 column slices of the tile
+    # Triton's warp specialization of the persistent tile loop. Off in every candidate:
+    # Triton 3.6 aborts the process (not an exception) compiling some epilogues with it.
+    WARP_SPEC: bool = False
+
+    @property
+    def epilogue_bn(self):
+        """The width of the tiles the epilogue program sees."""
+        return self.BN // self.EPI_SPLIT
+
+    def as_dict(self):
+        return asdict(self)
+
+    def smem_bytes(self, elem_bytes: int) -> int:
+        """Shared memory of the operand ring, plus the epilogue's staging of one output slice."""
+        return (self.STAGES * (self.BM + self.BN) * self.BK + self.BM * self.epilogue_bn) * elem_bytes
+
+
+# Hopper candidates for 16-bit inputs (BM, BN, BK, GROUP_M, STAGES, num_warps, EPI_SPLIT, WARP_SPEC).
+_HOPPER_16 = [
+    (128, 256, 64, 8, 3, 8, 1, False),
+    (128, 256, 64, 8, 3, 8, 2, False),
+    (128, 256, 64, 8, 4, 8, 2, False),
+    (256, 128, 64, 8, 3, 8, 1, False),
+    (256, 128, 64, 8, 4, 8, 2, False),
+    (128, 128, 64, 8, 4, 8, 1, False),
+    (128, 128, 64, 8, 5, 4, 1, False),
+    (64, 256, 64, 8, 4, 4, 1, False),
+    (64, 128, 64, 8, 4, 4, 1, False),
+]
+_HOPPER_32 = [
+    (128, 128, 32, 8, 3, 8, 1, False),
+    (128, 64, 32, 8, 4, 4, 1, False),
+    (64, 128, 32, 8, 4, 4, 1, False),
+    (64, 64, 32, 8, 4, 4, 1, False),
+]
+_SMEM_LIMIT = 227 * 1024
+
+
+def candidates(*, elem_bytes: int, min_bn: int, n_parts_sizes=(), m: int = 0, n: int = 0):
+    """The configs worth trying on a GPU, best guess first.
+
+    ``min_bn``: the smallest tile width the program's epilogue needs (segments fit whole);
+    ``n_parts_sizes``: sizes along N of all B parts but the last (on the TMA path a tile
+    must not straddle them; the caller passes () for the pointer path). Configs whose
+    tiles are far larger than the problem are dropped.
+    """
+    out = []
+    for bm, bn, bk, group, stages, warps, split, ws in _HOPPER_16 if elem_bytes <= 2 else _HOPPER_32:
+        if bn // split < min_bn:
+            if split > 1:
+                continue
+            bn = min_bn
+        cfg = Config(bm, bn, bk, group, stages, warps, split, ws)
+        if cfg in out or cfg.smem_bytes(elem_bytes) > _SMEM_LIMIT:
+            continue
+        if any(size % cfg.BN for size in n_parts_sizes):
+            continue
+        if (m and m <= bm // 2 and bm > 64) or (n and n <= bn // 2 and bn > max(64, min_bn)):
+            continue
+        out.append(cfg)
+    return out
+
+
+def interpreter_config(*, min_bn: int, n_parts_sizes=()):
+    """A small config for Triton's CPU interpreter: cheap tiles, still several per problem.
+
+    None when no tile width both holds the program's segments and divides the B parts.
+    """
+    bn = max(16, min_bn)
+    if any(size % bn for size in n_parts_sizes):
+        return None
+    return Config(BM=16, BN=bn, BK=16, GROUP_M=2, STAGES=1, num_warps=4)

@@ -1,0 +1,105 @@
+"""The fixed GEMM mainloop: Triton device functions that produce one fp32 accumulator tile.
+
+Generated kernels (see :mod:`codetta.epilogue.codegen`) run a persistent loop over
+output tiles in grouped order, call one of the two mainloops below for each tile, and
+inline their epilogue program on the result.
+
+Operand layouts. The GEMM is ``acc[M, N] = A[M, K] @ B[K, N]``:
+
+* ``A_KM``: A is stored as the transpose of a row-major [K, M] tensor (wgrad: dy^T);
+  otherwise A is row-major [M, K].
+* ``B_KN``: B is row-major [K, N] (dgrad: W); otherwise B is the transpose of a
+  row-major [N, K] tensor (forward: W^T, as nn.Linear stores W).
+
+B may come in up to four parts along N (``NUM_B``), e.g. W_q, W_k, W_v read as if
+concatenated, without a copy: ``b_starts[i]`` is the first column of part i.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tile_coords(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of linear tile index ``tile``, in groups of GROUP_M row-tiles for L2 reuse."""
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    in_group = GROUP_M * num_pid_n
+    first_m = (tile // in_group) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % in_group) % group_m
+    pid_n = (tile % in_group) // group_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _dot_tma(acc, a_desc, b_desc, off_m, off_n, K,
+             BK: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr,
+             UPCAST: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
+    for k in tl.range(0, tl.cdiv(K, BK), num_stages=STAGES):
+        off_k = k * BK
+        if A_KM:
+            a = a_desc.load([off_k, off_m]).T
+        else:
+            a = a_desc.load([off_m, off_k])
+        if B_KN:
+            b = b_desc.load([off_k, off_n])
+        else:
+            b = b_desc.load([off_n, off_k]).T
+        if UPCAST:  # Triton's interpreter multiplies raw bf16 bits: compute in fp32 there
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def mma_tma(a_desc, b_descs, b_starts, off_m, off_n, K,
+            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_B: tl.constexpr,
+            A_KM: tl.constexpr, B_KN: tl.constexpr,
+            UPCAST: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
+    """acc = A[off_m:, :] @ B[:, off_n:] through TMA descriptors; a tile never straddles B parts."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if NUM_B == 1:
+        acc = _dot_tma(acc, a_desc, b_descs[0], off_m, off_n, K, BK, A_KM, B_KN, UPCAST, PRECISION, STAGES)
+    else:
+        part = 0
+        for i in tl.static_range(1, NUM_B):
+            part += (off_n >= b_starts[i]).to(tl.int32)
+        for i in tl.static_range(NUM_B):
+            if part == i:
+                acc = _dot_tma(acc, a_desc, b_descs[i], off_m, off_n - b_starts[i], K,
+                               BK, A_KM, B_KN, UPCAST, PRECISION, STAGES)
+    return acc
+
+
+@triton.jit
+def mma_ptr(a_ptr, stride_am, stride_ak, b_ptrs, b_strides_k, b_strides_n, b_starts,
+            off_m, off_n, M, N, K,
+            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_B: tl.constexpr,
+            UPCAST: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
+    """acc = A[off_m:, :] @ B[:, off_n:] through pointers: any strides, any part boundaries."""
+    rm = (off_m + tl.arange(0, BM)).to(tl.int64)
+    rn = (off_n + tl.arange(0, BN)).to(tl.int64)
+    rk = tl.arange(0, BK).to(tl.int64)
+    a_p = a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak
+    b_p = b_ptrs[0] + rk[:, None] * b_strides_k[0] + rn[None, :] * b_strides_n[0]
+    b_step = tl.zeros((1, BN), dtype=tl.int64) + BK * b_strides_k[0]
+    for i in tl.static_range(1, NUM_B):
+        in_part = (rn >= b_starts[i])[None, :]
+        b_p = tl.where(in_part, b_ptrs[i] + rk[:, None] * b_strides_k[i] + (rn - b_starts[i])[None, :] * b_strides_n[i], b_p)
+        b_step = tl.where(in_part, BK * b_strides_k[i], b_step)
+    m_ok = (rm < M)[:, None]
+    n_ok = (rn < N)[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in tl.range(0, tl.cdiv(K, BK), num_stages=STAGES):
+        k_left = K - k * BK
+        a = tl.load(a_p, mask=m_ok & (rk[None, :] < k_left), other=0.0)
+        b = tl.load(b_p, mask=(rk[:, None] < k_left) & n_ok, other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_p += BK * stride_ak
+        b_p += b_step
+    return acc

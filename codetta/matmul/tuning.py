@@ -1,0 +1,76 @@
+"""Autotuning: time the candidate configs once per problem key, remember the winner on disk.
+
+The cache is a JSON file (``$CODETTA_CACHE_DIR/tuning.json``, default
+``~/.cache/codetta``) mapping a key (GPU, Triton version, program fingerprint,
+layout, dtype, N, K, M rounded up to a power of two, and the candidate list) to a
+config, so a second process does not re-tune. ``CODETTA_AUTOTUNE=0`` skips timing and takes the first
+candidate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import threading
+from pathlib import Path
+
+from .config import Config
+
+_LOCK = threading.Lock()
+_MEMORY: dict | None = None
+
+
+def cache_file() -> Path:
+    root = os.environ.get("CODETTA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "codetta")
+    return Path(root) / "tuning.json"
+
+
+def _load() -> dict:
+    global _MEMORY
+    if _MEMORY is None:
+        try:
+            _MEMORY = json.loads(cache_file().read_text())
+        except (OSError, ValueError):
+            _MEMORY = {}
+    return _MEMORY
+
+
+def _save(table: dict):
+    path = cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(table, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def autotune_enabled() -> bool:
+    return os.environ.get("CODETTA_AUTOTUNE", "1") != "0"
+
+
+def choose(key: str, configs: list[Config], bench) -> Config:
+    """The best of ``configs`` for ``key``; ``bench(cfg)`` returns its time in ms (or raises)."""
+    if len(configs) == 1 or not autotune_enabled():
+        return configs[0]
+    key = f"{key}|{hashlib.sha256(repr(configs).encode()).hexdigest()[:8]}"  # a new candidate list re-tunes
+    with _LOCK:
+        hit = _load().get(key)
+        if hit is not None:
+            cfg = Config(**hit)
+            if cfg in configs:
+                return cfg
+        timings = {}
+        for cfg in configs:
+            try:
+                timings[cfg] = bench(cfg)
+            except Exception:  # a config that does not compile or run here is not a candidate  # noqa: BLE001
+                continue
+        if not timings:
+            return configs[0]
+        best = min(timings, key=timings.get)
+        table = _load()
+        table[key] = best.as_dict()
+        _save(table)
+        return best

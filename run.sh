@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Set up (first run) and run codetta's main job or its tests.
+#   ./run.sh demo [args]   the demo: fused GEMM+epilogue programs, checked and (on a GPU) timed
+#   ./run.sh test [args]   the test suite (on a CPU through Triton's interpreter)
+set -euo pipefail
+cd "$(dirname "$0")"
+venv=.venv
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv --system-site-packages "$venv"
+fi
+py="$venv/bin/python"
+if ! "$py" -c "import torch, triton, numpy, pytest, hypothesis" >/dev/null 2>&1; then
+  # A machine without torch: the pinned CPU build (a bare "torch" would pull a CUDA build of GBs).
+  "$py" -m pip install -q -r requirements-cpu.txt
+fi
+cmd="${1:-}"
+shift || true
+case "$cmd" in
+  demo) exec "$py" -m codetta demo "$@" ;;
+  test) exec "$py" -m pytest -q "$@" ;;
+  *) echo "usage: ./run.sh demo|test [args]" >&2; exit 2 ;;
+esac
