@@ -298,13 +298,13 @@ class _Launch:
         for name, kind in kernel_args(c.program, self.path):
             args.append(self._arg(name, kind, partials))
         tiles = triton.cdiv(c.M, cfg.BM) * triton.cdiv(c.N, cfg.BN)
-        upcast = interp and c.a.dtype != torch.float32
+        # the interpreter multiplies bf16 as raw bits and truncates to bf16: fp32 operands, emulated rounding
         kernel = load_kernel(c.program, self.path)
         kernel[(_num_programs(c.device, tiles),)](
             *args,
             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, STAGES=cfg.STAGES, EPI_SPLIT=cfg.EPI_SPLIT, WARP_SPEC=cfg.WARP_SPEC,
-            NUM_B=len(c.parts), A_KM=a_km, B_KN=bool(b_kn), UPCAST=upcast,
-            PRECISION="ieee" if (upcast or c.a.dtype == torch.float32) else "tf32",
+            NUM_B=len(c.parts), A_KM=a_km, B_KN=bool(b_kn), INTERPRET=interp,
+            PRECISION="ieee" if (interp or c.a.dtype == torch.float32) else "tf32",
             num_warps=cfg.num_warps, num_stages=cfg.STAGES,
         )
 

@@ -35,7 +35,7 @@ def tile_coords(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.cons
 @triton.jit
 def _dot_tma(acc, a_desc, b_desc, off_m, off_n, K,
              BK: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr,
-             UPCAST: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
+             INTERPRET: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
     for k in tl.range(0, tl.cdiv(K, BK), num_stages=STAGES):
         off_k = k * BK
         if A_KM:
@@ -46,7 +46,7 @@ def _dot_tma(acc, a_desc, b_desc, off_m, off_n, K,
             b = b_desc.load([off_k, off_n])
         else:
             b = b_desc.load([off_n, off_k]).T
-        if UPCAST:  # Triton's interpreter multiplies raw bf16 bits: compute in fp32 there
+        if INTERPRET:  # Triton's interpreter multiplies raw bf16 bits: compute in fp32 there
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
@@ -57,11 +57,11 @@ def _dot_tma(acc, a_desc, b_desc, off_m, off_n, K,
 def mma_tma(a_desc, b_descs, b_starts, off_m, off_n, K,
             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_B: tl.constexpr,
             A_KM: tl.constexpr, B_KN: tl.constexpr,
-            UPCAST: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
+            INTERPRET: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
     """acc = A[off_m:, :] @ B[:, off_n:] through TMA descriptors; a tile never straddles B parts."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if NUM_B == 1:
-        acc = _dot_tma(acc, a_desc, b_descs[0], off_m, off_n, K, BK, A_KM, B_KN, UPCAST, PRECISION, STAGES)
+        acc = _dot_tma(acc, a_desc, b_descs[0], off_m, off_n, K, BK, A_KM, B_KN, INTERPRET, PRECISION, STAGES)
     else:
         part = 0
         for i in tl.static_range(1, NUM_B):
@@ -69,7 +69,7 @@ def mma_tma(a_desc, b_descs, b_starts, off_m, off_n, K,
         for i in tl.static_range(NUM_B):
             if part == i:
                 acc = _dot_tma(acc, a_desc, b_descs[i], off_m, off_n - b_starts[i], K,
-                               BK, A_KM, B_KN, UPCAST, PRECISION, STAGES)
+                               BK, A_KM, B_KN, INTERPRET, PRECISION, STAGES)
     return acc
 
 
@@ -77,7 +77,7 @@ def mma_tma(a_desc, b_descs, b_starts, off_m, off_n, K,
 def mma_ptr(a_ptr, stride_am, stride_ak, b_ptrs, b_strides_k, b_strides_n, b_starts,
             off_m, off_n, M, N, K,
             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_B: tl.constexpr,
-            UPCAST: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
+            INTERPRET: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
     """acc = A[off_m:, :] @ B[:, off_n:] through pointers: any strides, any part boundaries."""
     rm = (off_m + tl.arange(0, BM)).to(tl.int64)
     rn = (off_n + tl.arange(0, BN)).to(tl.int64)
@@ -96,10 +96,25 @@ def mma_ptr(a_ptr, stride_am, stride_ak, b_ptrs, b_strides_k, b_strides_n, b_sta
         k_left = K - k * BK
         a = tl.load(a_p, mask=m_ok & (rk[None, :] < k_left), other=0.0)
         b = tl.load(b_p, mask=(rk[:, None] < k_left) & n_ok, other=0.0)
-        if UPCAST:
+        if INTERPRET:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_p += BK * stride_ak
         b_p += b_step
     return acc
+
+
+@triton.jit
+def cast(x, dtype: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """x (fp32) converted to ``dtype``, rounded to nearest even.
+
+    Triton's CPU interpreter truncates fp32 -> bf16; with EMULATE_RNE the rounding is done
+    on the bits first (add half an ulp of bf16, ties to even), so the truncation is exact.
+    """
+    if EMULATE_RNE:
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)

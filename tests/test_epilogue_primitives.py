@@ -1,0 +1,233 @@
+"""Every epilogue primitive, run in the fused kernel, against independent fp64 math.
+
+The expected values are written here from the definitions (index arithmetic, explicit
+formulas), not with codetta's reference executor, so the two executors are checked
+against something neither of them is. Shapes are odd (no multiple of any tile).
+"""
+
+import math
+
+import pytest
+import torch
+
+import codetta
+from codetta import epilogue as ep
+from conftest import DEVICE
+
+M, N, K = 37, 48, 20
+
+
+@pytest.fixture
+def ab():
+    a = torch.randn(M, K, device=DEVICE)
+    b = torch.randn(K, N, device=DEVICE) / K**0.5
+    return a, b, a.double() @ b.double()
+
+
+def close(out, ref, tol=2e-5):
+    ref = ref.to(out.device)
+    scale = ref.abs().max().clamp_min(1.0)
+    assert torch.isfinite(out).all()
+    err = ((out.double() - ref).abs().max() / scale).item()
+    assert err < tol, err
+
+
+def _erf(x):
+    return x.cpu().apply_(math.erf).to(x.device) if x.dtype == torch.float64 else torch.special.erf(x)
+
+
+UNARY = {
+    "exp": (ep.exp, torch.exp),
+    "log": (lambda x: ep.log(ep.abs(x) + 0.5), lambda x: torch.log(x.abs() + 0.5)),
+    "sqrt": (lambda x: ep.sqrt(ep.abs(x)), lambda x: x.abs() ** 0.5),
+    "rsqrt": (lambda x: ep.rsqrt(ep.square(x) + 1.0), lambda x: 1 / (x * x + 1) ** 0.5),
+    "reciprocal": (lambda x: ep.reciprocal(ep.abs(x) + 1.0), lambda x: 1 / (x.abs() + 1)),
+    "sigmoid": (ep.sigmoid, lambda x: 1 / (1 + torch.exp(-x))),
+    "silu": (ep.silu, lambda x: x / (1 + torch.exp(-x))),
+    "relu": (ep.relu, lambda x: torch.where(x > 0, x, 0.0)),
+    "gelu_tanh": (
+        ep.gelu_tanh,
+        lambda x: 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3))),
+    ),
+    "gelu_erf": (ep.gelu_erf, lambda x: 0.5 * x * (1 + _erf(x / math.sqrt(2)))),
+    "sin": (ep.sin, torch.sin),
+    "cos": (ep.cos, torch.cos),
+    "floor": (lambda x: ep.floor(x * 4.0), lambda x: torch.floor(x * 4)),
+    "neg_abs": (lambda x: -ep.abs(x), lambda x: -x.abs()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNARY))
+def test_unary(name, ab):
+    a, b, acc = ab
+    f_ep, f_ref = UNARY[name]
+    p = ep.Program(f"unary_{name}")
+    p.store("out", f_ep(p.acc), dtype=torch.float32)
+    out = codetta.gemm(a, b, p)["out"]
+    if name == "floor":  # an fp32 acc near an integer boundary may floor either way
+        assert ((out.double() - f_ref(acc)).abs() > 0).double().mean() < 0.02
+        return
+    close(out, f_ref(acc))
+
+
+def test_operands_broadcast(ab):
+    """row [M], column [N], scalar and aux tile [M, N] operands, each with its own indexing."""
+    a, b, acc = ab
+    r, c, x = torch.randn(M, device=DEVICE), torch.randn(N, device=DEVICE), torch.randn(M, N, device=DEVICE)
+    p = ep.Program("operands")
+    p.store("out", (p.acc * p.row("r") - p.col("c")) / (ep.abs(p.aux("x")) + 1.0) + p.scalar("s"), dtype=torch.float32)
+    out = codetta.gemm(a, b, p, r=r, c=c, x=x, s=0.25)["out"]
+    ref = torch.empty(M, N, dtype=torch.float64)
+    for i in range(M):
+        for j in range(N):
+            ref[i, j] = (acc[i, j] * r[i].item() - c[j].item()) / (abs(x[i, j].item()) + 1) + 0.25
+    close(out, ref)
+
+
+def test_comparisons_where_minmax_fma(ab):
+    a, b, acc = ab
+    p = ep.Program("select")
+    v = p.acc
+    picked = ep.where((v > 0.1) & ~(v >= 0.8) | v.eq(0.0), ep.maximum(v, 0.3), ep.minimum(v, -0.2))
+    p.store("out", ep.fma(picked, 2.0, p.row_index() - p.col_index()), dtype=torch.float32)
+    out = codetta.gemm(a, b, p)["out"]
+    cond = ((acc > 0.1) & ~(acc >= 0.8)) | (acc == 0)
+    picked_ref = torch.where(cond, acc.clamp_min(0.3), acc.clamp_max(-0.2))
+    idx = torch.arange(M, dtype=torch.float64)[:, None] - torch.arange(N, dtype=torch.float64)[None, :]
+    close(out, picked_ref * 2 + idx)
+
+
+@pytest.mark.parametrize("segment", [2, 8, 16])
+def test_pairs_then_combine(segment, ab):
+    """2 -> 1: column j of each segment with j + S/2 (S = 2: adjacent columns)."""
+    a, b, acc = ab
+    p = ep.Program(f"pairs{segment}")
+    first, second = ep.pairs(p.acc, segment=segment)
+    p.store("y", ep.silu(first) * second, dtype=torch.float32)
+    out = codetta.gemm(a, b, p)["y"]
+    half = segment // 2
+    ref = torch.empty(M, N // 2, dtype=torch.float64)
+    for q in range(N // 2):
+        j = (q // half) * segment + q % half
+        g, u = acc[:, j], acc[:, j + half]
+        ref[:, q] = g / (1 + torch.exp(-g)) * u
+    close(out, ref)
+
+
+@pytest.mark.parametrize("segment", [2, 16])
+def test_pairs_rotation_and_join(segment, ab):
+    """2 -> 2: a rotation of every pair by a per-pair angle (RoPE's shape), back into N columns."""
+    a, b, acc = ab
+    theta = torch.rand(N // 2, device=DEVICE) * 6
+    p = ep.Program(f"rotate{segment}")
+    x1, x2 = ep.pairs(p.acc, segment=segment)
+    cos, sin = ep.cos(p.col("theta", ep.HALF)), ep.sin(p.col("theta", ep.HALF))
+    p.store("out", ep.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin, segment=segment), dtype=torch.float32)
+    out = codetta.gemm(a, b, p, theta=theta)["out"]
+    half = segment // 2
+    ref = torch.empty(M, N, dtype=torch.float64)
+    for q in range(N // 2):
+        j = (q // half) * segment + q % half
+        t = theta[q].double().item()
+        ref[:, j] = acc[:, j] * math.cos(t) - acc[:, j + half] * math.sin(t)
+        ref[:, j + half] = acc[:, j + half] * math.cos(t) + acc[:, j] * math.sin(t)
+    close(out, ref)
+
+
+def test_segment_sum_and_max_in_tile(ab):
+    """A per-segment reduction used inside the tile (QK-norm's per-head statistics)."""
+    a, b, acc = ab
+    p = ep.Program("segment_stats")
+    p.store("out", p.acc * ep.rsqrt(ep.segment_sum(ep.square(p.acc), 16) / 16.0 + 1e-6) + ep.segment_max(p.acc, 8),
+            dtype=torch.float32)
+    out = codetta.gemm(a, b, p)["out"]
+    heads = acc.view(M, N // 16, 16)
+    norm = (heads / (heads.square().mean(-1, keepdim=True) + 1e-6).sqrt()).reshape(M, N)
+    seg_max = acc.view(M, N // 8, 8).amax(-1, keepdim=True).expand(M, N // 8, 8).reshape(M, N)
+    close(out, norm + seg_max)
+
+
+def test_row_and_column_reductions(ab):
+    a, b, acc = ab
+    p = ep.Program("reductions")
+    p.row_sum("rsum", p.acc)
+    p.row_sumsq("rss", p.acc)
+    p.row_max("rmax", p.acc)
+    p.row_logsumexp("lse", p.acc * 3.0)
+    p.row_logsumexp("lse_seg", p.acc, segment=16)
+    p.row_sum("rsum_seg", p.acc, segment=8)
+    p.col_sum("csum", p.acc * p.row("w"))
+    w = torch.rand(M, device=DEVICE)
+    out = codetta.gemm(a, b, p, w=w)
+    for name in out:
+        assert out[name].dtype == torch.float32
+    close(out["rsum"], acc.sum(1))
+    close(out["rss"], (acc * acc).sum(1))
+    close(out["rmax"], acc.max(1).values)
+    close(out["lse"], torch.log(torch.exp(3 * acc).sum(1)))
+    close(out["lse_seg"], torch.log(torch.exp(acc.view(M, 3, 16)).sum(-1)))
+    close(out["rsum_seg"], acc.view(M, 6, 8).sum(-1))
+    close(out["csum"], (acc * w.double()[:, None]).sum(0))
+
+
+def test_logsumexp_of_minus_infinity_rows(ab):
+    """Masked logits (-inf) in some tiles, whole rows of -inf: max-subtraction must not give NaN."""
+    a, b, acc = ab
+    p = ep.Program("lse_masked")
+    keep = p.col_index() < p.row("limit")
+    p.row_logsumexp("lse", ep.where(keep, p.acc, float("-inf")))
+    limit = torch.randint(1, N, (M,), device=DEVICE).float()
+    limit[0] = 0  # nothing kept: -inf
+    out = codetta.gemm(a, b, p, limit=limit)["lse"]
+    masked = torch.where(torch.arange(N)[None, :] < limit.cpu()[:, None], acc, float("-inf"))
+    ref = torch.logsumexp(masked, 1)
+    assert out[0].item() == float("-inf")
+    close(out[1:], ref[1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_round_to_and_store_dtypes(dtype, ab):
+    """round_to gives exactly what a store of that dtype keeps (round to nearest even)."""
+    a, b, acc = ab
+    p = ep.Program("rounding")
+    x = p.acc * 3.7
+    p.store("low", x, dtype=dtype)
+    p.store("again", ep.round_to(x, dtype), dtype=torch.float32)
+    out = codetta.gemm(a, b, p)
+    ref = (acc * 3.7).float().to(dtype)
+    assert out["low"].dtype == dtype
+    assert (out["low"].float() != ref.float().to(out["low"].device)).float().mean() < 0.01  # fp32 acc vs fp64
+    assert torch.equal(out["again"], out["low"].float())
+
+
+def test_accumulate_into_existing_output(ab):
+    a, b, acc = ab
+    prior = torch.randn(M, N, device=DEVICE)
+    target = prior.clone()
+    p = ep.Program("accumulate")
+    p.store("grad", p.acc * 0.5, accumulate=True)
+    out = codetta.gemm(a, b, p, grad=target)["grad"]
+    assert out.data_ptr() == target.data_ptr()
+    close(target, prior.double() + 0.5 * acc)
+
+
+def test_half_width_operands_and_outputs(ab):
+    """Column vectors and aux tiles over the N/2 pairs line up with pair outputs."""
+    a, b, acc = ab
+    c, x = torch.randn(N // 2, device=DEVICE), torch.randn(M, N // 2, device=DEVICE)
+    p = ep.Program("half_operands")
+    g, u = ep.pairs(p.acc)
+    p.store("out", g * p.col("c", ep.HALF) + u * p.aux("x", ep.HALF), dtype=torch.float32)
+    p.col_sum("csum", g)
+    out = codetta.gemm(a, b, p, c=c, x=x)
+    close(out["out"], acc[:, 0::2] * c.double() + acc[:, 1::2] * x.double())
+    close(out["csum"], acc[:, 0::2].sum(0))
+
+
+def test_generated_source_is_readable_triton():
+    p = ep.Program("show_me")
+    p.store("y", ep.silu(p.acc) * p.row("r"))
+    src = codetta.kernel_source(p, "tma")
+    assert "@triton.jit" in src and "def epilogue(" in src and "tl.sigmoid" in src
+    assert "y_desc.store" in src and "r_ptr" in src
+    assert "tl.store(y_ptrs" in codetta.kernel_source(p, "ptr")

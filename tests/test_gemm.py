@@ -1,0 +1,123 @@
+"""The GEMM itself: every layout, both paths, dtypes, odd shapes, B in parts, batch dims.
+
+Each result is compared with fp64 torch.matmul of the same inputs. On a CPU the
+kernels run in Triton's interpreter (bf16 operands upcast there: see
+codetta.matmul.mainloop), on a GPU compiled.
+"""
+
+import pytest
+import torch
+
+import codetta
+from codetta import Config
+from conftest import DEVICE, INTERPRET
+
+SHAPES = [(1, 1, 1), (1, 24, 8), (37, 50, 70), (64, 48, 16), (5, 130, 33)] if INTERPRET else [
+    (1, 1, 1), (1, 24, 8), (37, 50, 70), (300, 500, 200), (1000, 768, 1024), (129, 257, 65)
+]
+
+
+def rel_err(out, ref):
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def tolerance(dtype, k):
+    """Relative error allowed: fp32 accumulation over k, plus the output's own rounding."""
+    return {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype] + 1e-6 * k**0.5
+
+
+def operands(m, n, k, layout, dtype):
+    """(a, b) for layout 'fwd' (x, W^T), 'dgrad' (dy, W) or 'wgrad' (dy^T, x)."""
+    if layout == "fwd":
+        return torch.randn(m, k, device=DEVICE, dtype=dtype), torch.randn(n, k, device=DEVICE, dtype=dtype).t()
+    if layout == "dgrad":
+        return torch.randn(m, k, device=DEVICE, dtype=dtype), torch.randn(k, n, device=DEVICE, dtype=dtype)
+    return torch.randn(k, m, device=DEVICE, dtype=dtype).t(), torch.randn(k, n, device=DEVICE, dtype=dtype)
+
+
+@pytest.mark.parametrize("layout", ["fwd", "dgrad", "wgrad"])
+@pytest.mark.parametrize("path", ["tma", "ptr"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_layouts_and_paths(layout, path, shape, monkeypatch):
+    if path == "ptr":
+        monkeypatch.setenv("CODETTA_PATH", "ptr")
+    m, n, k = shape
+    a, b = operands(m, n, k, layout, torch.float32)
+    out = codetta.gemm(a, b)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    assert rel_err(out, a.double() @ b.double()) < tolerance(torch.float32, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("layout", ["fwd", "wgrad"])
+def test_dtypes(dtype, layout):
+    m, n, k = (45, 64, 48) if INTERPRET else (515, 1024, 768)
+    a, b = operands(m, n, k, layout, dtype)
+    out = codetta.gemm(a, b)
+    assert out.dtype == dtype
+    ref = a.double() @ b.double()
+    assert rel_err(out, ref) < tolerance(dtype, k)
+    # no worse than twice what torch's own GEMM in this dtype gives (rounding of the output)
+    assert rel_err(out, ref) <= 2 * rel_err((a.float() @ b.float()).to(dtype), ref) + 1e-6
+
+
+def test_batch_dims_flatten():
+    x = torch.randn(2, 3, 40, device=DEVICE)
+    w = torch.randn(24, 40, device=DEVICE)
+    out = codetta.gemm(x, w.t())
+    assert out.shape == (2, 3, 24)
+    assert rel_err(out, x.double() @ w.double().t()) < 1e-5
+
+
+@pytest.mark.parametrize("path", ["tma", "ptr"])
+@pytest.mark.parametrize("sizes", [(16, 32, 16), (32, 64), (8, 40, 24, 8)], ids=str)
+def test_b_in_parts_reads_as_concatenated(path, sizes, monkeypatch):
+    """B as several [K, N_i] weights (QKV, gate/up) equals the concatenated matrix, no copy needed.
+
+    Part sizes that are no multiple of the tile width (40, 24) must still be right: the
+    launcher then takes the pointer path, which selects the part per column.
+    """
+    if path == "ptr":
+        monkeypatch.setenv("CODETTA_PATH", "ptr")
+    k = 36
+    x = torch.randn(29, k, device=DEVICE)
+    ws = [torch.randn(n, k, device=DEVICE) for n in sizes]
+    out = codetta.gemm(x, [w.t() for w in ws])
+    ref = x.double() @ torch.cat(ws).double().t()
+    assert out.shape == (29, sum(sizes))
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_b_parts_in_dgrad_layout():
+    x = torch.randn(20, 24, device=DEVICE)
+    parts = [torch.randn(24, 16, device=DEVICE), torch.randn(24, 32, device=DEVICE)]
+    out = codetta.gemm(x, parts)
+    assert rel_err(out, x.double() @ torch.cat(parts, 1).double()) < 1e-5
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_explicit_config_and_epilogue_split(split):
+    """A config given by the caller is used as is; EPI_SPLIT=2 runs the epilogue on tile halves."""
+    cfg = Config(BM=16, BN=32, BK=16, GROUP_M=2, STAGES=1, num_warps=4, EPI_SPLIT=split) if INTERPRET else Config(
+        BM=128, BN=128, BK=64, GROUP_M=8, STAGES=3, num_warps=8, EPI_SPLIT=split
+    )
+    a, b = operands(70, 100, 40, "fwd", torch.float32)
+    assert codetta.explain(a, b, config=cfg)["config"] == cfg
+    assert rel_err(codetta.gemm(a, b, config=cfg), a.double() @ b.double()) < 1e-5
+
+
+def test_linear_matches_torch():
+    x = torch.randn(3, 7, 40, device=DEVICE)
+    w = torch.randn(56, 40, device=DEVICE)
+    bias = torch.randn(56, device=DEVICE)
+    ref = torch.nn.functional.linear(x.double(), w.double(), bias.double())
+    assert rel_err(codetta.linear(x, w, bias), ref) < 1e-5
+    assert rel_err(codetta.linear(x, w), ref - bias.double()) < 1e-5
+
+
+def test_explain_reports_path():
+    a, b = operands(33, 48, 32, "fwd", torch.float32)
+    assert codetta.explain(a, b)["path"] == "tma"
+    # rows of 5 fp32 values are not 16-byte aligned: TMA cannot read them
+    a5 = torch.randn(33, 5, device=DEVICE)
+    assert codetta.explain(a5, torch.randn(5, 48, device=DEVICE))["path"] == "ptr"
