@@ -91,7 +91,8 @@ class ProgramWriter:
         self.shared = None  # a FULL value bound to a name, reused as a leaf
 
     def flip(self, p=0.5):
-        return self.draw(st.floats(0, 1)) < p
+        """True with probability about p (integers: Hypothesis's floats favour 0 and 1)."""
+        return self.draw(st.integers(0, 99)) < 100 * p
 
     def choose(self, options):
         return self.draw(st.sampled_from(list(options)))
