@@ -88,6 +88,21 @@ def test_b_in_parts_reads_as_concatenated(path, sizes, monkeypatch):
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("path", ["tma", "ptr"])
+@pytest.mark.parametrize("sizes", [(32, 16, 16), (20, 13), (8, 40, 5, 11)], ids=str)
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_b_in_parts_along_k(path, sizes, layout, monkeypatch):
+    """dx = dq W_q + dk W_k + dv W_v: B parts [K_i, N] read as concatenated along K, any K_i."""
+    if path == "ptr":
+        monkeypatch.setenv("CODETTA_PATH", "ptr")
+    n = 24
+    dy = torch.randn(19, sum(sizes), device=DEVICE)
+    ws = [torch.randn(k, n, device=DEVICE) if layout == "kn" else torch.randn(n, k, device=DEVICE).t() for k in sizes]
+    out = codetta.gemm(dy, ws)
+    assert out.shape == (19, n)
+    assert rel_err(out, dy.double() @ torch.cat(ws).double()) < 1e-5
+
+
 def test_b_parts_in_dgrad_layout():
     x = torch.randn(20, 24, device=DEVICE)
     parts = [torch.randn(24, 16, device=DEVICE), torch.randn(24, 32, device=DEVICE)]

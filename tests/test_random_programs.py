@@ -140,7 +140,7 @@ class ProgramWriter:
     def expr(self, width, depth, vary=True, exact_only=False):
         """An expression whose width is ``width`` (if vary) or None (if not vary)."""
         target = width if vary else None
-        if depth <= 0 or self.flip(0.2):
+        if depth <= 0 or self.flip(0.15):
             return self.leaf(target, exact_only)
         kinds = ["unary", "binary", "binary"]
         if not exact_only:
@@ -304,7 +304,7 @@ def programs(draw):
         w.shared = Val(w.temp(z.text), ep.FULL, z.mag, z.exact)
     for i in range(draw(st.integers(1, 3))):
         width = w.choose([ep.FULL, ep.FULL, ep.HALF])
-        v = w.expr(width, draw(st.integers(0, 4)))
+        v = w.expr(width, draw(st.integers(1, 4)))
         if v.width is None:  # pragma: no cover - expr(vary=True) always varies
             raise AssertionError(v)
         kind = w.choose(_OUTPUT_KINDS)

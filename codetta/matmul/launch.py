@@ -93,12 +93,22 @@ class _Call:
         a2 = a if a.dim() == 2 else a.reshape(-1, a.shape[-1])
         self.a, self.parts, self.device = a2, parts, device
         self.M, self.K = a2.shape
-        for i, t in enumerate(parts):
-            if t.shape[0] != self.K:
-                raise GemmError(f"a is [.., {self.K}] but b{'[%d]' % i if len(parts) > 1 else ''} is {tuple(t.shape)}: K differs")
-        self.part_sizes = [t.shape[1] for t in parts]
-        self.N = sum(self.part_sizes)
-        self.starts = tuple(int(sum(self.part_sizes[:i])) for i in range(len(parts)))
+        shapes = [tuple(t.shape) for t in parts]
+        if all(k == self.K for k, _ in shapes):  # one tensor, or parts [K, N_i] along N
+            self.parts_k = False
+            sizes = [n for _, n in shapes]
+        elif len({n for _, n in shapes}) == 1 and sum(k for k, _ in shapes) == self.K:  # parts [K_i, N] along K
+            self.parts_k = True
+            sizes = [k for k, _ in shapes]
+        else:
+            raise GemmError(
+                f"a is [.., {self.K}] but b is {shapes[0] if len(shapes) == 1 else shapes}: K differs (b parts "
+                "must be [K, N_i], read as concatenated along N, or [K_i, N] with sum K_i = K, along K)"
+            )
+        # Only parts along N constrain the tile width (a tile must not straddle two of them).
+        self.part_sizes = [] if self.parts_k else sizes[:-1]
+        self.N = shapes[0][1] if self.parts_k else sum(sizes)
+        self.starts = tuple(int(sum(sizes[:i])) for i in range(len(parts)))
         self._check_segments()
         self.operands = self._check_operands(operands)
         self.given = operands  # as passed: an accumulating store returns the caller's tensor, in its shape
@@ -236,6 +246,8 @@ def _layouts(call):
         and all(_tma_ok(store) for _, store in b_layouts)
         and _has_tma(call.device)
         and os.environ.get("CODETTA_PATH") != "ptr"
+        # TMA reads A at each K part's first column: it must lie on a 16-byte boundary
+        and not (call.parts_k and any(s * call.a.element_size() % 16 for s in call.starts))
     )
     # B^T row-major is nn.Linear's W [N, K]; B row-major [K, N] is "B_KN".
     return bool(a_t), (not b_t.pop()) if len(b_t) == 1 else False, tma
@@ -303,7 +315,7 @@ class _Launch:
         kernel[(_num_programs(c.device, tiles),)](
             *args,
             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, STAGES=cfg.STAGES, EPI_SPLIT=cfg.EPI_SPLIT, WARP_SPEC=cfg.WARP_SPEC,
-            NUM_B=len(c.parts), A_KM=a_km, B_KN=bool(b_kn), INTERPRET=interp,
+            NUM_B=len(c.parts), PARTS_K=c.parts_k, A_KM=a_km, B_KN=bool(b_kn), INTERPRET=interp,
             PRECISION="ieee" if (interp or c.a.dtype == torch.float32) else "tf32",
             num_warps=cfg.num_warps, num_stages=cfg.STAGES,
         )
@@ -375,7 +387,8 @@ def gemm(a, b, epilogue: Program | None = None, *, out=None, config=None, **oper
 
     Args:
         a: [..., M, K] (leading dims are flattened into M) or a transposed [M, K] view.
-        b: [K, N], or a list of up to four [K, N_i] tensors read as concatenated along N.
+        b: [K, N], or a list of up to four tensors read as one without a copy: [K, N_i]
+            concatenated along N, or [K_i, N] concatenated along K (sum K_i = K).
         epilogue: a :class:`codetta.epilogue.Program`; None means a plain GEMM.
         out: optional name -> tensor to write outputs into (checked: shape, dtype, device).
         config: a :class:`codetta.gemm.Config` to use instead of tuning.
@@ -426,7 +439,7 @@ def _tuning_key(call, path):
     return "|".join(
         str(x)
         for x in (device, triton.__version__, p.name, p.fingerprint(), path, call.layout[0], call.layout[1],
-                  call.a.dtype, call.N, call.K, m_bucket, call.part_sizes)
+                  call.a.dtype, call.N, call.K, m_bucket, call.part_sizes, call.parts_k)
     )
 
 
@@ -461,7 +474,7 @@ def _choose_plan(call, config):
     call.layout = _layouts(call)
     outputs = _allocate_outputs(call)
     min_bn = call.program.min_block_n()
-    parts = tuple(call.part_sizes[:-1])
+    parts = tuple(call.part_sizes)
     tma = call.layout[2] and _tiles_tma_ok(call, outputs)
     if config is not None:
         if config.epilogue_bn < min_bn:

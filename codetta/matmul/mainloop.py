@@ -11,8 +11,10 @@ Operand layouts. The GEMM is ``acc[M, N] = A[M, K] @ B[K, N]``:
 * ``B_KN``: B is row-major [K, N] (dgrad: W); otherwise B is the transpose of a
   row-major [N, K] tensor (forward: W^T, as nn.Linear stores W).
 
-B may come in up to four parts along N (``NUM_B``), e.g. W_q, W_k, W_v read as if
-concatenated, without a copy: ``b_starts[i]`` is the first column of part i.
+B may come in up to four parts (``NUM_B``) read as if concatenated, without a copy:
+along N (forward: W_q, W_k, W_v of a QKV projection), ``b_starts[i]`` being the first
+column of part i; or along K (``PARTS_K``; dgrad: dx = dq W_q + dk W_k + dv W_v),
+``b_starts[i]`` being the first row of part i.
 """
 
 import triton
@@ -33,15 +35,17 @@ def tile_coords(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.cons
 
 
 @triton.jit
-def _dot_tma(acc, a_desc, b_desc, off_m, off_n, K,
+def _dot_tma(acc, a_desc, b_desc, off_m, off_n, k_base, K,
              BK: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr,
              INTERPRET: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
+    """acc += A[off_m:, k_base : k_base + K] @ B[:K, off_n:]. Columns of A past k_base + K meet
+    rows of B past K, which TMA fills with zeros: a K that is no multiple of BK is exact."""
     for k in tl.range(0, tl.cdiv(K, BK), num_stages=STAGES):
         off_k = k * BK
         if A_KM:
-            a = a_desc.load([off_k, off_m]).T
+            a = a_desc.load([k_base + off_k, off_m]).T
         else:
-            a = a_desc.load([off_m, off_k])
+            a = a_desc.load([off_m, k_base + off_k])
         if B_KN:
             b = b_desc.load([off_k, off_n])
         else:
@@ -56,42 +60,42 @@ def _dot_tma(acc, a_desc, b_desc, off_m, off_n, K,
 @triton.jit
 def mma_tma(a_desc, b_descs, b_starts, off_m, off_n, K,
             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_B: tl.constexpr,
-            A_KM: tl.constexpr, B_KN: tl.constexpr,
+            PARTS_K: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr,
             INTERPRET: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
-    """acc = A[off_m:, :] @ B[:, off_n:] through TMA descriptors; a tile never straddles B parts."""
+    """acc = A[off_m:, :] @ B[:, off_n:] through TMA descriptors.
+
+    B parts along N: the tile's columns lie in one part (the launcher picks BN so).
+    B parts along K (PARTS_K): the K loop runs over each part in turn.
+    """
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if NUM_B == 1:
-        acc = _dot_tma(acc, a_desc, b_descs[0], off_m, off_n, K, BK, A_KM, B_KN, INTERPRET, PRECISION, STAGES)
+        acc = _dot_tma(acc, a_desc, b_descs[0], off_m, off_n, 0, K, BK, A_KM, B_KN, INTERPRET, PRECISION, STAGES)
+    elif PARTS_K:
+        for i in tl.static_range(NUM_B):
+            if i == NUM_B - 1:
+                k_end = K
+            else:
+                k_end = b_starts[i + 1]
+            acc = _dot_tma(acc, a_desc, b_descs[i], off_m, off_n, b_starts[i], k_end - b_starts[i],
+                           BK, A_KM, B_KN, INTERPRET, PRECISION, STAGES)
     else:
         part = 0
         for i in tl.static_range(1, NUM_B):
             part += (off_n >= b_starts[i]).to(tl.int32)
         for i in tl.static_range(NUM_B):
             if part == i:
-                acc = _dot_tma(acc, a_desc, b_descs[i], off_m, off_n - b_starts[i], K,
+                acc = _dot_tma(acc, a_desc, b_descs[i], off_m, off_n - b_starts[i], 0, K,
                                BK, A_KM, B_KN, INTERPRET, PRECISION, STAGES)
     return acc
 
 
 @triton.jit
-def mma_ptr(a_ptr, stride_am, stride_ak, b_ptrs, b_strides_k, b_strides_n, b_starts,
-            off_m, off_n, M, N, K,
-            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_B: tl.constexpr,
-            INTERPRET: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
-    """acc = A[off_m:, :] @ B[:, off_n:] through pointers: any strides, any part boundaries."""
-    rm = (off_m + tl.arange(0, BM)).to(tl.int64)
-    rn = (off_n + tl.arange(0, BN)).to(tl.int64)
-    rk = tl.arange(0, BK).to(tl.int64)
-    a_p = a_ptr + rm[:, None] * stride_am + rk[None, :] * stride_ak
-    b_p = b_ptrs[0] + rk[:, None] * b_strides_k[0] + rn[None, :] * b_strides_n[0]
-    b_step = tl.zeros((1, BN), dtype=tl.int64) + BK * b_strides_k[0]
-    for i in tl.static_range(1, NUM_B):
-        in_part = (rn >= b_starts[i])[None, :]
-        b_p = tl.where(in_part, b_ptrs[i] + rk[:, None] * b_strides_k[i] + (rn - b_starts[i])[None, :] * b_strides_n[i], b_p)
-        b_step = tl.where(in_part, BK * b_strides_k[i], b_step)
-    m_ok = (rm < M)[:, None]
-    n_ok = (rn < N)[None, :]
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+def _dot_ptr(acc, a_ptr, stride_am, stride_ak, b_ptr, b_stride_k, b_step, rm, rk, b_cols, m_ok, n_ok, k_base, K,
+             BK: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
+    """acc += A[rm, k_base : k_base + K] @ B[:K, cols]; ``b_cols`` are B's column offsets and
+    ``b_step`` its per-column pointer step for BK rows (both differ per part when N is split)."""
+    a_p = a_ptr + rm[:, None] * stride_am + (k_base + rk)[None, :] * stride_ak
+    b_p = b_ptr + rk[:, None] * b_stride_k + b_cols
     for k in tl.range(0, tl.cdiv(K, BK), num_stages=STAGES):
         k_left = K - k * BK
         a = tl.load(a_p, mask=m_ok & (rk[None, :] < k_left), other=0.0)
@@ -102,6 +106,43 @@ def mma_ptr(a_ptr, stride_am, stride_ak, b_ptrs, b_strides_k, b_strides_n, b_sta
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_p += BK * stride_ak
         b_p += b_step
+    return acc
+
+
+@triton.jit
+def mma_ptr(a_ptr, stride_am, stride_ak, b_ptrs, b_strides_k, b_strides_n, b_starts,
+            off_m, off_n, M, N, K,
+            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_B: tl.constexpr, PARTS_K: tl.constexpr,
+            INTERPRET: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
+    """acc = A[off_m:, :] @ B[:, off_n:] through pointers: any strides, any part boundaries."""
+    rm = (off_m + tl.arange(0, BM)).to(tl.int64)
+    rn = (off_n + tl.arange(0, BN)).to(tl.int64)
+    rk = tl.arange(0, BK).to(tl.int64)
+    m_ok = (rm < M)[:, None]
+    n_ok = (rn < N)[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if PARTS_K:
+        for i in tl.static_range(NUM_B):
+            if i == NUM_B - 1:
+                k_end = K
+            else:
+                k_end = b_starts[i + 1]
+            acc = _dot_ptr(acc, a_ptr, stride_am, stride_ak, b_ptrs[i], b_strides_k[i], BK * b_strides_k[i], rm, rk,
+                           rn[None, :] * b_strides_n[i], m_ok, n_ok, b_starts[i], k_end - b_starts[i],
+                           BK, INTERPRET, PRECISION, STAGES)
+    else:
+        # Each column reads from the part that holds it: per-column base pointer and step.
+        b_base = b_ptrs[0] + rn[None, :] * b_strides_n[0]
+        b_step = tl.zeros((1, BN), dtype=tl.int64) + BK * b_strides_k[0]
+        for i in tl.static_range(1, NUM_B):
+            in_part = (rn >= b_starts[i])[None, :]
+            b_base = tl.where(in_part, b_ptrs[i] + (rn - b_starts[i])[None, :] * b_strides_n[i], b_base)
+            b_step = tl.where(in_part, BK * b_strides_k[i], b_step)
+        b_stride_k = b_strides_k[0]
+        if NUM_B > 1:
+            b_stride_k = b_step // BK
+        acc = _dot_ptr(acc, a_ptr, stride_am, stride_ak, b_base, b_stride_k, b_step, rm, rk, 0, m_ok, n_ok, 0, K,
+                       BK, INTERPRET, PRECISION, STAGES)
     return acc
 
 

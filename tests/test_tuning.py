@@ -1,0 +1,70 @@
+"""Autotuning picks the fastest config, writes it to disk, and a second process reuses it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from codetta.matmul import tuning
+from codetta.matmul.config import Config, candidates
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("CODETTA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CODETTA_AUTOTUNE", "1")
+    monkeypatch.setattr(tuning, "_MEMORY", None)
+    return tmp_path
+
+
+CONFIGS = [Config(128, 256, 64), Config(128, 128, 64, STAGES=4), Config(64, 128, 64, num_warps=4)]
+
+
+def test_fastest_config_wins_and_is_written(cache_dir):
+    times = {CONFIGS[0]: 3.0, CONFIGS[1]: 1.0, CONFIGS[2]: 2.0}
+    assert tuning.choose("k1", CONFIGS, times.__getitem__) == CONFIGS[1]
+    table = json.loads((cache_dir / "tuning.json").read_text())
+    assert [Config(**v) for v in table.values()] == [CONFIGS[1]]
+
+
+def test_failing_configs_are_skipped(cache_dir):
+    def bench(cfg):
+        if cfg is not CONFIGS[2]:
+            raise RuntimeError("out of resources")
+        return 1.0
+
+    assert tuning.choose("k2", CONFIGS, bench) == CONFIGS[2]
+
+
+def test_second_process_does_not_retune(cache_dir):
+    tuning.choose("shared-key", CONFIGS, {CONFIGS[0]: 2.0, CONFIGS[1]: 3.0, CONFIGS[2]: 1.0}.__getitem__)
+    code = (
+        "from codetta.matmul import tuning; from codetta.matmul.config import Config\n"
+        f"configs = {CONFIGS!r}\n"
+        "def bench(cfg): raise SystemExit('re-tuned')\n"
+        "print(tuning.choose('shared-key', configs, bench))\n"
+    )
+    env = {"CODETTA_CACHE_DIR": str(cache_dir), "PATH": "", "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == repr(CONFIGS[2])
+
+
+def test_new_candidate_list_retunes(cache_dir):
+    tuning.choose("k3", CONFIGS, {CONFIGS[0]: 2.0, CONFIGS[1]: 3.0, CONFIGS[2]: 1.0}.__getitem__)
+    fewer = CONFIGS[:2]
+    assert tuning.choose("k3", fewer, {CONFIGS[0]: 2.0, CONFIGS[1]: 1.0}.__getitem__) == CONFIGS[1]
+
+
+def test_autotune_off_takes_first(cache_dir, monkeypatch):
+    monkeypatch.setenv("CODETTA_AUTOTUNE", "0")
+    assert tuning.choose("k4", CONFIGS, lambda cfg: pytest.fail("timed a config")) == CONFIGS[0]
+
+
+def test_candidates_respect_program_and_parts():
+    """Tiles hold the program's segments whole and never straddle B parts (TMA path)."""
+    for cfg in candidates(elem_bytes=2, min_bn=256, n_parts_sizes=(4096, 1024)):
+        assert cfg.epilogue_bn >= 256 and 4096 % cfg.BN == 0 and 1024 % cfg.BN == 0
+    assert all(c.BK == 32 for c in candidates(elem_bytes=4, min_bn=1))
+    assert candidates(elem_bytes=2, min_bn=1, n_parts_sizes=(100,)) == []
