@@ -1,0 +1,295 @@
+"""RMSNorm folded into the GEMMs around it, forward and backward.
+
+Notation (DESIGN.md §2): x [M, d] is the residual stream, g [d] the norm weight,
+r_i = rsqrt(mean_j x_ij^2 + eps), h = x ⊙row r ⊙col g = RMSNorm(x) and a linear layer
+z = h W^T with W [N, d] as nn.Linear stores it.
+
+Producer (:func:`linear_residual`): the GEMM that makes x also writes u = x ⊙col g and
+the per-row sums of squares of x, from which r is finished (a [M] vector):
+
+    x = a W_o^T + residual;  u = x ⊙col g;  ss_i = sum_j x_ij^2;  r = rsqrt(ss / d + eps)
+
+The statistics are taken from x *after* its rounding to the stored dtype: exactly what
+eager PyTorch would see when it normalizes the stored x.
+
+Consumer (:func:`rmsnorm_linear`): a row scale commutes with a right matrix product, so
+
+    z = RMSNorm(x) W^T = r ⊙row (u W^T)
+
+is one GEMM on u whose epilogue scales rows by r.
+
+Backward of the consumer, given dz (one GEMM, one epilogue; dgrad layout):
+
+    acc = dz W                                  (= dL/dh)
+    zdz_i = sum_k z_ik dz_ik                    (= r_i · dL/dr_i)
+    dx = r ⊙row (acc ⊙col g) - (zdz r^2 / d) ⊙row x
+    dg_j = sum_i r_i acc_ij x_ij                (column sums in the epilogue, finished after)
+    h = x ⊙row r ⊙col g                         (stored: the operand of dW = dz^T h)
+
+The weights may be given as several tensors (W_q, W_k, W_v) read as one, concatenated
+along the output features, without a copy: the forward GEMM reads them as parts along
+N, the dgrad GEMM as parts along K, and each weight gradient is its own GEMM.
+
+Each operator is a ``torch.library`` custom op with a fake (shape) implementation and
+its backward registered, so torch.compile traces models that use it without graph breaks.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import epilogue as ep
+from ..matmul import gemm
+
+# ---------------------------------------------------------------------------------------
+# Programs
+
+
+@functools.lru_cache(maxsize=None)
+def _producer(dtype: torch.dtype, with_norm: bool) -> ep.Program:
+    name = "linear_residual" + ("_rmsnorm" if with_norm else "") + f"_{str(dtype).split('.')[-1]}"
+    p = ep.Program(name)
+    x = p.acc + p.aux("residual")
+    p.store("x", x)
+    if with_norm:
+        stored = ep.round_to(x, dtype) if dtype != torch.float32 else x
+        p.store("u", stored * p.col("norm_weight"))
+        p.row_sumsq("sumsq", stored)
+    return p
+
+
+@functools.lru_cache(maxsize=None)
+def _consumer() -> ep.Program:
+    p = ep.Program("rmsnorm_linear")
+    p.store("z", p.acc * p.row("rstd"))
+    return p
+
+
+@functools.lru_cache(maxsize=None)
+def _consumer_backward() -> ep.Program:
+    p = ep.Program("rmsnorm_linear_backward")
+    acc, r, g, x = p.acc, p.row("rstd"), p.col("norm_weight"), p.aux("x")
+    p.store("dx", r * g * acc - p.row("correction") * x)
+    p.col_sum("dnorm_weight", acc * r * x)
+    p.store("h", x * r * g)
+    return p
+
+
+# ---------------------------------------------------------------------------------------
+# Checks
+
+
+def _check_norm_inputs(x: Tensor, norm_weight: Tensor, weights: list[Tensor]):
+    if not isinstance(x, Tensor) or x.dim() < 1:
+        raise ValueError(f"x must be a tensor [..., d], got {type(x).__name__}")
+    d = x.shape[-1]
+    if norm_weight.shape != (d,):
+        raise ValueError(f"norm_weight must be [{d}] for x [..., {d}], got {tuple(norm_weight.shape)}")
+    for i, w in enumerate(weights):
+        if w.dim() != 2 or w.shape[1] != d:
+            raise ValueError(f"weight {i} must be [out_features, {d}], got {tuple(w.shape)}")
+        if w.dtype != x.dtype:
+            raise ValueError(f"weight {i} is {w.dtype} but x is {x.dtype}")
+
+
+def _as_list(weight) -> list[Tensor]:
+    return list(weight) if isinstance(weight, (list, tuple)) else [weight]
+
+
+def _weight_t(weights: list[Tensor]):
+    """The forward GEMM's B: W^T, or the W_i^T read as one along N."""
+    return weights[0].t() if len(weights) == 1 else [w.t() for w in weights]
+
+
+def _weight_k(weights: list[Tensor]):
+    """The dgrad GEMM's B: W, or the W_i read as one along K."""
+    return weights[0] if len(weights) == 1 else list(weights)
+
+
+def _split_columns(t: Tensor, weights: list[Tensor]) -> list[Tensor]:
+    return list(torch.split(t, [w.shape[0] for w in weights], dim=-1))
+
+
+def rstd_from_sumsq(sumsq: Tensor, d: int, eps: float) -> Tensor:
+    """r = rsqrt(sum_j x_j^2 / d + eps), fp32."""
+    return torch.rsqrt(sumsq / d + eps)
+
+
+def rmsnorm_stats(x: Tensor, norm_weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(u, rstd) of x computed directly: u = x g in x's dtype, rstd fp32 [M]."""
+    x2 = x.reshape(-1, x.shape[-1])
+    rstd = torch.rsqrt(x2.float().square().mean(-1) + eps)
+    return (x2 * norm_weight.to(x.dtype)), rstd
+
+
+# ---------------------------------------------------------------------------------------
+# Consumer: z = RMSNorm(x) W^T
+
+
+@torch.library.custom_op("codetta::rmsnorm_linear", mutates_args=())
+def _rmsnorm_linear_op(
+    x: Tensor, norm_weight: Tensor, weights: list[Tensor], eps: float, u: Optional[Tensor], rstd: Optional[Tensor]
+) -> tuple[Tensor, Tensor]:
+    x2 = x.reshape(-1, x.shape[-1])
+    if u is None or rstd is None:
+        u, rstd = rmsnorm_stats(x2, norm_weight, eps)
+    else:
+        rstd = rstd.reshape(-1).clone()  # an output must not alias an input
+    z = gemm(u.reshape(x2.shape), _weight_t(weights), _consumer(), rstd=rstd)["z"]
+    return z.reshape(*x.shape[:-1], z.shape[-1]), rstd
+
+
+@_rmsnorm_linear_op.register_fake
+def _(x, norm_weight, weights, eps, u, rstd):
+    n = sum(w.shape[0] for w in weights)
+    m = x.numel() // x.shape[-1]
+    return x.new_empty(*x.shape[:-1], n), x.new_empty(m, dtype=torch.float32)
+
+
+@torch.library.custom_op("codetta::rmsnorm_linear_backward", mutates_args=())
+def _rmsnorm_linear_backward_op(
+    dz: Tensor, z: Tensor, x: Tensor, norm_weight: Tensor, weights: list[Tensor], rstd: Tensor
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    d = x.shape[-1]
+    x2, z2, dz2 = x.reshape(-1, d), z.reshape(-1, z.shape[-1]), dz.reshape(-1, dz.shape[-1]).contiguous()
+    zdz = (z2.float() * dz2.float()).sum(-1)
+    out = gemm(dz2, _weight_k(weights), _consumer_backward(), rstd=rstd, norm_weight=norm_weight, x=x2,
+               correction=zdz * rstd * rstd / d)
+    dweights = [gemm(part.t(), out["h"]) for part in _split_columns(dz2, weights)]
+    return out["dx"].reshape(x.shape), out["dnorm_weight"].to(norm_weight.dtype), dweights
+
+
+@_rmsnorm_linear_backward_op.register_fake
+def _(dz, z, x, norm_weight, weights, rstd):
+    return torch.empty_like(x), torch.empty_like(norm_weight), [torch.empty_like(w) for w in weights]
+
+
+def _rmsnorm_linear_setup(ctx, inputs, output):
+    x, norm_weight, weights, eps, u, rstd = inputs
+    z, rstd_used = output
+    ctx.save_for_backward(z, x, norm_weight, rstd_used, *weights)
+
+
+def _rmsnorm_linear_backward(ctx, dz, _drstd):
+    z, x, norm_weight, rstd, *weights = ctx.saved_tensors
+    dx, dg, dws = _rmsnorm_linear_backward_op(dz, z, x, norm_weight, weights, rstd)
+    return dx, dg, dws, None, None, None
+
+
+_rmsnorm_linear_op.register_autograd(_rmsnorm_linear_backward, setup_context=_rmsnorm_linear_setup)
+
+
+def rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight, eps: float = 1e-6, *, stats=None) -> Tensor:
+    """``F.linear(F.rms_norm(x, (d,), norm_weight, eps), W)`` with the norm folded into the GEMM.
+
+    Args:
+        x: [..., d]; norm_weight: [d]; weight: [N, d], or a list of [N_i, d] (e.g. W_q, W_k,
+            W_v) used as their concatenation along the output features, without a copy.
+        stats: optional (u, rstd) from :func:`linear_residual` (u = x g, rstd fp32 [M]); they
+            are not differentiated: the gradient of the norm flows through x and norm_weight.
+    Returns:
+        z [..., N] in x's dtype.
+    """
+    weights = _as_list(weight)
+    _check_norm_inputs(x, norm_weight, weights)
+    u, rstd = stats if stats is not None else (None, None)
+    return _rmsnorm_linear_op(x, norm_weight, weights, float(eps), u, rstd)[0]
+
+
+# ---------------------------------------------------------------------------------------
+# Producer: x = a W^T + residual, with the next norm's u and rstd
+
+
+@torch.library.custom_op("codetta::linear_residual", mutates_args=())
+def _linear_residual_op(
+    a: Tensor, weights: list[Tensor], residual: Tensor, norm_weight: Optional[Tensor], eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    a2 = a.reshape(-1, a.shape[-1])
+    n = residual.shape[-1]
+    res2 = residual.reshape(-1, n)
+    if norm_weight is None:
+        x = gemm(a2, _weight_t(weights), _producer(a.dtype, False), residual=res2)["x"]
+        return x.reshape(residual.shape), x.new_empty(0), x.new_empty(0, dtype=torch.float32)
+    out = gemm(a2, _weight_t(weights), _producer(a.dtype, True), residual=res2, norm_weight=norm_weight)
+    rstd = rstd_from_sumsq(out["sumsq"], n, eps)
+    return out["x"].reshape(residual.shape), out["u"], rstd
+
+
+@_linear_residual_op.register_fake
+def _(a, weights, residual, norm_weight, eps):
+    m = residual.numel() // residual.shape[-1]
+    if norm_weight is None:
+        return torch.empty_like(residual), residual.new_empty(0), residual.new_empty(0, dtype=torch.float32)
+    return (torch.empty_like(residual), residual.new_empty(m, residual.shape[-1]),
+            residual.new_empty(m, dtype=torch.float32))
+
+
+@torch.library.custom_op("codetta::linear_residual_backward", mutates_args=())
+def _linear_residual_backward_op(dx: Tensor, a: Tensor, weights: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+    dx2 = dx.reshape(-1, dx.shape[-1]).contiguous()
+    a2 = a.reshape(-1, a.shape[-1])
+    da = gemm(dx2, _weight_k(weights))
+    dweights = [gemm(part.t(), a2) for part in _split_columns(dx2, weights)]
+    return da.reshape(a.shape), dweights
+
+
+@_linear_residual_backward_op.register_fake
+def _(dx, a, weights):
+    return torch.empty_like(a), [torch.empty_like(w) for w in weights]
+
+
+def _linear_residual_setup(ctx, inputs, output):
+    a, weights, residual, norm_weight, eps = inputs
+    ctx.has_norm_weight = norm_weight is not None
+    ctx.save_for_backward(a, *weights)
+
+
+def _linear_residual_backward(ctx, dx, _du, _drstd):
+    a, *weights = ctx.saved_tensors
+    da, dws = _linear_residual_backward_op(dx, a, weights)
+    return da, dws, dx, None, None
+
+
+_linear_residual_op.register_autograd(_linear_residual_backward, setup_context=_linear_residual_setup)
+
+
+def linear_residual(a: Tensor, weight, residual: Tensor, norm_weight: Tensor | None = None, eps: float = 1e-6):
+    """x = a W^T + residual in one GEMM; with ``norm_weight`` also the next RMSNorm's (u, rstd).
+
+    Args:
+        a: [..., K]; weight: [d, K] (or a list of [d_i, K] read as one); residual: [..., d].
+        norm_weight: [d] of the RMSNorm that will consume x, or None.
+    Returns:
+        x, or (x, (u, rstd)) with u = x g [M, d] and rstd fp32 [M]: pass the pair as ``stats``
+        to :func:`rmsnorm_linear` (they carry no gradient of their own).
+    """
+    weights = _as_list(weight)
+    if residual.shape[:-1] != a.shape[:-1] or residual.shape[-1] != sum(w.shape[0] for w in weights):
+        raise ValueError(f"residual {tuple(residual.shape)} does not match a {tuple(a.shape)} @ W^T")
+    for w in weights:
+        if w.dim() != 2 or w.shape[1] != a.shape[-1] or w.dtype != a.dtype:
+            raise ValueError(f"weight must be [out, {a.shape[-1]}] of {a.dtype}, got {tuple(w.shape)} {w.dtype}")
+    if residual.dtype != a.dtype:
+        raise ValueError(f"residual is {residual.dtype} but a is {a.dtype}")
+    if norm_weight is not None and norm_weight.shape != (residual.shape[-1],):
+        raise ValueError(f"norm_weight must be [{residual.shape[-1]}], got {tuple(norm_weight.shape)}")
+    x, u, rstd = _linear_residual_op(a, weights, residual, norm_weight, float(eps))
+    return x if norm_weight is None else (x, (u, rstd))
+
+
+# ---------------------------------------------------------------------------------------
+# References: the same math written the usual way, unfused
+
+
+def rmsnorm_linear_reference(x, norm_weight, weight, eps=1e-6):
+    w = torch.cat(_as_list(weight)) if isinstance(weight, (list, tuple)) else weight
+    return torch.nn.functional.linear(torch.nn.functional.rms_norm(x, (x.shape[-1],), norm_weight, eps), w)
+
+
+def linear_residual_reference(a, weight, residual):
+    w = torch.cat(_as_list(weight)) if isinstance(weight, (list, tuple)) else weight
+    return torch.nn.functional.linear(a, w) + residual

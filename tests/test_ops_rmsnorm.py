@@ -1,0 +1,150 @@
+"""RMSNorm folded into GEMMs (codetta.ops.rmsnorm): outputs and every gradient.
+
+References are written the usual unfused way (F.rms_norm, F.linear) in float64.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from codetta.ops import linear_residual, rmsnorm_linear
+from conftest import DEVICE, INTERPRET
+
+EPS = 1e-6
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def leaf(t, dtype=torch.float32):
+    return t.to(dtype).detach().requires_grad_()
+
+
+def unfused(x, g, ws, eps=EPS):
+    return F.linear(F.rms_norm(x, (x.shape[-1],), g, eps), torch.cat(ws))
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (33, 40), (2, 5, 24)], ids=str)
+@pytest.mark.parametrize("n_out", [(56,), (24, 16, 16)], ids=["one_weight", "qkv_parts"])
+def test_rmsnorm_linear_forward_backward_fp32(shape, n_out):
+    d = shape[-1]
+    x = torch.randn(*shape, device=DEVICE) * 3
+    g = 1 + 0.2 * torch.randn(d, device=DEVICE)
+    ws = [torch.randn(n, d, device=DEVICE) / d**0.5 for n in n_out]
+    dz = torch.randn(*shape[:-1], sum(n_out), device=DEVICE)
+
+    xs, gs, wss = leaf(x), leaf(g), [leaf(w) for w in ws]
+    z = rmsnorm_linear(xs, gs, wss if len(ws) > 1 else wss[0], EPS)
+    z.backward(dz)
+
+    xr, gr, wr = leaf(x, torch.float64), leaf(g, torch.float64), [leaf(w, torch.float64) for w in ws]
+    zr = unfused(xr, gr, wr)
+    zr.backward(dz.double())
+
+    assert z.shape == zr.shape and z.dtype == torch.float32
+    assert rel(z, zr) < 1e-5
+    assert rel(xs.grad, xr.grad) < 1e-5
+    assert rel(gs.grad, gr.grad) < 1e-5
+    for w, wref in zip(wss, wr):
+        assert rel(w.grad, wref.grad) < 1e-5
+
+
+def test_producer_then_consumer_chain_fp32():
+    """x1 = a W_o^T + x; z = RMSNorm(x1) W^T with the producer's (u, rstd): all gradients."""
+    m, k, d, n = 29, 24, 40, 48
+    a, wo, x = torch.randn(m, k, device=DEVICE), torch.randn(d, k, device=DEVICE) / k**0.5, torch.randn(m, d, device=DEVICE)
+    g, w = 1 + 0.2 * torch.randn(d, device=DEVICE), torch.randn(n, d, device=DEVICE) / d**0.5
+    dz, dx1 = torch.randn(m, n, device=DEVICE), torch.randn(m, d, device=DEVICE)
+
+    leaves = [leaf(t) for t in (a, wo, x, g, w)]
+    x1, stats = linear_residual(leaves[0], leaves[1], leaves[2], leaves[3], EPS)
+    z = rmsnorm_linear(x1, leaves[3], leaves[4], EPS, stats=stats)
+    ((z * dz).sum() + (x1 * dx1).sum()).backward()
+
+    refs = [leaf(t, torch.float64) for t in (a, wo, x, g, w)]
+    x1r = F.linear(refs[0], refs[1]) + refs[2]
+    zr = unfused(x1r, refs[3], [refs[4]])
+    ((zr * dz.double()).sum() + (x1r * dx1.double()).sum()).backward()
+
+    assert rel(x1, x1r) < 1e-5 and rel(z, zr) < 1e-5
+    u, rstd = stats
+    assert rel(u, x1r * refs[3]) < 1e-5
+    assert rel(rstd, torch.rsqrt(x1r.square().mean(-1) + EPS)) < 1e-6
+    for ours, ref in zip(leaves, refs):
+        assert rel(ours.grad, ref.grad) < 1e-5
+
+
+def test_producer_without_norm():
+    a, w, r = torch.randn(9, 16, device=DEVICE), torch.randn(24, 16, device=DEVICE), torch.randn(9, 24, device=DEVICE)
+    x = linear_residual(a, w, r)
+    assert rel(x, a.double() @ w.double().t() + r.double()) < 1e-6
+
+
+def test_bf16_within_twice_eager_error():
+    """bf16 in and out: errors vs fp64 no more than twice eager PyTorch's bf16 errors.
+
+    The interpreter computes bf16 products exactly in fp32 and rounds stores to nearest
+    even, as the GPU does, so this runs on both.
+    """
+    m, d, n = (64, 48, 80) if INTERPRET else (1024, 512, 768)
+    x = torch.randn(m, d, device=DEVICE) * 2
+    g = 1 + 0.2 * torch.randn(d, device=DEVICE)
+    w = torch.randn(n, d, device=DEVICE) / d**0.5
+    dz = torch.randn(m, n, device=DEVICE)
+    ref_leaves = [leaf(t, torch.float64) for t in (x, g, w)]
+    zr = unfused(ref_leaves[0], ref_leaves[1], [ref_leaves[2]])
+    zr.backward(dz.double())
+    results = {}
+    for name, fn in (("codetta", lambda x, g, w: rmsnorm_linear(x, g, w, EPS)),
+                     ("eager", lambda x, g, w: unfused(x, g, [w]))):
+        ls = [leaf(t, torch.bfloat16) for t in (x, g, w)]
+        z = fn(*ls)
+        z.backward(dz.bfloat16())
+        results[name] = [z] + [t.grad for t in ls]
+    refs = [zr] + [t.grad for t in ref_leaves]
+    for ours, eager, ref in zip(results["codetta"], results["eager"], refs):
+        assert rel(ours, ref) <= 2 * rel(eager, ref) + 1e-4
+
+
+def test_bad_inputs():
+    x = torch.randn(4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="norm_weight must be"):
+        rmsnorm_linear(x, torch.ones(7, device=DEVICE), torch.randn(5, 8, device=DEVICE))
+    with pytest.raises(ValueError, match="weight 0 must be"):
+        rmsnorm_linear(x, torch.ones(8, device=DEVICE), torch.randn(5, 7, device=DEVICE))
+    with pytest.raises(ValueError, match="residual"):
+        linear_residual(x, torch.randn(6, 8, device=DEVICE), torch.randn(4, 5, device=DEVICE))
+
+
+def test_custom_ops_pass_opcheck():
+    """Schemas, fake implementations and autograd registrations agree with the real ops."""
+    x = torch.randn(6, 16, device=DEVICE, requires_grad=True)
+    g = torch.rand(16, device=DEVICE, requires_grad=True) + 0.5
+    ws = [torch.randn(16, 16, device=DEVICE, requires_grad=True), torch.randn(8, 16, device=DEVICE, requires_grad=True)]
+    torch.library.opcheck(torch.ops.codetta.rmsnorm_linear.default, (x, g, ws, EPS, None, None),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    a, res = torch.randn(6, 8, device=DEVICE, requires_grad=True), torch.randn(6, 16, device=DEVICE, requires_grad=True)
+    w = torch.randn(16, 8, device=DEVICE, requires_grad=True)
+    torch.library.opcheck(torch.ops.codetta.linear_residual.default, (a, [w], res, g, EPS),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_traces_without_graph_break():
+    """torch.compile sees one graph through the fused ops, forward and backward (no graph break)."""
+    x = torch.randn(8, 16, device=DEVICE, requires_grad=True)
+    g = torch.rand(16, device=DEVICE) + 0.5
+    w = torch.randn(24, 16, device=DEVICE, requires_grad=True)
+    wo, a = torch.randn(16, 12, device=DEVICE), torch.randn(8, 12, device=DEVICE)
+
+    def block(x):
+        x1, stats = linear_residual(a, wo, x, g, EPS)
+        return rmsnorm_linear(x1, g, w, EPS, stats=stats).sum()
+
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    loss = compiled(x)
+    loss.backward()
+    x_ref = x.detach().double().requires_grad_()
+    ref = unfused(F.linear(a.double(), wo.double()) + x_ref, g.double(), [w.detach().double()]).sum()
+    ref.backward()
+    assert rel(loss, ref) < 1e-5 and rel(x.grad, x_ref.grad) < 1e-5
