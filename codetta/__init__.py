@@ -19,12 +19,13 @@ if not _torch.cuda.is_available():
 
 from . import epilogue  # noqa: E402
 from .epilogue import EpilogueError, Program, kernel_source, run_reference  # noqa: E402
-from .matmul import Config, GemmError, explain, gemm  # noqa: E402
+from .matmul import Config, GemmError, explain, gemm, interleave  # noqa: E402
 from .ops import linear  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Config", "EpilogueError", "GemmError", "Program", "epilogue", "explain", "gemm", "kernel_source", "linear",
+    "Config", "EpilogueError", "GemmError", "Program", "epilogue", "explain", "gemm", "interleave", "kernel_source",
+    "linear",
     "run_reference",
 ]

@@ -136,3 +136,21 @@ def test_explain_reports_path():
     # rows of 5 fp32 values are not 16-byte aligned: TMA cannot read them
     a5 = torch.randn(33, 5, device=DEVICE)
     assert codetta.explain(a5, torch.randn(5, 48, device=DEVICE))["path"] == "ptr"
+
+
+@pytest.mark.parametrize("path", ["tma", "ptr"])
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_interleaved_b(path, layout, monkeypatch):
+    """interleave(b0, b1): column 2j from b0, 2j + 1 from b1 (gate/up side by side), no copy."""
+    if path == "ptr":
+        monkeypatch.setenv("CODETTA_PATH", "ptr")
+    k, f = 40, 24
+    x = torch.randn(27, k, device=DEVICE)
+    if layout == "nk":
+        b0, b1 = (torch.randn(f, k, device=DEVICE).t() for _ in range(2))
+    else:
+        b0, b1 = (torch.randn(k, f, device=DEVICE) for _ in range(2))
+    out = codetta.gemm(x, codetta.interleave(b0, b1))
+    ref = x.double() @ torch.stack([b0, b1], dim=2).reshape(k, 2 * f).double()
+    assert out.shape == (27, 2 * f)
+    assert rel_err(out, ref) < 1e-5

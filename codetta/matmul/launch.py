@@ -30,6 +30,19 @@ class GemmError(ValueError):
     """A call of codetta.gemm with inputs it cannot take."""
 
 
+class Interleaved(tuple):
+    """Two [K, N] operands read as one [K, 2N] whose columns alternate between them."""
+
+
+def interleave(b0, b1) -> Interleaved:
+    """B for ``gemm`` with column 2j = ``b0[:, j]`` and 2j + 1 = ``b1[:, j]``, without a copy.
+
+    E.g. ``gemm(h, interleave(w_gate.t(), w_up.t()), program)``: each (gate, up) pair of a
+    SwiGLU lands in adjacent columns of the same tile (``epilogue.pairs(acc)``).
+    """
+    return Interleaved((b0, b1))
+
+
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -66,6 +79,7 @@ class _Call:
         if not isinstance(a, torch.Tensor):
             raise GemmError(f"a must be a torch.Tensor, got {type(a).__name__}")
         device = a.device
+        interleave = isinstance(b, Interleaved)
         parts = list(b) if isinstance(b, (list, tuple)) else [b]
         if not 1 <= len(parts) <= _MAX_B_PARTS:
             raise GemmError(f"b must be a tensor or a list of 1 to {_MAX_B_PARTS} tensors, got {len(parts)}")
@@ -94,11 +108,15 @@ class _Call:
         self.a, self.parts, self.device = a2, parts, device
         self.M, self.K = a2.shape
         shapes = [tuple(t.shape) for t in parts]
-        if all(k == self.K for k, _ in shapes):  # one tensor, or parts [K, N_i] along N
-            self.parts_k = False
+        if interleave:
+            if len(shapes) != 2 or shapes[0] != shapes[1] or shapes[0][0] != self.K:
+                raise GemmError(f"interleave() takes two [K, N] tensors with K = {self.K}, got {shapes}")
+            self.b_parts, sizes = "interleave", [0, 0]
+        elif all(k == self.K for k, _ in shapes):  # one tensor, or parts [K, N_i] along N
+            self.b_parts = "n"
             sizes = [n for _, n in shapes]
         elif len({n for _, n in shapes}) == 1 and sum(k for k, _ in shapes) == self.K:  # parts [K_i, N] along K
-            self.parts_k = True
+            self.b_parts = "k"
             sizes = [k for k, _ in shapes]
         else:
             raise GemmError(
@@ -106,8 +124,8 @@ class _Call:
                 "must be [K, N_i], read as concatenated along N, or [K_i, N] with sum K_i = K, along K)"
             )
         # Only parts along N constrain the tile width (a tile must not straddle two of them).
-        self.part_sizes = [] if self.parts_k else sizes[:-1]
-        self.N = shapes[0][1] if self.parts_k else sum(sizes)
+        self.part_sizes = sizes[:-1] if self.b_parts == "n" else []
+        self.N = {"n": sum(sizes), "k": shapes[0][1], "interleave": 2 * shapes[0][1]}[self.b_parts]
         self.starts = tuple(int(sum(sizes[:i])) for i in range(len(parts)))
         self._check_segments()
         self.operands = self._check_operands(operands)
@@ -247,7 +265,7 @@ def _layouts(call):
         and _has_tma(call.device)
         and os.environ.get("CODETTA_PATH") != "ptr"
         # TMA reads A at each K part's first column: it must lie on a 16-byte boundary
-        and not (call.parts_k and any(s * call.a.element_size() % 16 for s in call.starts))
+        and not (call.b_parts == "k" and any(s * call.a.element_size() % 16 for s in call.starts))
     )
     # B^T row-major is nn.Linear's W [N, K]; B row-major [K, N] is "B_KN".
     return bool(a_t), (not b_t.pop()) if len(b_t) == 1 else False, tma
@@ -294,9 +312,8 @@ class _Launch:
             from triton.tools.tensor_descriptor import TensorDescriptor
 
             a_arg = TensorDescriptor.from_tensor(a_store, [cfg.BK, cfg.BM] if a_km else [cfg.BM, cfg.BK])
-            b_arg = tuple(
-                TensorDescriptor.from_tensor(t, [cfg.BK, cfg.BN] if b_kn else [cfg.BN, cfg.BK]) for t in b_store
-            )
+            bn = cfg.BN // 2 if c.b_parts == "interleave" else cfg.BN
+            b_arg = tuple(TensorDescriptor.from_tensor(t, [cfg.BK, bn] if b_kn else [bn, cfg.BK]) for t in b_store)
             a_s = (0, 0)
             b_s0 = b_s1 = tuple(0 for _ in b_store)
         else:
@@ -315,7 +332,7 @@ class _Launch:
         kernel[(_num_programs(c.device, tiles),)](
             *args,
             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, STAGES=cfg.STAGES, EPI_SPLIT=cfg.EPI_SPLIT, WARP_SPEC=cfg.WARP_SPEC,
-            NUM_B=len(c.parts), PARTS_K=c.parts_k, A_KM=a_km, B_KN=bool(b_kn), INTERPRET=interp,
+            NUM_B=len(c.parts), B_PARTS=c.b_parts, A_KM=a_km, B_KN=bool(b_kn), INTERPRET=interp,
             PRECISION="ieee" if (interp or c.a.dtype == torch.float32) else "tf32",
             num_warps=cfg.num_warps, num_stages=cfg.STAGES,
         )
@@ -388,7 +405,8 @@ def gemm(a, b, epilogue: Program | None = None, *, out=None, config=None, **oper
     Args:
         a: [..., M, K] (leading dims are flattened into M) or a transposed [M, K] view.
         b: [K, N], or a list of up to four tensors read as one without a copy: [K, N_i]
-            concatenated along N, or [K_i, N] concatenated along K (sum K_i = K).
+            concatenated along N, or [K_i, N] concatenated along K (sum K_i = K); or
+            ``interleave(b0, b1)``: two [K, N/2] whose columns alternate.
         epilogue: a :class:`codetta.epilogue.Program`; None means a plain GEMM.
         out: optional name -> tensor to write outputs into (checked: shape, dtype, device).
         config: a :class:`codetta.gemm.Config` to use instead of tuning.
@@ -439,7 +457,7 @@ def _tuning_key(call, path):
     return "|".join(
         str(x)
         for x in (device, triton.__version__, p.name, p.fingerprint(), path, call.layout[0], call.layout[1],
-                  call.a.dtype, call.N, call.K, m_bucket, call.part_sizes, call.parts_k)
+                  call.a.dtype, call.N, call.K, m_bucket, call.part_sizes, call.b_parts)
     )
 
 

@@ -11,10 +11,16 @@ Operand layouts. The GEMM is ``acc[M, N] = A[M, K] @ B[K, N]``:
 * ``B_KN``: B is row-major [K, N] (dgrad: W); otherwise B is the transpose of a
   row-major [N, K] tensor (forward: W^T, as nn.Linear stores W).
 
-B may come in up to four parts (``NUM_B``) read as if concatenated, without a copy:
-along N (forward: W_q, W_k, W_v of a QKV projection), ``b_starts[i]`` being the first
-column of part i; or along K (``PARTS_K``; dgrad: dx = dq W_q + dk W_k + dv W_v),
-``b_starts[i]`` being the first row of part i.
+B may come in up to four parts (``NUM_B``) read as one, without a copy; ``B_PARTS`` says how:
+
+* ``"n"``: concatenated along N (forward: W_q, W_k, W_v of a QKV projection),
+  ``b_starts[i]`` being the first column of part i;
+* ``"k"``: concatenated along K (dgrad: dx = dq W_q + dk W_k + dv W_v), ``b_starts[i]``
+  being the first row of part i;
+* ``"interleave"``: two parts [K, N/2] whose columns alternate (column 2j is column j of
+  part 0, 2j + 1 column j of part 1): gate and up projections side by side, so that a
+  SwiGLU epilogue finds each (gate, up) pair in adjacent columns. Two accumulators of
+  BN/2 columns share each A tile.
 """
 
 import triton
@@ -58,19 +64,50 @@ def _dot_tma(acc, a_desc, b_desc, off_m, off_n, k_base, K,
 
 
 @triton.jit
+def _dot2_tma(a_desc, b0_desc, b1_desc, off_m, off_n, K,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr,
+              INTERPRET: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
+    """(A @ B0[:, off_n:], A @ B1[:, off_n:]), each [BM, BN], from one pass over A."""
+    acc0 = tl.zeros((BM, BN), dtype=tl.float32)
+    acc1 = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in tl.range(0, tl.cdiv(K, BK), num_stages=STAGES):
+        off_k = k * BK
+        if A_KM:
+            a = a_desc.load([off_k, off_m]).T
+        else:
+            a = a_desc.load([off_m, off_k])
+        if B_KN:
+            b0 = b0_desc.load([off_k, off_n])
+            b1 = b1_desc.load([off_k, off_n])
+        else:
+            b0 = b0_desc.load([off_n, off_k]).T
+            b1 = b1_desc.load([off_n, off_k]).T
+        if INTERPRET:
+            a = a.to(tl.float32)
+            b0 = b0.to(tl.float32)
+            b1 = b1.to(tl.float32)
+        acc0 = tl.dot(a, b0, acc0, input_precision=PRECISION)
+        acc1 = tl.dot(a, b1, acc1, input_precision=PRECISION)
+    return acc0, acc1
+
+
+@triton.jit
 def mma_tma(a_desc, b_descs, b_starts, off_m, off_n, K,
             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_B: tl.constexpr,
-            PARTS_K: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr,
+            B_PARTS: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr,
             INTERPRET: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
-    """acc = A[off_m:, :] @ B[:, off_n:] through TMA descriptors.
+    """acc = A[off_m:, :] @ B[:, off_n:] through TMA descriptors (B_PARTS: see the module doc).
 
-    B parts along N: the tile's columns lie in one part (the launcher picks BN so).
-    B parts along K (PARTS_K): the K loop runs over each part in turn.
+    Parts along N: the tile's columns lie in one part (the launcher picks BN so).
     """
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if NUM_B == 1:
         acc = _dot_tma(acc, a_desc, b_descs[0], off_m, off_n, 0, K, BK, A_KM, B_KN, INTERPRET, PRECISION, STAGES)
-    elif PARTS_K:
+    elif B_PARTS == "interleave":
+        acc0, acc1 = _dot2_tma(a_desc, b_descs[0], b_descs[1], off_m, off_n // 2, K, BM, BN // 2, BK, A_KM, B_KN,
+                               INTERPRET, PRECISION, STAGES)
+        acc = tl.reshape(tl.join(acc0, acc1), [BM, BN])
+    elif B_PARTS == "k":
         for i in tl.static_range(NUM_B):
             if i == NUM_B - 1:
                 k_end = K
@@ -112,7 +149,7 @@ def _dot_ptr(acc, a_ptr, stride_am, stride_ak, b_ptr, b_stride_k, b_step, rm, rk
 @triton.jit
 def mma_ptr(a_ptr, stride_am, stride_ak, b_ptrs, b_strides_k, b_strides_n, b_starts,
             off_m, off_n, M, N, K,
-            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_B: tl.constexpr, PARTS_K: tl.constexpr,
+            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_B: tl.constexpr, B_PARTS: tl.constexpr,
             INTERPRET: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
     """acc = A[off_m:, :] @ B[:, off_n:] through pointers: any strides, any part boundaries."""
     rm = (off_m + tl.arange(0, BM)).to(tl.int64)
@@ -121,7 +158,7 @@ def mma_ptr(a_ptr, stride_am, stride_ak, b_ptrs, b_strides_k, b_strides_n, b_sta
     m_ok = (rm < M)[:, None]
     n_ok = (rn < N)[None, :]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if PARTS_K:
+    if B_PARTS == "k":
         for i in tl.static_range(NUM_B):
             if i == NUM_B - 1:
                 k_end = K
@@ -134,10 +171,15 @@ def mma_ptr(a_ptr, stride_am, stride_ak, b_ptrs, b_strides_k, b_strides_n, b_sta
         # Each column reads from the part that holds it: per-column base pointer and step.
         b_base = b_ptrs[0] + rn[None, :] * b_strides_n[0]
         b_step = tl.zeros((1, BN), dtype=tl.int64) + BK * b_strides_k[0]
-        for i in tl.static_range(1, NUM_B):
-            in_part = (rn >= b_starts[i])[None, :]
-            b_base = tl.where(in_part, b_ptrs[i] + (rn - b_starts[i])[None, :] * b_strides_n[i], b_base)
-            b_step = tl.where(in_part, BK * b_strides_k[i], b_step)
+        if B_PARTS == "interleave":
+            odd = (rn % 2 == 1)[None, :]
+            b_base = tl.where(odd, b_ptrs[1] + (rn // 2)[None, :] * b_strides_n[1], b_ptrs[0] + (rn // 2)[None, :] * b_strides_n[0])
+            b_step = tl.where(odd, BK * b_strides_k[1], b_step)
+        else:
+            for i in tl.static_range(1, NUM_B):
+                in_part = (rn >= b_starts[i])[None, :]
+                b_base = tl.where(in_part, b_ptrs[i] + (rn - b_starts[i])[None, :] * b_strides_n[i], b_base)
+                b_step = tl.where(in_part, BK * b_strides_k[i], b_step)
         b_stride_k = b_strides_k[0]
         if NUM_B > 1:
             b_stride_k = b_step // BK

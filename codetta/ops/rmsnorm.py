@@ -150,10 +150,8 @@ def _(x, norm_weight, weights, eps, u, rstd):
     return x.new_empty(*x.shape[:-1], n), x.new_empty(m, dtype=torch.float32)
 
 
-@torch.library.custom_op("codetta::rmsnorm_linear_backward", mutates_args=())
-def _rmsnorm_linear_backward_op(
-    dz: Tensor, z: Tensor, x: Tensor, norm_weight: Tensor, weights: list[Tensor], rstd: Tensor
-) -> tuple[Tensor, Tensor, list[Tensor]]:
+def rmsnorm_linear_backward(dz: Tensor, z: Tensor, x: Tensor, norm_weight: Tensor, weights: list[Tensor], rstd: Tensor):
+    """(dx, dnorm_weight, [dW_i]) of z = RMSNorm(x) W^T given dz (see the module doc for the math)."""
     d = x.shape[-1]
     x2, z2, dz2 = x.reshape(-1, d), z.reshape(-1, z.shape[-1]), dz.reshape(-1, dz.shape[-1]).contiguous()
     zdz = (z2.float() * dz2.float()).sum(-1)
@@ -161,6 +159,13 @@ def _rmsnorm_linear_backward_op(
                correction=zdz * rstd * rstd / d)
     dweights = [gemm(part.t(), out["h"]) for part in _split_columns(dz2, weights)]
     return out["dx"].reshape(x.shape), out["dnorm_weight"].to(norm_weight.dtype), dweights
+
+
+@torch.library.custom_op("codetta::rmsnorm_linear_backward", mutates_args=())
+def _rmsnorm_linear_backward_op(
+    dz: Tensor, z: Tensor, x: Tensor, norm_weight: Tensor, weights: list[Tensor], rstd: Tensor
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    return rmsnorm_linear_backward(dz, z, x, norm_weight, weights, rstd)
 
 
 @_rmsnorm_linear_backward_op.register_fake

@@ -1,0 +1,123 @@
+"""RMSNorm -> gate/up projection -> SwiGLU in one GEMM, and its backward.
+
+With h = RMSNorm(x) (see :mod:`codetta.ops.rmsnorm`), W_g, W_u [F, d]:
+
+    z_g = h W_g^T,  z_u = h W_u^T,  y = silu(z_g) * z_u
+
+Forward: one GEMM reads u = x g against W_g and W_u *interleaved* (``codetta.interleave``:
+column 2j from W_g, 2j + 1 from W_u, no copy of the weights), so that each (gate, up)
+pair sits in adjacent columns of one tile; the epilogue scales rows by r, splits the
+pairs, writes y and keeps z = [z_g | z_u] ([M, 2F], gate block then up block) for the
+backward: storing z costs one [M, 2F] write and saves a GEMM recomputation.
+
+Backward, given dy (s = sigmoid(z_g)):
+
+    dz_g = dy * z_u * s * (1 + z_g (1 - s)),   dz_u = dy * silu(z_g)
+
+then the norm-backward GEMM of :func:`codetta.ops.rmsnorm.rmsnorm_linear_backward` with
+dz = [dz_g | dz_u] against [W_g; W_u] read as one along K (no copy), and
+dW_g = dz_g^T h, dW_u = dz_u^T h.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import epilogue as ep
+from ..matmul import gemm, interleave
+from .rmsnorm import _check_norm_inputs, rmsnorm_linear_backward, rmsnorm_stats
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_program() -> ep.Program:
+    p = ep.Program("rmsnorm_swiglu")
+    gate, up = ep.pairs(p.acc * p.row("rstd"))
+    p.store("z_gate", gate)
+    p.store("z_up", up)
+    p.store("y", ep.silu(gate) * up)
+    return p
+
+
+def swiglu_backward(dy: Tensor, z: Tensor) -> Tensor:
+    """dz = [dz_g | dz_u] of y = silu(z_g) * z_u, z = [z_g | z_u]; in z's dtype."""
+    f = dy.shape[-1]
+    g, u, dy = z[:, :f].float(), z[:, f:].float(), dy.float()
+    s = torch.sigmoid(g)
+    return torch.cat([dy * u * s * (1 + g * (1 - s)), dy * g * s], dim=-1).to(z.dtype)
+
+
+@torch.library.custom_op("codetta::rmsnorm_swiglu", mutates_args=())
+def _rmsnorm_swiglu_op(
+    x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, eps: float, u: Optional[Tensor], rstd: Optional[Tensor]
+) -> tuple[Tensor, Tensor, Tensor]:
+    d, f = x.shape[-1], w_gate.shape[0]
+    x2 = x.reshape(-1, d)
+    if u is None or rstd is None:
+        u, rstd = rmsnorm_stats(x2, norm_weight, eps)
+    else:
+        rstd = rstd.reshape(-1).clone()  # an output must not alias an input
+    z = x.new_empty(x2.shape[0], 2 * f)
+    out = gemm(u.reshape(x2.shape), interleave(w_gate.t(), w_up.t()), _forward_program(), rstd=rstd,
+               out={"z_gate": z[:, :f], "z_up": z[:, f:]})
+    return out["y"].reshape(*x.shape[:-1], f), z, rstd
+
+
+@_rmsnorm_swiglu_op.register_fake
+def _(x, norm_weight, w_gate, w_up, eps, u, rstd):
+    m, f = x.numel() // x.shape[-1], w_gate.shape[0]
+    return x.new_empty(*x.shape[:-1], f), x.new_empty(m, 2 * f), x.new_empty(m, dtype=torch.float32)
+
+
+@torch.library.custom_op("codetta::rmsnorm_swiglu_backward", mutates_args=())
+def _rmsnorm_swiglu_backward_op(
+    dy: Tensor, z: Tensor, x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, rstd: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    dz = swiglu_backward(dy.reshape(z.shape[0], -1), z)
+    dx, dg, (dwg, dwu) = rmsnorm_linear_backward(dz, z, x, norm_weight, [w_gate, w_up], rstd)
+    return dx, dg, dwg, dwu
+
+
+@_rmsnorm_swiglu_backward_op.register_fake
+def _(dy, z, x, norm_weight, w_gate, w_up, rstd):
+    return torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(w_gate), torch.empty_like(w_up)
+
+
+def _setup(ctx, inputs, output):
+    x, norm_weight, w_gate, w_up, eps, u, rstd = inputs
+    _, z, rstd_used = output
+    ctx.save_for_backward(z, x, norm_weight, w_gate, w_up, rstd_used)
+
+
+def _backward(ctx, dy, _dz, _drstd):
+    z, x, norm_weight, w_gate, w_up, rstd = ctx.saved_tensors
+    dx, dg, dwg, dwu = _rmsnorm_swiglu_backward_op(dy, z, x, norm_weight, w_gate, w_up, rstd)
+    return dx, dg, dwg, dwu, None, None, None
+
+
+_rmsnorm_swiglu_op.register_autograd(_backward, setup_context=_setup)
+
+
+def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, eps: float = 1e-6, *, stats=None):
+    """``silu(h W_g^T) * (h W_u^T)`` with h = ``F.rms_norm(x, (d,), norm_weight, eps)``, fused.
+
+    Args:
+        x: [..., d]; norm_weight: [d]; w_gate, w_up: [F, d] as nn.Linear stores them.
+        stats: optional (u, rstd) from :func:`codetta.ops.linear_residual`.
+    Returns:
+        y [..., F] in x's dtype.
+    """
+    _check_norm_inputs(x, norm_weight, [w_gate, w_up])
+    if w_gate.shape != w_up.shape:
+        raise ValueError(f"w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} differ")
+    u, rstd = stats if stats is not None else (None, None)
+    return _rmsnorm_swiglu_op(x, norm_weight, w_gate, w_up, float(eps), u, rstd)[0]
+
+
+def rmsnorm_swiglu_reference(x, norm_weight, w_gate, w_up, eps=1e-6):
+    h = F.rms_norm(x, (x.shape[-1],), norm_weight, eps)
+    return F.silu(F.linear(h, w_gate)) * F.linear(h, w_up)
