@@ -150,11 +150,18 @@ def _(x, norm_weight, weights, eps, u, rstd):
     return x.new_empty(*x.shape[:-1], n), x.new_empty(m, dtype=torch.float32)
 
 
-def rmsnorm_linear_backward(dz: Tensor, z: Tensor, x: Tensor, norm_weight: Tensor, weights: list[Tensor], rstd: Tensor):
-    """(dx, dnorm_weight, [dW_i]) of z = RMSNorm(x) W^T given dz (see the module doc for the math)."""
+def row_dot(a: Tensor, b: Tensor) -> Tensor:
+    """sum_k a_ik b_ik in fp32, [M] (zdz of the norm backward)."""
+    return (a.reshape(-1, a.shape[-1]).float() * b.reshape(-1, b.shape[-1]).float()).sum(-1)
+
+
+def rmsnorm_linear_backward(dz: Tensor, zdz: Tensor, x: Tensor, norm_weight: Tensor, weights: list[Tensor], rstd: Tensor):
+    """(dx, dnorm_weight, [dW_i]) of z = RMSNorm(x) W^T given dz and zdz_i = sum_k z_ik dz_ik.
+
+    z here is the GEMM's own output r ⊙row (u W^T), before any bias (see the module doc).
+    """
     d = x.shape[-1]
-    x2, z2, dz2 = x.reshape(-1, d), z.reshape(-1, z.shape[-1]), dz.reshape(-1, dz.shape[-1]).contiguous()
-    zdz = (z2.float() * dz2.float()).sum(-1)
+    x2, dz2 = x.reshape(-1, d), dz.reshape(-1, dz.shape[-1]).contiguous()
     out = gemm(dz2, _weight_k(weights), _consumer_backward(), rstd=rstd, norm_weight=norm_weight, x=x2,
                correction=zdz * rstd * rstd / d)
     dweights = [gemm(part.t(), out["h"]) for part in _split_columns(dz2, weights)]
@@ -165,7 +172,7 @@ def rmsnorm_linear_backward(dz: Tensor, z: Tensor, x: Tensor, norm_weight: Tenso
 def _rmsnorm_linear_backward_op(
     dz: Tensor, z: Tensor, x: Tensor, norm_weight: Tensor, weights: list[Tensor], rstd: Tensor
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
-    return rmsnorm_linear_backward(dz, z, x, norm_weight, weights, rstd)
+    return rmsnorm_linear_backward(dz, row_dot(z, dz), x, norm_weight, weights, rstd)
 
 
 @_rmsnorm_linear_backward_op.register_fake

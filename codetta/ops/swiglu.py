@@ -30,7 +30,7 @@ from torch import Tensor
 
 from .. import epilogue as ep
 from ..matmul import gemm, interleave
-from .rmsnorm import _check_norm_inputs, rmsnorm_linear_backward, rmsnorm_stats
+from .rmsnorm import _check_norm_inputs, rmsnorm_linear_backward, rmsnorm_stats, row_dot
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,7 +78,7 @@ def _rmsnorm_swiglu_backward_op(
     dy: Tensor, z: Tensor, x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, rstd: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     dz = swiglu_backward(dy.reshape(z.shape[0], -1), z)
-    dx, dg, (dwg, dwu) = rmsnorm_linear_backward(dz, z, x, norm_weight, [w_gate, w_up], rstd)
+    dx, dg, (dwg, dwu) = rmsnorm_linear_backward(dz, row_dot(z, dz), x, norm_weight, [w_gate, w_up], rstd)
     return dx, dg, dwg, dwu
 
 

@@ -1,0 +1,239 @@
+"""RMSNorm -> QKV projection -> RoPE on q and k, in one GEMM; and its backward.
+
+Columns of qkv [M, (H_q + 2 H_kv) D]: the H_q query heads, then the H_kv key heads, then
+the H_kv value heads, each D = head_dim wide (GQA when H_q != H_kv). With
+h = RMSNorm(x) (:mod:`codetta.ops.rmsnorm`) and an optional bias b:
+
+    z = r ⊙row (u W_qkv^T) + b
+
+RoPE (Hugging Face's ``rotate_half`` convention) rotates, inside the first R = rotary_dim
+columns of every q and k head, column t < R/2 with column t + R/2 by the angle
+theta = position_i * inv_freq_t:
+
+    out_t = z_t cos(theta) - z_{t+R/2} sin(theta),   out_{t+R/2} = z_{t+R/2} cos(theta) + z_t sin(theta)
+
+(times HF's ``attention_scaling``). In the epilogue, these are column pairs inside
+segments of R columns (``epilogue.pairs(z, segment=R)``); v heads and the columns past R
+of a head get frequency 0: a rotation by exactly 0, the identity.
+
+Accurate angles. theta reaches 10^6 radians at positions near 2^20; fp32 products are
+then off by up to 0.06 radians (as Hugging Face's own fp32 tables are). The epilogue
+computes theta = p f exactly as a pair p f = P + e (P = fl(p f), e = fma(p, f, -P)),
+reduces P modulo 2 pi with k = round(P / 2 pi) and 2 pi split in two fp32 constants
+(fma(-k, C1, P) is exact: see :func:`_reduced_angle`), and adds e last: errors ~1e-6
+radians at any position below 2^24.
+
+Backward, given dqkv: the inverse rotation (angle -theta) gives dz; a rotation keeps
+inner products (and with the scale s: qkv = s R z, dz = s R^T dqkv, so qkv . dqkv = z . dz),
+so zdz_i = sum_k (z_ik - b_k) dz_ik = sum_k qkv_ik dqkv_ik - sum_k b_k dz_ik needs no un-rotated z; then the norm-backward GEMM of
+:func:`codetta.ops.rmsnorm.rmsnorm_linear_backward`, dW_i = dz_i^T h and db = sum_i dz_i.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import epilogue as ep
+from ..matmul import gemm
+from .rmsnorm import _check_norm_inputs, _weight_t, rmsnorm_linear_backward, rmsnorm_stats, row_dot
+
+_TWO_PI_HI = float(torch.tensor(2 * math.pi, dtype=torch.float32))  # 2 pi rounded to fp32
+_TWO_PI_LO = 2 * math.pi - _TWO_PI_HI  # the rest, |.| < 2^-22
+
+
+def _reduced_angle(pos, freq):
+    """theta = pos * freq reduced to about [-pi, pi], accurate to ~1e-6 rad for integer pos < 2^24.
+
+    P = fl(pos freq) and e = fma(pos, freq, -P) = pos freq - P exactly. k = round(P / 2 pi).
+    fma(-k, C1, P) is exact: k C1 and P are multiples of ulp(C1) = 2^-21 (P is larger than
+    C1 whenever k != 0) and the result lies within 4 of 0, where such multiples are fp32.
+    """
+    prod = pos * freq
+    err = ep.fma(pos, freq, -prod)
+    k = ep.floor(prod * (1.0 / (2 * math.pi)) + 0.5)
+    r = ep.fma(-k, _TWO_PI_HI, prod)
+    return ep.fma(-k, _TWO_PI_LO, r) + err
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_program(rotary_dim: int, with_bias: bool) -> ep.Program:
+    p = ep.Program(f"rmsnorm_qkv_rope_r{rotary_dim}" + ("_bias" if with_bias else ""))
+    z = p.acc * p.row("rstd")
+    if with_bias:
+        z = z + p.col("bias")
+    x1, x2 = ep.pairs(z, segment=rotary_dim)
+    theta = _reduced_angle(p.row("positions"), p.col("freq", ep.HALF))
+    scale = p.col("scale", ep.HALF)  # attention_scaling on rotated pairs, 1 on the others
+    cos, sin = ep.cos(theta) * scale, ep.sin(theta) * scale
+    p.store("qkv", ep.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin, segment=rotary_dim))
+    return p
+
+
+@functools.lru_cache(maxsize=64)
+def _pair_layout(n_q: int, n_kv: int, head_dim: int, rotary_dim: int, device: torch.device):
+    """(frequency index, rotated?) of every column pair of qkv, for a gather from inv_freq."""
+    half = rotary_dim // 2
+    pair = torch.arange((n_q + 2 * n_kv) * head_dim // 2, device=device)
+    col = (pair // half) * rotary_dim + pair % half  # the first column of each pair
+    in_head = col % head_dim
+    rotated = (in_head < rotary_dim) & (col < (n_q + n_kv) * head_dim)
+    return in_head.clamp_max(half - 1), rotated
+
+
+def pair_frequencies(inv_freq: Tensor, n_q: int, n_kv: int, head_dim: int, rotary_dim: int, scale: float):
+    """(frequency, amplitude) of every column pair of qkv, [N/2] fp32 each: (inv_freq, scale) on
+    rotated pairs, (0, 1) on the others (a rotation by exactly 0). No host sync."""
+    index, rotated = _pair_layout(n_q, n_kv, head_dim, rotary_dim, inv_freq.device)
+    return torch.where(rotated, inv_freq.float()[index], 0.0), torch.where(rotated, scale, 1.0)
+
+
+def _rotate(t: Tensor, positions: Tensor, inv_freq: Tensor, n_q: int, n_kv: int, head_dim: int, rotary_dim: int,
+            scale: float, inverse: bool) -> Tensor:
+    """RoPE (or its inverse) of qkv-shaped t [M, N] in plain PyTorch, angles in fp64."""
+    m = t.shape[0]
+    half = rotary_dim // 2
+    theta = positions.double().reshape(-1, 1) * inv_freq.double().reshape(1, -1)[:, :half]
+    cos, sin = (torch.cos(theta) * scale).float(), (torch.sin(theta) * scale).float()
+    if inverse:
+        sin = -sin
+    heads = t.float().reshape(m, -1, head_dim)
+    rot = heads[:, : n_q + n_kv, :rotary_dim]
+    x1, x2 = rot[..., :half], rot[..., half:]
+    out = heads.clone()
+    out[:, : n_q + n_kv, :half] = x1 * cos[:, None] - x2 * sin[:, None]
+    out[:, : n_q + n_kv, half:rotary_dim] = x2 * cos[:, None] + x1 * sin[:, None]
+    return out.reshape(m, -1)
+
+
+@torch.library.custom_op("codetta::rmsnorm_qkv_rope", mutates_args=())
+def _qkv_rope_op(
+    x: Tensor, norm_weight: Tensor, weights: list[Tensor], bias: Optional[Tensor], positions: Tensor,
+    inv_freq: Tensor, n_q: int, n_kv: int, head_dim: int, rotary_dim: int, attention_scaling: float, eps: float,
+    u: Optional[Tensor], rstd: Optional[Tensor],
+) -> tuple[Tensor, Tensor]:
+    d = x.shape[-1]
+    x2 = x.reshape(-1, d)
+    if u is None or rstd is None:
+        u, rstd = rmsnorm_stats(x2, norm_weight, eps)
+    else:
+        rstd = rstd.reshape(-1).clone()  # an output must not alias an input
+    freq, scale = pair_frequencies(inv_freq, n_q, n_kv, head_dim, rotary_dim, attention_scaling)
+    operands = dict(rstd=rstd, positions=positions.reshape(-1), freq=freq, scale=scale)
+    if bias is not None:
+        operands["bias"] = bias
+    qkv = gemm(u.reshape(x2.shape), _weight_t(weights), _forward_program(rotary_dim, bias is not None), **operands)["qkv"]
+    return qkv.reshape(*x.shape[:-1], qkv.shape[-1]), rstd
+
+
+@_qkv_rope_op.register_fake
+def _(x, norm_weight, weights, bias, positions, inv_freq, n_q, n_kv, head_dim, rotary_dim, attention_scaling, eps, u,
+      rstd):
+    m = x.numel() // x.shape[-1]
+    return x.new_empty(*x.shape[:-1], (n_q + 2 * n_kv) * head_dim), x.new_empty(m, dtype=torch.float32)
+
+
+@torch.library.custom_op("codetta::rmsnorm_qkv_rope_backward", mutates_args=())
+def _qkv_rope_backward_op(
+    dqkv: Tensor, qkv: Tensor, x: Tensor, norm_weight: Tensor, weights: list[Tensor], bias: Optional[Tensor],
+    positions: Tensor, inv_freq: Tensor, n_q: int, n_kv: int, head_dim: int, rotary_dim: int,
+    attention_scaling: float, rstd: Tensor,
+) -> tuple[Tensor, Tensor, list[Tensor], Tensor]:
+    n = qkv.shape[-1]
+    dqkv2 = dqkv.reshape(-1, n)
+    dz = _rotate(dqkv2, positions.reshape(-1), inv_freq, n_q, n_kv, head_dim, rotary_dim, attention_scaling, True)
+    zdz = row_dot(qkv, dqkv2)  # = sum z dz: dz = (s R)^T dqkv where qkv = (s R) z
+    if bias is not None:
+        zdz = zdz - dz @ bias.float()
+    dx, dg, dws = rmsnorm_linear_backward(dz.to(qkv.dtype), zdz, x, norm_weight, weights, rstd)
+    dbias = dz.sum(0).to(bias.dtype) if bias is not None else dz.new_empty(0)
+    return dx, dg, dws, dbias
+
+
+@_qkv_rope_backward_op.register_fake
+def _(dqkv, qkv, x, norm_weight, weights, bias, positions, inv_freq, n_q, n_kv, head_dim, rotary_dim, attention_scaling,
+      rstd):
+    dbias = torch.empty_like(bias) if bias is not None else qkv.new_empty(0, dtype=torch.float32)
+    return torch.empty_like(x), torch.empty_like(norm_weight), [torch.empty_like(w) for w in weights], dbias
+
+
+def _setup(ctx, inputs, output):
+    (x, norm_weight, weights, bias, positions, inv_freq, n_q, n_kv, head_dim, rotary_dim, scale, eps, u, rstd) = inputs
+    qkv, rstd_used = output
+    ctx.meta = (n_q, n_kv, head_dim, rotary_dim, scale, len(weights), bias is not None)
+    ctx.save_for_backward(qkv, x, norm_weight, positions, inv_freq, rstd_used,
+                          bias if bias is not None else qkv.new_empty(0), *weights)
+
+
+def _backward(ctx, dqkv, _drstd):
+    qkv, x, norm_weight, positions, inv_freq, rstd, bias, *weights = ctx.saved_tensors
+    n_q, n_kv, head_dim, rotary_dim, scale, _, has_bias = ctx.meta
+    dx, dg, dws, dbias = _qkv_rope_backward_op(dqkv, qkv, x, norm_weight, weights, bias if has_bias else None,
+                                               positions, inv_freq, n_q, n_kv, head_dim, rotary_dim, scale, rstd)
+    return (dx, dg, dws, dbias if has_bias else None) + (None,) * 10
+
+
+_qkv_rope_op.register_autograd(_backward, setup_context=_setup)
+
+
+def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w_v: Tensor, positions: Tensor,
+                     inv_freq: Tensor, *, head_dim: int, rotary_dim: int | None = None, attention_scaling: float = 1.0,
+                     bias: tuple | None = None, eps: float = 1e-6, stats=None):
+    """q, k, v = RoPE(RMSNorm(x) W_q^T + b_q), RoPE(RMSNorm(x) W_k^T + b_k), RMSNorm(x) W_v^T + b_v, fused.
+
+    Args:
+        x: [..., d]; norm_weight: [d]; w_q: [H_q D, d]; w_k, w_v: [H_kv D, d].
+        positions: the position of every token, [...] like x's leading dims (integers < 2^24).
+        inv_freq: [rotary_dim / 2] fp32: the model's own rotary frequencies (HF's ``inv_freq``).
+        head_dim: D; rotary_dim: R (default D) with D a multiple of R (partial rotary), R a
+            power of two. attention_scaling: HF's factor on cos and sin (rope scaling types).
+        bias: optional (b_q, b_k, b_v) (Qwen2). stats: optional (u, rstd) from linear_residual.
+    Returns:
+        (q, k, v): [..., H_q D], [..., H_kv D], [..., H_kv D], views of one qkv tensor.
+    """
+    weights = [w_q, w_k, w_v]
+    _check_norm_inputs(x, norm_weight, weights)
+    rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
+    nq, nk = divmod(w_q.shape[0], head_dim), divmod(w_k.shape[0], head_dim)
+    if nq[1] or nk[1] or w_v.shape != w_k.shape:
+        raise ValueError(f"q/k/v weights {[tuple(w.shape) for w in weights]} are not whole heads of {head_dim}")
+    if rotary_dim < 2 or rotary_dim & (rotary_dim - 1) or head_dim % rotary_dim:
+        raise ValueError(f"rotary_dim {rotary_dim} must be a power of two dividing head_dim {head_dim}")
+    if inv_freq.shape != (rotary_dim // 2,):
+        raise ValueError(f"inv_freq must be [{rotary_dim // 2}], got {tuple(inv_freq.shape)}")
+    if positions.numel() != x.numel() // x.shape[-1] or positions.is_floating_point():
+        raise ValueError(f"positions must be integers, one per token of x {tuple(x.shape[:-1])}, got {tuple(positions.shape)}")
+    b = None
+    if bias is not None:
+        b = torch.cat([t.reshape(-1) for t in bias])
+        if b.shape[0] != sum(w.shape[0] for w in weights):
+            raise ValueError("bias must be (b_q, b_k, b_v) matching the weights")
+    u, rstd = stats if stats is not None else (None, None)
+    qkv = _qkv_rope_op(x, norm_weight, weights, b, positions, inv_freq.float(), nq[0], nk[0], head_dim, rotary_dim,
+                       float(attention_scaling), float(eps), u, rstd)[0]
+    return tuple(torch.split(qkv, [w.shape[0] for w in weights], dim=-1))
+
+
+def rmsnorm_qkv_rope_reference(x, norm_weight, w_q, w_k, w_v, positions, inv_freq, *, head_dim, rotary_dim=None,
+                               attention_scaling=1.0, bias=None, eps=1e-6):
+    """The same math unfused: F.rms_norm, F.linear, and HF's rotate_half RoPE with fp64 angles."""
+    h = torch.nn.functional.rms_norm(x, (x.shape[-1],), norm_weight, eps)
+    bias = bias or (None, None, None)
+    q, k, v = (torch.nn.functional.linear(h, w, b) for w, b in zip((w_q, w_k, w_v), bias))
+    rotary_dim = rotary_dim or head_dim
+    theta = positions.reshape(*positions.shape, 1).double() * inv_freq.double()
+    cos = (torch.cos(theta) * attention_scaling).to(x.dtype).unsqueeze(-2)
+    sin = (torch.sin(theta) * attention_scaling).to(x.dtype).unsqueeze(-2)
+
+    def rope(t):
+        heads = t.reshape(*t.shape[:-1], -1, head_dim)
+        rot, rest = heads[..., :rotary_dim], heads[..., rotary_dim:]
+        x1, x2 = rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2:]
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return torch.cat([rotated, rest], dim=-1).reshape(t.shape)
+
+    return rope(q), rope(k), v
