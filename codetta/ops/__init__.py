@@ -1,6 +1,9 @@
 """Transformer operators built from epilogue programs."""
 
+from .cross_entropy import linear_cross_entropy
 from .linear import linear
 from .rmsnorm import linear_residual, rmsnorm_linear
+from .rope import rmsnorm_qkv_rope
+from .swiglu import rmsnorm_swiglu
 
-__all__ = ["linear", "linear_residual", "rmsnorm_linear"]
+__all__ = ["linear_cross_entropy", "linear", "linear_residual", "rmsnorm_linear", "rmsnorm_qkv_rope", "rmsnorm_swiglu"]
