@@ -60,23 +60,23 @@ def candidates(*, elem_bytes: int, min_bn: int, n_parts_sizes=(), m: int = 0, n:
     ``min_bn``: the smallest tile width the program's epilogue needs (segments fit whole);
     ``n_parts_sizes``: sizes along N of all B parts but the last (on the TMA path a tile
     must not straddle them; the caller passes () for the pointer path). Configs whose
-    tiles are far larger than the problem are dropped.
+    tiles are far larger than the problem are dropped (all but the smallest, if need be).
     """
-    out = []
+    fitting, small = [], []
     for bm, bn, bk, group, stages, warps, split, ws in _HOPPER_16 if elem_bytes <= 2 else _HOPPER_32:
         if bn // split < min_bn:
             if split > 1:
                 continue
             bn = min_bn
         cfg = Config(bm, bn, bk, group, stages, warps, split, ws)
-        if cfg in out or cfg.smem_bytes(elem_bytes) > _SMEM_LIMIT:
+        if cfg in fitting + small or cfg.smem_bytes(elem_bytes) > _SMEM_LIMIT:
             continue
         if any(size % cfg.BN for size in n_parts_sizes):
             continue
-        if (m and m <= bm // 2 and bm > 64) or (n and n <= bn // 2 and bn > max(64, min_bn)):
-            continue
-        out.append(cfg)
-    return out
+        oversized = (m and m <= bm // 2 and bm > 64) or (n and n <= bn // 2 and bn > max(64, min_bn))
+        (small if oversized else fitting).append(cfg)
+    # A tiny problem keeps the smallest tiles rather than nothing.
+    return fitting or sorted(small, key=lambda c: (c.BM * c.BN, c.STAGES))[:1]
 
 
 def interpreter_config(*, min_bn: int, n_parts_sizes=()):
