@@ -103,6 +103,7 @@ def main():
                              rel_err=err.item(),
                              **_plan(a, b)))
             print(rows[-1], flush=True)
+            _save(rows, args.quick)
         a = torch.randn(m, k, device="cuda", dtype=dtype)
         w = torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5
         ops = {"r": torch.rand(m, device="cuda") + 0.5, "res": torch.randn(m, n, device="cuda", dtype=dtype),
@@ -119,13 +120,34 @@ def main():
                              tflops=flops / t_fused / 1e9, vs_plain=t_fused / t_plain, graph_vs_plain=g_fused / g_plain, eager_ms=t_eager,
                              eager_vs_fused=t_eager / t_fused, **_plan(a, w.t(), prog, **needed)))
             print(rows[-1], flush=True)
-    cols = ["shape", "layout", "op", "ms", "cublas_ms", "tflops", "vs_cublas", "graph_vs_cublas", "vs_plain",
+            _save(rows, args.quick)
+    print(_save(rows, args.quick))
+
+
+COLUMNS = ["shape", "layout", "op", "ms", "cublas_ms", "tflops", "vs_cublas", "graph_vs_cublas", "vs_plain",
             "graph_vs_plain", "eager_ms", "eager_vs_fused",
             "rel_err", "path", "config"]
-    table = markdown_table(rows, cols)
-    print(table)
-    path = write_results("gemm" + ("_quick" if args.quick else ""), rows, table)
-    print("wrote", path)
+
+
+def _summary(rows):
+    """The issue's targets: plain GEMM throughput vs cuBLAS (median per layout), fused time vs plain."""
+    lines = ["", "| summary (GPU time, CUDA graphs) | value |", "|---|---|"]
+    for layout in ("fwd", "dgrad", "wgrad"):
+        vals = sorted(r["graph_vs_cublas"] for r in rows if r["op"] == "plain" and r["layout"] == layout)
+        if vals:
+            lines.append(f"| plain {layout}: median throughput vs cuBLAS | {vals[len(vals) // 2]:.3f} |")
+    for op in ("rowscale", "swiglu", "residual_sumsq"):
+        vals = [r["graph_vs_plain"] for r in rows if r["op"] == op]
+        if vals:
+            lines.append(f"| {op}: time vs plain GEMM, worst / median | {max(vals):.3f} / {sorted(vals)[len(vals) // 2]:.3f} |")
+    return "\n".join(lines)
+
+
+def _save(rows, quick):
+    """Write what is measured so far (a run cut short still leaves its rows)."""
+    table = markdown_table(rows, COLUMNS) + "\n" + _summary(rows)
+    write_results("gemm" + ("_quick" if quick else ""), rows, table)
+    return table
 
 
 if __name__ == "__main__":
