@@ -313,7 +313,7 @@ def epilogue(
 
 @triton.jit
 def {kname}(
-    a, a_s0, a_s1, b0, b1, b2, b3, b_s0, b_s1, b_starts, M, N, K,
+    a, a_s0, a_s1, b0, b1, b2, b3, b_s0, b_s1, b_starts, b_ends, M, N, K,
 {args}
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     STAGES: tl.constexpr, EPI_SPLIT: tl.constexpr, WARP_SPEC: tl.constexpr, NUM_B: tl.constexpr, B_PARTS: tl.constexpr,
@@ -334,9 +334,9 @@ def {kname}(
 '''
 
 _MAINLOOP = {
-    "tma": "        acc = mma_tma(a, (b0, b1, b2, b3), b_starts, off_m, off_n, K,\n"
+    "tma": "        acc = mma_tma(a, (b0, b1, b2, b3), b_starts, b_ends, off_m, off_n, K,\n"
     "                      BM, BN, BK, NUM_B, B_PARTS, A_KM, B_KN, INTERPRET, PRECISION, STAGES)",
-    "ptr": "        acc = mma_ptr(a, a_s0, a_s1, (b0, b1, b2, b3), b_s0, b_s1, b_starts, off_m, off_n, M, N, K,\n"
+    "ptr": "        acc = mma_ptr(a, a_s0, a_s1, (b0, b1, b2, b3), b_s0, b_s1, b_starts, b_ends, off_m, off_n, M, N, K,\n"
     "                      BM, BN, BK, NUM_B, B_PARTS, INTERPRET, PRECISION, STAGES)",
 }
 

@@ -127,6 +127,7 @@ class _Call:
         self.part_sizes = sizes[:-1] if self.b_parts == "n" else []
         self.N = {"n": sum(sizes), "k": shapes[0][1], "interleave": 2 * shapes[0][1]}[self.b_parts]
         self.starts = tuple(int(sum(sizes[:i])) for i in range(len(parts)))
+        self.ends = tuple(int(sum(sizes[: i + 1])) for i in range(len(parts)))
         self._check_segments()
         self.operands = self._check_operands(operands)
         self.given = operands  # as passed: an accumulating store returns the caller's tensor, in its shape
@@ -323,7 +324,7 @@ class _Launch:
             b_s1 = tuple(t.stride(1) for t in c.parts)
         # Triton's launcher takes no descriptors inside tuples: B's parts go as four arguments.
         b_args = [*b_arg, *([None] * (_MAX_B_PARTS - len(b_arg)))]
-        args = [a_arg, *a_s, *b_args, b_s0, b_s1, c.starts, c.M, c.N, c.K]
+        args = [a_arg, *a_s, *b_args, b_s0, b_s1, c.starts, c.ends, c.M, c.N, c.K]
         for name, kind in kernel_args(c.program, self.path):
             args.append(self._arg(name, kind, partials))
         tiles = triton.cdiv(c.M, cfg.BM) * triton.cdiv(c.N, cfg.BN)

@@ -13,10 +13,10 @@ Operand layouts. The GEMM is ``acc[M, N] = A[M, K] @ B[K, N]``:
 
 B may come in up to four parts (``NUM_B``) read as one, without a copy; ``B_PARTS`` says how:
 
-* ``"n"``: concatenated along N (forward: W_q, W_k, W_v of a QKV projection),
-  ``b_starts[i]`` being the first column of part i;
-* ``"k"``: concatenated along K (dgrad: dx = dq W_q + dk W_k + dv W_v), ``b_starts[i]``
-  being the first row of part i;
+* ``"n"``: concatenated along N (forward: W_q, W_k, W_v of a QKV projection), part i
+  holding columns [b_starts[i], b_ends[i]);
+* ``"k"``: concatenated along K (dgrad: dx = dq W_q + dk W_k + dv W_v), part i holding
+  rows [b_starts[i], b_ends[i]);
 * ``"interleave"``: two parts [K, N/2] whose columns alternate (column 2j is column j of
   part 0, 2j + 1 column j of part 1): gate and up projections side by side, so that a
   SwiGLU epilogue finds each (gate, up) pair in adjacent columns. Two accumulators of
@@ -92,7 +92,7 @@ def _dot2_tma(a_desc, b0_desc, b1_desc, off_m, off_n, K,
 
 
 @triton.jit
-def mma_tma(a_desc, b_descs, b_starts, off_m, off_n, K,
+def mma_tma(a_desc, b_descs, b_starts, b_ends, off_m, off_n, K,
             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_B: tl.constexpr,
             B_PARTS: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr,
             INTERPRET: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
@@ -109,11 +109,7 @@ def mma_tma(a_desc, b_descs, b_starts, off_m, off_n, K,
         acc = tl.reshape(tl.join(acc0, acc1), [BM, BN])
     elif B_PARTS == "k":
         for i in tl.static_range(NUM_B):
-            if i == NUM_B - 1:
-                k_end = K
-            else:
-                k_end = b_starts[i + 1]
-            acc = _dot_tma(acc, a_desc, b_descs[i], off_m, off_n, b_starts[i], k_end - b_starts[i],
+            acc = _dot_tma(acc, a_desc, b_descs[i], off_m, off_n, b_starts[i], b_ends[i] - b_starts[i],
                            BK, A_KM, B_KN, INTERPRET, PRECISION, STAGES)
     else:
         part = 0
@@ -147,7 +143,7 @@ def _dot_ptr(acc, a_ptr, stride_am, stride_ak, b_ptr, b_stride_k, b_step, rm, rk
 
 
 @triton.jit
-def mma_ptr(a_ptr, stride_am, stride_ak, b_ptrs, b_strides_k, b_strides_n, b_starts,
+def mma_ptr(a_ptr, stride_am, stride_ak, b_ptrs, b_strides_k, b_strides_n, b_starts, b_ends,
             off_m, off_n, M, N, K,
             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_B: tl.constexpr, B_PARTS: tl.constexpr,
             INTERPRET: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
@@ -160,12 +156,8 @@ def mma_ptr(a_ptr, stride_am, stride_ak, b_ptrs, b_strides_k, b_strides_n, b_sta
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if B_PARTS == "k":
         for i in tl.static_range(NUM_B):
-            if i == NUM_B - 1:
-                k_end = K
-            else:
-                k_end = b_starts[i + 1]
             acc = _dot_ptr(acc, a_ptr, stride_am, stride_ak, b_ptrs[i], b_strides_k[i], BK * b_strides_k[i], rm, rk,
-                           rn[None, :] * b_strides_n[i], m_ok, n_ok, b_starts[i], k_end - b_starts[i],
+                           rn[None, :] * b_strides_n[i], m_ok, n_ok, b_starts[i], b_ends[i] - b_starts[i],
                            BK, INTERPRET, PRECISION, STAGES)
     else:
         # Each column reads from the part that holds it: per-column base pointer and step.
