@@ -255,7 +255,7 @@ def _call(**changes):
     ],
 )
 def test_bad_inputs(changes, message):
-    if DEVICE == "cuda" and "target[" in message:
+    if DEVICE == "cuda" and "target\\[" in message:
         pytest.skip("on a GPU out-of-range targets raise a device-side assert (no host sync), fatal to the process")
     with pytest.raises(ValueError, match=message):
         _call(**changes)
