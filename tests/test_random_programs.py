@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 
 import codetta
 from codetta import epilogue as ep
+from conftest import DEVICE
 
 _LIMIT = 100.0  # no intermediate value may exceed this bound (typical magnitude)
 _EXACT_BITS = 22  # an exact value needs |v| * 2**frac_bits < 2**22 (fp32 has 24)
@@ -185,8 +186,15 @@ class ProgramWriter:
         return self.pick(options, x.width, exact_only)
 
     def pick(self, options, width, exact_only):
-        """Draw one of ``options`` (text -> (mag, exact)) within the magnitude limit."""
-        allowed = {t: v for t, v in options.items() if v[0] <= _LIMIT and (v[1] is not None or not exact_only)}
+        """Draw one of ``options`` (text -> (mag, exact)) within the magnitude limit.
+
+        When none is within it (an argument already near the limit), the smallest one.
+        """
+        options = {t: v for t, v in options.items() if v[1] is not None or not exact_only}
+        allowed = {t: v for t, v in options.items() if v[0] <= _LIMIT}
+        if not allowed:
+            text = min(options, key=lambda t: options[t][0])
+            allowed = {text: options[text]}
         text = self.choose(sorted(allowed))
         return Val(text, width, *allowed[text])
 
@@ -252,8 +260,10 @@ class ProgramWriter:
 
     def fma(self, width, depth, exact_only):
         x, y, z = self.operands_of(width, depth, exact_only, n=3)
-        if x.mag * y.mag + z.mag > _LIMIT:  # squash one factor (y may be the constant, x never is)
+        if x.mag * y.mag + z.mag > _LIMIT:  # squash the factors (y may be the constant, x never is)
             x = Val(f"ep.sigmoid({x.text})", x.width, 1.0, None)
+            if not _is_const(y):
+                y = Val(f"ep.sigmoid({y.text})", y.width, 1.0, None)
         text = f"ep.fma({x.text}, {y.text}, {z.text})"
         return Val(text, x.width or y.width or z.width, x.mag * y.mag + z.mag, None)
 
@@ -271,6 +281,7 @@ class ProgramWriter:
         options = {
             f"{t}[0]": (x.mag, ex),
             f"{t}[1]": (x.mag, ex),
+            f"({t}[0] - {t}[1])": (2 * x.mag, ex and _exact(2 * ex[0], ex[1])),
             f"({t}[0] * {t}[1])": (x.mag**2, ex and _exact(ex[0] ** 2, 2 * ex[1])),
             f"(ep.silu({t}[0]) * {t}[1])": (x.mag**2, None),
         }
@@ -303,7 +314,7 @@ def programs(draw):
         z = w.expr(ep.FULL, draw(st.integers(1, 2)))
         w.shared = Val(w.temp(z.text), ep.FULL, z.mag, z.exact)
     for i in range(draw(st.integers(1, 3))):
-        width = w.choose([ep.FULL, ep.FULL, ep.HALF])
+        width = w.choose([ep.FULL, ep.HALF])
         v = w.expr(width, draw(st.integers(1, 4)))
         if v.width is None:  # pragma: no cover - expr(vary=True) always varies
             raise AssertionError(v)
@@ -329,7 +340,7 @@ def build(source):
 
 def _dyadic(gen, shape, lo, hi):
     """Random multiples of 1/4 in [lo, hi]: exact in every dtype the test uses."""
-    return torch.randint(int(lo * 4), int(hi * 4) + 1, shape, generator=gen).float() / 4
+    return (torch.randint(int(lo * 4), int(hi * 4) + 1, shape, generator=gen).float() / 4).to(DEVICE)
 
 
 def make_operands(p, M, N, gen):
@@ -404,6 +415,7 @@ def check_program(source, data, path):
             mp.setenv("CODETTA_PATH", "ptr")
         else:
             mp.delenv("CODETTA_PATH", raising=False)
+        note(f"M, K, N = {M}, {K}, {N}: {codetta.explain(a, b, p, **ops)}")
         got = codetta.gemm(a, b, p, **ops)
     b64 = [t.double() for t in b] if isinstance(b, list) else b.double()
     ref64 = ep.run_reference(p, a.double(), b64, {k: _to64(v) for k, v in ops.items()}, torch.float64)

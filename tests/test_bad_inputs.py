@@ -1,0 +1,545 @@
+"""Bad and unusual inputs: refused with an error that names the problem, or handled correctly.
+
+Refusals are checked with ``pytest.raises(..., match=...)`` on the error class the
+library documents (GemmError for a / b, EpilogueError for programs and their operands
+and outputs; both are ValueErrors). Inputs that are unusual but legal (empty M, N or K,
+strided or misaligned a, poisoned out= buffers, accumulation, leading batch dims) are
+checked against torch. Values are small multiples of 1/4 where a comparison is exact:
+every product and sum of them is exact in fp32.
+"""
+
+import pytest
+import torch
+
+import codetta
+from codetta import EpilogueError, GemmError
+from codetta import epilogue as ep
+from conftest import DEVICE
+
+
+def dyadic(*shape, dtype=torch.float32, lo=-2, hi=2):
+    """Random multiples of 1/4 in [lo, hi]: exact in fp32, bf16 and fp16, and so are their fp32 products."""
+    return (torch.randint(4 * lo, 4 * hi + 1, shape) / 4).to(device=DEVICE, dtype=dtype)
+
+
+def store_program(name="store_acc", dtype=torch.float32):
+    p = ep.Program(name)
+    p.store("y", p.acc, dtype=dtype)
+    return p
+
+
+def operand_program():
+    """y = acc * r + c + x + s: one operand of each kind (row, col, aux, scalar)."""
+    p = ep.Program("one_of_each")
+    p.store("y", p.acc * p.row("r") + p.col("c") + p.aux("x") + p.scalar("s"), dtype=torch.float32)
+    return p
+
+
+def operands(m=8, n=6):
+    return {"r": dyadic(m), "c": dyadic(n), "x": dyadic(m, n), "s": 0.5}
+
+
+def all_outputs_program():
+    """Every kind of output of z = acc + r: stores, row and column reductions, per segment."""
+    p = ep.Program("all_outputs")
+    z = p.acc + p.row("r")
+    p.store("y", z, dtype=torch.float32)
+    p.store("y_lo", z, dtype=torch.bfloat16)
+    p.row_sum("rs", z)
+    p.row_max("rm", z)
+    p.row_logsumexp("lse", z)
+    p.col_sum("cs", z)
+    p.row_sum("seg_sum", z, segment=2)
+    p.row_max("seg_max", z, segment=2)
+    g, u = ep.pairs(z)
+    p.store("h", g * u, dtype=torch.float32)
+    return p
+
+
+def expected_all_outputs(a, b, r):
+    """What all_outputs_program computes, in fp64 torch (a: [M, K], r: [M])."""
+    z = a.double() @ b.double() + r.double()[:, None]
+    m, n = z.shape
+    neg_inf = torch.full((m,), float("-inf"), dtype=torch.float64, device=z.device)
+    segs = z.reshape(m, n // 2, 2)
+    return {
+        "y": z,
+        "y_lo": z,
+        "rs": z.sum(1),
+        "rm": z.amax(1) if n else neg_inf,  # a max over no columns is -inf (torch.amax refuses)
+        "lse": torch.logsumexp(z, 1),
+        "cs": z.sum(0),
+        "seg_sum": segs.sum(2),
+        "seg_max": segs.amax(2),
+        "h": z[:, 0::2] * z[:, 1::2],
+    }
+
+
+def check_reference_agrees(a, b, r):
+    """The reference executor gives the same results as the kernels (empty dims included)."""
+    p = all_outputs_program()
+    check_all_outputs(ep.run_reference(p, a, b, {"r": r}, torch.float64), expected_all_outputs(a, b, r))
+
+
+def check_all_outputs(got, want):
+    assert set(got) == set(want)
+    for name, ref in want.items():
+        out = got[name]
+        assert out.shape == ref.shape, (name, out.shape, ref.shape)
+        tol = {"rtol": 1e-2, "atol": 1e-2} if out.dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+        torch.testing.assert_close(out.double(), ref, **tol, msg=lambda m, name=name: f"output {name!r}: {m}")
+
+
+# --------------------------------------------------------------------------------------
+# a and b
+
+
+def test_mismatched_k_is_refused():
+    """a [8, 5] @ b [4, 6]: K differs, and the message says so (also for one part of a list)."""
+    a = dyadic(8, 5)
+    with pytest.raises(GemmError, match="K differs"):
+        codetta.gemm(a, dyadic(4, 6), store_program())
+    with pytest.raises(GemmError, match="K differs"):
+        codetta.gemm(a, [dyadic(5, 3), dyadic(4, 3)], store_program())
+
+
+@pytest.mark.parametrize("b_dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_mismatched_dtypes_are_refused(b_dtype):
+    """fp32 a with a b of another dtype: refused, naming both dtypes."""
+    with pytest.raises(GemmError, match=rf"a is torch.float32 but b is {b_dtype}"):
+        codetta.gemm(dyadic(8, 5), dyadic(5, 6, dtype=b_dtype), store_program())
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float64])
+def test_unsupported_a_dtype_is_refused(dtype):
+    """Integer (or fp64) a and b: refused, naming the dtype and the ones that are taken."""
+    a, b = dyadic(8, 5).to(dtype), dyadic(5, 6).to(dtype)
+    with pytest.raises(GemmError, match=rf"a has dtype {dtype}; codetta.gemm takes"):
+        codetta.gemm(a, b, store_program())
+
+
+def test_one_dimensional_weight_is_refused():
+    """A 1-d b (or a 1-d nn.Linear weight) is refused as 'must be 2-d', by gemm and by linear."""
+    x, w = dyadic(8, 5), dyadic(5)
+    with pytest.raises(GemmError, match=r"b must be 2-d \[K, N\].*got shape \(5,\)"):
+        codetta.gemm(x, w, store_program())
+    with pytest.raises(GemmError, match=r"weight must be 2-d \[N, K\], got shape \(5,\)"):
+        codetta.linear(x, w)
+
+
+def test_one_dimensional_a_is_refused():
+    with pytest.raises(GemmError, match=r"a must be at least 2-d"):
+        codetta.gemm(dyadic(5), dyadic(5, 6), store_program())
+
+
+def test_non_tensors_are_refused():
+    """a or b that is not a tensor (a nested list) is refused by name, not crashed on."""
+    with pytest.raises(GemmError, match="a must be a torch.Tensor, got list"):
+        codetta.gemm([[1.0, 2.0]], dyadic(2, 6), store_program())
+    with pytest.raises(GemmError, match="b must be a torch.Tensor, got list"):
+        codetta.gemm(dyadic(8, 2), [[[1.0, 2.0]]], store_program())
+
+
+def test_meta_tensors_are_refused():
+    """Tensors on the meta device (no data) give a GemmError naming the device, not a crash in Triton."""
+    meta = torch.device("meta")
+    with pytest.raises(GemmError, match="a is on meta"):
+        codetta.gemm(torch.ones(8, 5, device=meta), torch.ones(5, 6, device=meta), store_program())
+    with pytest.raises(GemmError, match=rf"b is on {DEVICE}.* but a is on meta"):
+        codetta.gemm(torch.ones(8, 5, device=meta), dyadic(5, 6), store_program())
+    with pytest.raises(GemmError, match="b is on meta"):
+        codetta.gemm(dyadic(8, 5), torch.ones(5, 6, device=meta), store_program())
+    ops = operands()
+    ops["r"] = torch.ones(8, device=meta)
+    with pytest.raises(GemmError, match="operand 'r' of program 'one_of_each' is on meta"):
+        codetta.gemm(dyadic(8, 5), dyadic(5, 6), operand_program(), **ops)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a second device: a CUDA GPU besides the CPU")
+def test_operands_on_another_device_are_refused():
+    a = dyadic(8, 5)
+    with pytest.raises(GemmError, match="b is on cpu but a is on cuda"):
+        codetta.gemm(a, dyadic(5, 6).cpu(), store_program())
+    ops = operands()
+    ops["x"] = ops["x"].cpu()
+    with pytest.raises(GemmError, match="operand 'x' .* is on cpu but a is on cuda"):
+        codetta.gemm(a, dyadic(5, 6), operand_program(), **ops)
+
+
+# --------------------------------------------------------------------------------------
+# Programs and their operands
+
+
+def test_program_that_writes_nothing_is_refused():
+    p = ep.Program("silent")
+    p.acc * p.row("r")  # noqa: B018 - a value that is never written
+    with pytest.raises(EpilogueError, match="program 'silent' writes nothing"):
+        codetta.gemm(dyadic(8, 5), dyadic(5, 6), p, r=dyadic(8))
+    with pytest.raises(EpilogueError, match="writes nothing"):
+        codetta.kernel_source(p, "ptr")
+
+
+def test_unknown_operand_is_refused():
+    """An operand the program does not declare: refused, listing the ones it takes."""
+    with pytest.raises(EpilogueError, match=r"has no operand \['rstd'\]; it takes \['c', 'r', 's', 'x'\]"):
+        codetta.gemm(dyadic(8, 5), dyadic(5, 6), operand_program(), rstd=dyadic(8), **operands())
+
+
+@pytest.mark.parametrize("name", ["r", "c", "x", "s"])
+def test_missing_operand_is_refused(name):
+    ops = operands()
+    del ops[name]
+    with pytest.raises(EpilogueError, match=rf"program 'one_of_each' needs operand\(s\) \['{name}'\]"):
+        codetta.gemm(dyadic(8, 5), dyadic(5, 6), operand_program(), **ops)
+
+
+@pytest.mark.parametrize(
+    "name, shape, message",
+    [
+        ("r", (8, 1), r"'r' .* is a row vector: expected \[8\]"),
+        ("r", (1, 8), r"'r' .* is a row vector: expected \[8\]"),
+        ("r", (7,), r"'r' .* is a row vector: expected \[8\]"),
+        ("r", (), r"'r' .* is a row vector: expected \[8\]"),
+        ("c", (5,), r"'c' .* is a column vector: expected \[6\], got \(5,\)"),
+        ("c", (1, 6), r"'c' .* is a column vector: expected \[6\], got \(1, 6\)"),
+        ("c", (6, 1), r"'c' .* is a column vector: expected \[6\], got \(6, 1\)"),
+        ("x", (8, 5), r"'x' .* is a tile: expected \[8, 6\].*got \(8, 5\)"),
+        ("x", (6, 8), r"'x' .* is a tile: expected \[8, 6\].*got \(6, 8\)"),
+        ("x", (48,), r"'x' .* is a tile: expected \[8, 6\].*got \(48,\)"),
+        ("x", (1, 8, 6), r"'x' .* is a tile: expected \[8, 6\].*got \(1, 8, 6\)"),
+    ],
+)
+def test_operand_of_wrong_shape_is_refused(name, shape, message):
+    """Row, column and tile operands of the wrong rank or length: refused with the expected shape."""
+    ops = operands()
+    ops[name] = dyadic(*shape)
+    with pytest.raises(EpilogueError, match=message):
+        codetta.gemm(dyadic(8, 5), dyadic(5, 6), operand_program(), **ops)
+
+
+def test_half_width_operands_given_full_width_are_refused():
+    """A HALF column (or tile) operand has N/2 entries; one of N is refused, with N/2 in the message."""
+    p = ep.Program("half_ops")
+    g, u = ep.pairs(p.acc)
+    p.store("y", g * p.col("ch", ep.HALF) + p.aux("xh", ep.HALF), dtype=torch.float32)
+    a, b = dyadic(8, 5), dyadic(5, 6)
+    with pytest.raises(EpilogueError, match=r"'ch' .* is a column vector: expected \[3\], got \(6,\)"):
+        codetta.gemm(a, b, p, ch=dyadic(6), xh=dyadic(8, 3))
+    with pytest.raises(EpilogueError, match=r"'xh' .* is a tile: expected \[8, 3\].*got \(8, 6\)"):
+        codetta.gemm(a, b, p, ch=dyadic(3), xh=dyadic(8, 6))
+    ch, xh = dyadic(3), dyadic(8, 3)
+    y = codetta.gemm(a, b, p, ch=ch, xh=xh)["y"]
+    acc = a.double() @ b.double()
+    torch.testing.assert_close(y.double(), acc[:, 0::2] * ch.double() + xh.double())
+
+
+@pytest.mark.parametrize("value", [torch.tensor(0.5), torch.ones(1), True, "0.5", None])
+def test_scalar_given_as_non_number_is_refused(value):
+    """A scalar operand takes a Python number: a tensor (even 0-d), a bool or a string is refused."""
+    ops = operands()
+    ops["s"] = value.to(DEVICE) if isinstance(value, torch.Tensor) else value
+    with pytest.raises(EpilogueError, match=r"'s' .* is a scalar: pass a Python number, got"):
+        codetta.gemm(dyadic(8, 5), dyadic(5, 6), operand_program(), **ops)
+
+
+def test_bool_operand_is_refused():
+    ops = operands()
+    ops["r"] = torch.ones(8, dtype=torch.bool, device=DEVICE)
+    with pytest.raises(EpilogueError, match=r"'r' .* has dtype torch.bool; pass a real number type"):
+        codetta.gemm(dyadic(8, 5), dyadic(5, 6), operand_program(), **ops)
+
+
+@pytest.mark.parametrize(
+    "combine",
+    [
+        lambda p, g: g + p.acc,
+        lambda p, g: p.acc * g,
+        lambda p, g: g - p.col("c"),
+        lambda p, g: p.aux("x") / g,
+        lambda p, g: ep.maximum(g, p.col_index()),
+        lambda p, g: ep.where(g > 0.0, p.acc, 0.0),
+        lambda p, g: ep.fma(g, p.acc, 1.0),
+        lambda p, g: ep.join(g, p.acc),
+        lambda p, g: p.acc + p.aux("xh", ep.HALF),
+    ],
+    ids=["add", "mul", "sub_col", "div_aux", "maximum_index", "where", "fma", "join", "aux_half"],
+)
+def test_mixing_full_and_half_widths_is_refused_at_build_time(combine):
+    """A value over the N columns combined with one over the N/2 pairs: an error when the expression is built."""
+    p = ep.Program("mixed")
+    g, _ = ep.pairs(p.acc)
+    with pytest.raises(EpilogueError, match=r"program 'mixed': .* \(width mismatch\)"):
+        combine(p, g)
+
+
+# --------------------------------------------------------------------------------------
+# Outputs
+
+
+@pytest.mark.parametrize("kind", ["row_sum", "row_max", "row_logsumexp", "col_sum", "seg_row_sum"])
+def test_reduction_out_buffer_must_be_fp32(kind):
+    """A reduction is always fp32: an out= buffer of bf16 is refused, and the message says fp32."""
+    p = ep.Program("reduce_" + kind)
+    if kind == "seg_row_sum":
+        p.row_sum("o", p.acc, segment=2)
+        shape = (8, 3)
+    else:
+        getattr(p, kind)("o", p.acc)
+        shape = (6,) if kind == "col_sum" else (8,)
+    buf = torch.zeros(shape, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(EpilogueError, match=r"out\['o'\] .* must be torch.float32 \(a reduction, always fp32\), got torch.bfloat16"):
+        codetta.gemm(dyadic(8, 5), dyadic(5, 6), p, out={"o": buf})
+
+
+def test_store_out_buffer_must_have_the_store_dtype():
+    with pytest.raises(EpilogueError, match=r"out\['y'\] .* must be torch.bfloat16 \(stored as torch.bfloat16\), got torch.float32"):
+        codetta.gemm(dyadic(8, 5), dyadic(5, 6), store_program(dtype=torch.bfloat16), out={"y": torch.zeros(8, 6, device=DEVICE)})
+
+
+@pytest.mark.parametrize(
+    "name, shape, want",
+    [("y", (8, 5), r"\(8, 6\)"), ("y", (6, 8), r"\(8, 6\)"), ("y", (48,), r"\(8, 6\)"), ("rs", (7,), r"\(8,\)"),
+     ("rs", (8, 1), r"\(8,\)"), ("cs", (8,), r"\(6,\)")],
+)
+def test_out_buffer_of_wrong_shape_is_refused(name, shape, want):
+    p = ep.Program("shapes")
+    p.store("y", p.acc, dtype=torch.float32)
+    p.row_sum("rs", p.acc)
+    p.col_sum("cs", p.acc)
+    with pytest.raises(EpilogueError, match=rf"out\['{name}'\] of program 'shapes' must have shape {want}, got"):
+        codetta.gemm(dyadic(8, 5), dyadic(5, 6), p, out={name: torch.zeros(shape, device=DEVICE)})
+
+
+def test_out_buffer_for_something_not_written_is_refused():
+    """out= for a name the program does not write, or for an accumulating store (passed as an operand)."""
+    p = ep.Program("acc_into")
+    p.store("y", p.acc, accumulate=True, dtype=torch.float32)
+    with pytest.raises(EpilogueError, match=r"program 'acc_into' has no output 'z' to write into"):
+        codetta.gemm(dyadic(8, 5), dyadic(5, 6), p, y=dyadic(8, 6), out={"z": torch.zeros(8, 6, device=DEVICE)})
+    with pytest.raises(EpilogueError, match=r"program 'acc_into' has no output 'y' to write into"):
+        codetta.gemm(dyadic(8, 5), dyadic(5, 6), p, y=dyadic(8, 6), out={"y": torch.zeros(8, 6, device=DEVICE)})
+
+
+# --------------------------------------------------------------------------------------
+# Shapes the program cannot take
+
+
+def test_odd_n_with_pairs_is_refused():
+    p = ep.Program("swiglu")
+    g, u = ep.pairs(p.acc)
+    p.store("y", ep.silu(g) * u)
+    with pytest.raises(EpilogueError, match=r"program 'swiglu' pairs columns but N = 7 is odd"):
+        codetta.gemm(dyadic(8, 5), dyadic(5, 7), p)
+
+
+@pytest.mark.parametrize("use", ["row_sum", "segment_sum", "pairs", "half_segment"])
+def test_n_not_a_multiple_of_the_segment_is_refused(use):
+    """Segments of 4 columns with N = 6 (or pairs over N/2 = 3 with segments of 4): refused, naming both."""
+    p = ep.Program("seg4")
+    if use == "row_sum":
+        p.row_sum("o", p.acc, segment=4)
+    elif use == "segment_sum":
+        p.store("o", ep.segment_sum(p.acc, 4))
+    elif use == "pairs":
+        p.store("o", ep.pairs(p.acc, segment=4)[0])
+    else:
+        p.row_sum("o", ep.pairs(p.acc)[0], segment=4)
+    n = 12 if use == "half_segment" else 6  # N/2 = 6 for the half-width value
+    width = "half width 6" if use == "half_segment" else "full width 6"
+    with pytest.raises(EpilogueError, match=rf"program 'seg4' uses segments of 4 columns but its {width} is no multiple of 4"):
+        codetta.gemm(dyadic(8, 5), dyadic(5, n), p)
+
+
+# --------------------------------------------------------------------------------------
+# Empty dimensions
+
+
+def test_empty_m():
+    """M = 0: stores and row reductions are empty, column sums are zeros, as in torch."""
+    a, b, r = dyadic(0, 5), dyadic(5, 6), dyadic(0)
+    check_reference_agrees(a, b, r)
+    got = codetta.gemm(a, b, all_outputs_program(), r=r)
+    want = expected_all_outputs(a, b, r)
+    assert torch.equal(got["cs"], torch.zeros(6, device=DEVICE))
+    check_all_outputs(got, want)
+    assert codetta.gemm(a, b).shape == (0, 6)
+
+
+def test_empty_m_with_batch_dims():
+    """a [2, 0, K]: outputs keep the leading dims, [2, 0, N] and [2, 0]."""
+    got = codetta.gemm(dyadic(2, 0, 5), dyadic(5, 6), all_outputs_program(), r=dyadic(2, 0))
+    assert got["y"].shape == (2, 0, 6) and got["rs"].shape == (2, 0) and got["seg_sum"].shape == (2, 0, 3)
+    assert torch.equal(got["cs"], torch.zeros(6, device=DEVICE))
+
+
+def test_empty_n():
+    """N = 0: row sums are 0, row maxima and logsumexps -inf, stores empty, also accumulating ones."""
+    a, b, r = dyadic(4, 5), dyadic(5, 0), dyadic(4)
+    check_reference_agrees(a, b, r)
+    got = codetta.gemm(a, b, all_outputs_program(), r=r)
+    check_all_outputs(got, expected_all_outputs(a, b, r))
+    assert torch.equal(got["rm"], torch.full((4,), float("-inf"), device=DEVICE))
+
+    p = ep.Program("accumulate_empty")
+    p.store("y", p.acc, accumulate=True, dtype=torch.float32)
+    y = torch.empty(4, 0, device=DEVICE)
+    assert codetta.gemm(a, b, p, y=y)["y"] is y
+
+
+def test_empty_k():
+    """K = 0: acc is zero, like torch.matmul over an empty K; the epilogue still runs on it."""
+    a, b, r = dyadic(9, 0), dyadic(0, 6), dyadic(9)
+    assert torch.equal(codetta.gemm(a, b), torch.matmul(a, b))
+    check_reference_agrees(a, b, r)
+    got = codetta.gemm(a, b, all_outputs_program(), r=r)
+    check_all_outputs(got, expected_all_outputs(a, b, r))
+    assert torch.equal(got["y"], r[:, None].expand(9, 6))
+
+
+# --------------------------------------------------------------------------------------
+# Strided and misaligned a: the pointer path, with the right result
+
+
+def _path(a, b, p):
+    return codetta.explain(a, b, p)["path"]
+
+
+def test_non_contiguous_a():
+    """a[:, ::2] (no unit stride along K): the pointer path, and the right result."""
+    full = dyadic(20, 40)
+    a, b = full[:, ::2], dyadic(20, 12)
+    p = store_program()
+    assert _path(a, b, p) == "ptr"
+    assert torch.equal(codetta.gemm(a, b, p)["y"], a @ b)
+
+
+def test_bf16_rows_not_16_byte_aligned():
+    """bf16 a [M, 5]: 10-byte rows, no TMA descriptor: the pointer path, exact in fp32 for these values."""
+    a, b = dyadic(20, 5, dtype=torch.bfloat16), dyadic(5, 16, dtype=torch.bfloat16)
+    p = store_program()
+    assert _path(a, b, p) == "ptr"
+    assert torch.equal(codetta.gemm(a, b, p)["y"], a.float() @ b.float())
+    assert torch.equal(codetta.gemm(a, b).float(), (a.float() @ b.float()).bfloat16().float())
+
+
+@pytest.mark.parametrize("dtype, offset", [(torch.float32, 1), (torch.bfloat16, 3), (torch.float16, 1)])
+def test_odd_storage_offset(dtype, offset):
+    """a and b as views at an odd element offset into their storage: not 16-byte aligned, still correct."""
+    sa, sb = dyadic(offset + 20 * 16, dtype=dtype), dyadic(offset + 16 * 16, dtype=dtype)
+    a = sa[offset:].view(20, 16)
+    b = sb[offset:].view(16, 16)
+    assert a.data_ptr() % 16 and b.data_ptr() % 16
+    p = store_program()
+    assert _path(a, b, p) == "ptr"
+    assert torch.equal(codetta.gemm(a, b, p)["y"], a.float() @ b.float())
+
+
+# --------------------------------------------------------------------------------------
+# out= buffers and accumulation
+
+
+@pytest.mark.parametrize("path", ["default", "ptr"])
+def test_poisoned_out_buffers_are_overwritten(path, monkeypatch):
+    """out= buffers filled with NaN: every element is written (tiles at ragged edges included)."""
+    if path == "ptr":
+        monkeypatch.setenv("CODETTA_PATH", "ptr")
+    m, k, n = 37, 16, 44
+    a, b, r = dyadic(m, k), dyadic(k, n), dyadic(m)
+    p = all_outputs_program()
+    shapes = {"y": (m, n), "y_lo": (m, n), "rs": (m,), "rm": (m,), "lse": (m,), "cs": (n,),
+              "seg_sum": (m, n // 2), "seg_max": (m, n // 2), "h": (m, n // 2)}
+    out = {name: torch.full(s, float("nan"), device=DEVICE, dtype=torch.bfloat16 if name == "y_lo" else torch.float32)
+           for name, s in shapes.items()}
+    got = codetta.gemm(a, b, p, out=out, r=r)
+    for name, buf in out.items():
+        assert got[name] is buf, f"{name}: the result is not the out= buffer"
+        assert not buf.isnan().any(), f"{name}: {int(buf.isnan().sum())} elements left unwritten"
+    check_all_outputs(got, expected_all_outputs(a, b, r))
+
+
+def test_poisoned_strided_out_buffer():
+    """An out= buffer that is a transposed view (column-major) is written through its strides."""
+    a, b = dyadic(20, 16), dyadic(16, 12)
+    y = torch.full((12, 20), float("nan"), device=DEVICE).t()
+    codetta.gemm(a, b, store_program(), out={"y": y})
+    assert torch.equal(y, a @ b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("path", ["default", "ptr"])
+def test_accumulate_adds_into_prior_values(dtype, path, monkeypatch):
+    """accumulate=True: the tensor passed ends as exactly prior + value (in fp32, then rounded to its dtype)."""
+    if path == "ptr":
+        monkeypatch.setenv("CODETTA_PATH", "ptr")
+    m, k, n = 37, 16, 48
+    a, b, r = dyadic(m, k), dyadic(k, n), dyadic(m)
+    p = ep.Program("accumulate_" + str(dtype).split(".")[-1])
+    p.store("grad", p.acc * p.row("r"), accumulate=True, dtype=dtype)
+    prior = dyadic(m, n, lo=-100, hi=100, dtype=dtype)
+    grad = prior.clone()
+    result = codetta.gemm(a, b, p, r=r, grad=grad)["grad"]
+    assert result is grad
+    want = (prior.float() + (a @ b) * r[:, None]).to(dtype)
+    assert torch.equal(grad, want)
+
+
+def test_accumulate_twice():
+    """Two accumulating calls add twice: prior + 2 value."""
+    a, b = dyadic(10, 8), dyadic(8, 16)
+    p = ep.Program("accumulate_acc")
+    p.store("y", p.acc, accumulate=True, dtype=torch.float32)
+    prior = dyadic(10, 16)
+    y = prior.clone()
+    codetta.gemm(a, b, p, y=y)
+    codetta.gemm(a, b, p, y=y)
+    assert torch.equal(y, prior + 2 * (a @ b))
+
+
+def test_accumulate_dtype_must_match():
+    p = ep.Program("accumulate_fp32")
+    p.store("y", p.acc, accumulate=True, dtype=torch.float32)
+    with pytest.raises(EpilogueError, match=r"'y' .* is accumulated into as torch.float32, got torch.bfloat16"):
+        codetta.gemm(dyadic(8, 5), dyadic(5, 6), p, y=dyadic(8, 6, dtype=torch.bfloat16))
+
+
+# --------------------------------------------------------------------------------------
+# Leading batch dims
+
+
+def test_leading_batch_dims():
+    """a [2, 3, K] with row operands [2, 3] and aux tiles [2, 3, N]: outputs keep the leading dims."""
+    lead, k, n = (2, 3), 16, 8
+    a, b = dyadic(*lead, k), dyadic(k, n)
+    r, c, x, prior = dyadic(*lead), dyadic(n), dyadic(*lead, n), dyadic(*lead, n)
+    p = ep.Program("batched")
+    z = p.acc * p.row("r") + p.col("c") + p.aux("x")
+    p.store("y", z, dtype=torch.float32)
+    p.store("acc_out", z, accumulate=True, dtype=torch.float32)
+    p.row_sum("rs", z)
+    p.row_max("seg", z, segment=4)
+    p.col_sum("cs", z)
+    acc_out = prior.clone()
+    got = codetta.gemm(a, b, p, r=r, c=c, x=x, acc_out=acc_out)
+
+    zz = (a @ b) * r[..., None] + c + x  # exact: dyadic values
+    assert got["y"].shape == (*lead, n) and torch.equal(got["y"], zz)
+    assert got["acc_out"] is acc_out and torch.equal(acc_out, prior + zz)
+    assert got["rs"].shape == lead and torch.equal(got["rs"], zz.sum(-1))
+    assert got["seg"].shape == (*lead, n // 4) and torch.equal(got["seg"], zz.reshape(*lead, n // 4, 4).amax(-1))
+    assert got["cs"].shape == (n,) and torch.equal(got["cs"], zz.reshape(-1, n).sum(0))
+
+
+def test_leading_batch_dims_accept_flat_operands():
+    """With a [2, 3, K], row operands may also be given flat [6] and tiles as [6, N]; a wrong lead is refused."""
+    a, b = dyadic(2, 3, 5), dyadic(5, 6)
+    p = operand_program()
+    flat = codetta.gemm(a, b, p, **operands(6, 6))["y"]
+    assert flat.shape == (2, 3, 6)
+    ops = operands(6, 6)
+    ops["r"] = ops["r"].reshape(3, 2)
+    with pytest.raises(EpilogueError, match=r"'r' .* is a row vector: expected \[6\] \(or \[2, 3\]\), got \(3, 2\)"):
+        codetta.gemm(a, b, p, **ops)
+    ops = operands(6, 6)
+    ops["x"] = ops["x"].reshape(3, 2, 6)
+    with pytest.raises(EpilogueError, match=r"'x' .* is a tile: expected \[6, 6\] \(or \[2, 3\] \+ \[6\]\), got \(3, 2, 6\)"):
+        codetta.gemm(a, b, p, **ops)
