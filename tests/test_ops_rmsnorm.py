@@ -81,6 +81,21 @@ def test_producer_without_norm():
     assert rel(x, a.double() @ w.double().t() + r.double()) < 1e-6
 
 
+def test_producer_with_bias_gradients():
+    """x = a W^T + b + residual (an o_proj with bias): output and the gradients of a, W, b, residual."""
+    tensors = [torch.randn(9, 16, device=DEVICE), torch.randn(24, 16, device=DEVICE), torch.randn(24, device=DEVICE),
+               torch.randn(9, 24, device=DEVICE)]
+    dx = torch.randn(9, 24, device=DEVICE)
+    ours = [leaf(t) for t in tensors]
+    ref = [leaf(t, torch.float64) for t in tensors]
+    x = linear_residual(ours[0], ours[1], ours[3], bias=ours[2])
+    (x * dx).sum().backward()
+    (F.linear(ref[0], ref[1], ref[2]) + ref[3]).mul(dx.double()).sum().backward()
+    assert rel(x, F.linear(*ref[:3]) + ref[3]) < 1e-6
+    for a, b in zip(ours, ref):
+        assert rel(a.grad, b.grad) < 1e-5
+
+
 def test_bf16_within_twice_eager_error():
     """bf16 in and out: errors vs fp64 no more than twice eager PyTorch's bf16 errors.
 
@@ -126,7 +141,7 @@ def test_custom_ops_pass_opcheck():
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     a, res = torch.randn(6, 8, device=DEVICE, requires_grad=True), torch.randn(6, 16, device=DEVICE, requires_grad=True)
     w = torch.randn(16, 8, device=DEVICE, requires_grad=True)
-    torch.library.opcheck(torch.ops.codetta.linear_residual.default, (a, [w], res, g, EPS),
+    torch.library.opcheck(torch.ops.codetta.linear_residual.default, (a, [w], res, None, g, EPS),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 

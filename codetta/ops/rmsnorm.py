@@ -50,10 +50,10 @@ from ..matmul import gemm
 
 
 @functools.lru_cache(maxsize=None)
-def _producer(dtype: torch.dtype, with_norm: bool) -> ep.Program:
-    name = "linear_residual" + ("_rmsnorm" if with_norm else "") + f"_{str(dtype).split('.')[-1]}"
-    p = ep.Program(name)
-    x = p.acc + p.aux("residual")
+def _producer(dtype: torch.dtype, with_norm: bool, with_bias: bool) -> ep.Program:
+    name = "linear_residual" + ("_bias" if with_bias else "") + ("_rmsnorm" if with_norm else "")
+    p = ep.Program(f"{name}_{str(dtype).split('.')[-1]}")
+    x = (p.acc + p.col("bias") if with_bias else p.acc) + p.aux("residual")
     p.store("x", x)
     if with_norm:
         stored = ep.round_to(x, dtype) if dtype != torch.float32 else x
@@ -218,21 +218,24 @@ def rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight, eps: float = 1e-6, *,
 
 @torch.library.custom_op("codetta::linear_residual", mutates_args=())
 def _linear_residual_op(
-    a: Tensor, weights: list[Tensor], residual: Tensor, norm_weight: Optional[Tensor], eps: float
+    a: Tensor, weights: list[Tensor], residual: Tensor, bias: Optional[Tensor], norm_weight: Optional[Tensor], eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     a2 = a.reshape(-1, a.shape[-1])
     n = residual.shape[-1]
-    res2 = residual.reshape(-1, n)
+    operands = {"residual": residual.reshape(-1, n)}
+    if bias is not None:
+        operands["bias"] = bias
+    program = _producer(a.dtype, norm_weight is not None, bias is not None)
     if norm_weight is None:
-        x = gemm(a2, _weight_t(weights), _producer(a.dtype, False), residual=res2)["x"]
+        x = gemm(a2, _weight_t(weights), program, **operands)["x"]
         return x.reshape(residual.shape), x.new_empty(0), x.new_empty(0, dtype=torch.float32)
-    out = gemm(a2, _weight_t(weights), _producer(a.dtype, True), residual=res2, norm_weight=norm_weight)
+    out = gemm(a2, _weight_t(weights), program, norm_weight=norm_weight, **operands)
     rstd = rstd_from_sumsq(out["sumsq"], n, eps)
     return out["x"].reshape(residual.shape), out["u"], rstd
 
 
 @_linear_residual_op.register_fake
-def _(a, weights, residual, norm_weight, eps):
+def _(a, weights, residual, bias, norm_weight, eps):
     m = residual.numel() // residual.shape[-1]
     if norm_weight is None:
         return torch.empty_like(residual), residual.new_empty(0), residual.new_empty(0, dtype=torch.float32)
@@ -255,25 +258,27 @@ def _(dx, a, weights):
 
 
 def _linear_residual_setup(ctx, inputs, output):
-    a, weights, residual, norm_weight, eps = inputs
-    ctx.has_norm_weight = norm_weight is not None
+    a, weights, residual, bias, norm_weight, eps = inputs
+    ctx.has_bias = bias is not None
     ctx.save_for_backward(a, *weights)
 
 
 def _linear_residual_backward(ctx, dx, _du, _drstd):
     a, *weights = ctx.saved_tensors
     da, dws = _linear_residual_backward_op(dx, a, weights)
-    return da, dws, dx, None, None
+    dbias = dx.reshape(-1, dx.shape[-1]).sum(0) if ctx.has_bias else None
+    return da, dws, dx, dbias, None, None
 
 
 _linear_residual_op.register_autograd(_linear_residual_backward, setup_context=_linear_residual_setup)
 
 
-def linear_residual(a: Tensor, weight, residual: Tensor, norm_weight: Tensor | None = None, eps: float = 1e-6):
-    """x = a W^T + residual in one GEMM; with ``norm_weight`` also the next RMSNorm's (u, rstd).
+def linear_residual(a: Tensor, weight, residual: Tensor, norm_weight: Tensor | None = None, eps: float = 1e-6, *,
+                    bias: Tensor | None = None):
+    """x = a W^T (+ bias) + residual in one GEMM; with ``norm_weight`` also the next RMSNorm's (u, rstd).
 
     Args:
-        a: [..., K]; weight: [d, K] (or a list of [d_i, K] read as one); residual: [..., d].
+        a: [..., K]; weight: [d, K] (or a list of [d_i, K] read as one); residual: [..., d]; bias: [d].
         norm_weight: [d] of the RMSNorm that will consume x, or None.
     Returns:
         x, or (x, (u, rstd)) with u = x g [M, d] and rstd fp32 [M]: pass the pair as ``stats``
@@ -287,9 +292,10 @@ def linear_residual(a: Tensor, weight, residual: Tensor, norm_weight: Tensor | N
             raise ValueError(f"weight must be [out, {a.shape[-1]}] of {a.dtype}, got {tuple(w.shape)} {w.dtype}")
     if residual.dtype != a.dtype:
         raise ValueError(f"residual is {residual.dtype} but a is {a.dtype}")
-    if norm_weight is not None and norm_weight.shape != (residual.shape[-1],):
-        raise ValueError(f"norm_weight must be [{residual.shape[-1]}], got {tuple(norm_weight.shape)}")
-    x, u, rstd = _linear_residual_op(a, weights, residual, norm_weight, float(eps))
+    for name, vec in (("norm_weight", norm_weight), ("bias", bias)):
+        if vec is not None and vec.shape != (residual.shape[-1],):
+            raise ValueError(f"{name} must be [{residual.shape[-1]}], got {tuple(vec.shape)}")
+    x, u, rstd = _linear_residual_op(a, weights, residual, bias, norm_weight, float(eps))
     return x if norm_weight is None else (x, (u, rstd))
 
 
@@ -302,6 +308,6 @@ def rmsnorm_linear_reference(x, norm_weight, weight, eps=1e-6):
     return torch.nn.functional.linear(torch.nn.functional.rms_norm(x, (x.shape[-1],), norm_weight, eps), w)
 
 
-def linear_residual_reference(a, weight, residual):
+def linear_residual_reference(a, weight, residual, bias=None):
     w = torch.cat(_as_list(weight)) if isinstance(weight, (list, tuple)) else weight
-    return torch.nn.functional.linear(a, w) + residual
+    return torch.nn.functional.linear(a, w, bias) + residual
