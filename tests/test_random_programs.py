@@ -390,7 +390,7 @@ def problems(draw, p):
 
 
 def make_ab(M, K, N, layout, gen):
-    """a [M, K] and b ([K, N] or a list of parts) in the given layout, same values as a2, b2."""
+    """a [M, K] and b [K, N] (or b's two parts along N), stored in the given layout."""
     a = _dyadic(gen, (M, K), -1, 1)
     b = _dyadic(gen, (K, N), -1, 1)
     if layout == "a@w.t()":
@@ -405,7 +405,6 @@ def make_ab(M, K, N, layout, gen):
 
 def check_program(source, data, path):
     p = build(source)
-    note(codetta.kernel_source(p, "ptr"))  # the TMA kernel differs only in its mainloop call
     M, K, N, layout, seed = data.draw(problems(p), label="M, K, N, layout, seed")
     gen = torch.Generator().manual_seed(seed)
     a, b = make_ab(M, K, N, layout, gen)
@@ -415,7 +414,8 @@ def check_program(source, data, path):
             mp.setenv("CODETTA_PATH", "ptr")
         else:
             mp.delenv("CODETTA_PATH", raising=False)
-        note(f"M, K, N = {M}, {K}, {N}: {codetta.explain(a, b, p, **ops)}")
+        plan = codetta.explain(a, b, p, **ops)
+        note(f"M, K, N = {M}, {K}, {N}; {plan}\n{codetta.kernel_source(p, plan['path'])}")
         got = codetta.gemm(a, b, p, **ops)
     b64 = [t.double() for t in b] if isinstance(b, list) else b.double()
     ref64 = ep.run_reference(p, a.double(), b64, {k: _to64(v) for k, v in ops.items()}, torch.float64)

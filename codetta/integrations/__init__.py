@@ -1,0 +1,1 @@
+"""Integrations of codetta's fused operators into model libraries."""

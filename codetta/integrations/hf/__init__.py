@@ -1,0 +1,58 @@
+"""``codetta.patch`` / ``codetta.unpatch`` for Hugging Face causal language models.
+
+The model keeps its own parameters (names, shapes, layouts, state_dict), so optimizers,
+FSDP, PEFT and checkpoints keep working and gradients land in them. Patching replaces
+the ``forward`` of each decoder layer (and of the causal-LM head) on the instances, not
+on the classes: other models in the process are untouched.
+"""
+
+from __future__ import annotations
+
+from types import MethodType
+
+from .architectures import ARCHITECTURES, UnsupportedModelError, architecture_of, check_model
+from .layer import LayerPlan, fused_decoder_forward
+from .loss import fused_causal_lm_forward
+
+__all__ = ["ARCHITECTURES", "UnsupportedModelError", "patch", "unpatch"]
+
+
+def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True, cross_entropy: bool = True):
+    """Patch an already built transformers causal LM in place; returns it.
+
+    rms_norm: fold every RMSNorm into the GEMM after it (and its statistics into the GEMM
+        before it); rope: RoPE in the QKV GEMM's epilogue (models with QK-norm keep their
+        own QK-norm and RoPE code after the norm-folded QKV GEMM); swiglu: SwiGLU in the
+        gate/up GEMM's epilogue; cross_entropy: LM head + loss fused when labels are given
+        (``logits`` is then None). ``rope`` and ``swiglu`` need ``rms_norm``.
+
+    Raises UnsupportedModelError (a ValueError) for a model or option it cannot patch,
+    before changing anything.
+    """
+    arch = architecture_of(model)
+    if (rope or swiglu) and not rms_norm:
+        raise ValueError("rope and swiglu fusion need rms_norm=True (the norm is folded into their GEMMs)")
+    check_model(model, arch)
+    unpatch(model)
+    if rms_norm:
+        for layer in model.model.layers:
+            layer._codetta_plan = LayerPlan(arch, model.model.rotary_emb, rope and not arch.qk_norm, swiglu)
+            layer.forward = MethodType(fused_decoder_forward, layer)
+    if cross_entropy:
+        model.forward = MethodType(fused_causal_lm_forward, model)
+    model._codetta_patched = dict(rms_norm=rms_norm, rope=rope and rms_norm and not arch.qk_norm,
+                                  swiglu=swiglu and rms_norm, cross_entropy=cross_entropy)
+    return model
+
+
+_FUSED_FORWARDS = (fused_decoder_forward, fused_causal_lm_forward)
+
+
+def unpatch(model):
+    """Undo :func:`patch`; a model that is not patched is returned unchanged."""
+    for module in model.modules():
+        if getattr(module.__dict__.get("forward"), "__func__", None) in _FUSED_FORWARDS:
+            del module.forward
+        module.__dict__.pop("_codetta_plan", None)
+    model.__dict__.pop("_codetta_patched", None)
+    return model

@@ -1,0 +1,79 @@
+"""Which Hugging Face models codetta patches, and the checks that refuse anything else.
+
+A supported decoder layer is Llama-shaped: ``input_layernorm`` and
+``post_attention_layernorm`` (RMSNorm: ``weight``, ``variance_epsilon``), ``self_attn``
+with ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (optionally ``q_norm``, ``k_norm``:
+QK-norm) and ``mlp`` with ``gate_proj``, ``up_proj``, ``down_proj`` and SiLU. A new
+architecture of that shape is one more entry in :data:`ARCHITECTURES`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class UnsupportedModelError(ValueError):
+    """The model (or an option of it) is not one codetta can patch; nothing was changed."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What differs between the supported families."""
+
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before RoPE
+
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": Architecture(),
+    "MistralForCausalLM": Architecture(),
+    "Qwen2ForCausalLM": Architecture(),
+    "Qwen3ForCausalLM": Architecture(qk_norm=True),
+}
+
+
+def architecture_of(model) -> Architecture:
+    name = type(model).__name__
+    if name not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"codetta.patch supports {sorted(ARCHITECTURES)}; got {name}. Nothing was patched."
+        )
+    return ARCHITECTURES[name]
+
+
+def _need(obj, path, what):
+    for part in path.split("."):
+        if not hasattr(obj, part):
+            raise UnsupportedModelError(f"{what}: missing {path!r}. Nothing was patched.")
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_model(model, arch: Architecture):
+    """Raise UnsupportedModelError unless every layer has the shape the fused forward assumes."""
+    config = model.config
+    act = getattr(config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise UnsupportedModelError(f"the MLP activation is {act!r}; codetta fuses SwiGLU (silu). Nothing was patched.")
+    if getattr(config, "mlp_bias", False):
+        raise UnsupportedModelError("mlp_bias=True is not supported (SwiGLU without biases). Nothing was patched.")
+    rotary = _need(model, "model.rotary_emb.inv_freq", type(model).__name__)
+    if rotary.dim() != 1:
+        raise UnsupportedModelError(f"rotary inv_freq of shape {tuple(rotary.shape)} is not supported (e.g. mrope)")
+    for i, layer in enumerate(_need(model, "model.layers", type(model).__name__)):
+        what = f"layer {i} ({type(layer).__name__})"
+        for path in ("input_layernorm.weight", "input_layernorm.variance_epsilon", "post_attention_layernorm.weight",
+                     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                     "self_attn.head_dim", "self_attn.scaling", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            _need(layer, path, what)
+        attn = layer.self_attn
+        if arch.qk_norm:
+            _need(attn, "q_norm.weight", what)
+            _need(attn, "k_norm.weight", what)
+            if attn.q_proj.bias is not None:
+                raise UnsupportedModelError(f"{what}: q/k/v biases with QK-norm are not supported. Nothing was patched.")
+        biases = {attn.q_proj.bias is None, attn.k_proj.bias is None, attn.v_proj.bias is None}
+        if len(biases) > 1:
+            raise UnsupportedModelError(f"{what}: some of q/k/v have a bias and some not. Nothing was patched.")
+        head_dim = attn.head_dim
+        if head_dim & (head_dim - 1) or attn.q_proj.out_features % head_dim:
+            raise UnsupportedModelError(f"{what}: head_dim {head_dim} must be a power of two. Nothing was patched.")

@@ -1,0 +1,102 @@
+"""The fused forward of a Llama-shaped decoder layer.
+
+    q, k, v = RoPE(RMSNorm(x) W_qkv^T)                 rmsnorm_qkv_rope (norm folded, RoPE in the epilogue)
+    a       = attention(q, k, v)                       the model's own attention function (sdpa, flash, eager)
+    x1, s   = a W_o^T + x, with RMSNorm stats of x1    linear_residual (the next norm's producer)
+    y       = silu(RMSNorm(x1) W_g^T) * (... W_u^T)    rmsnorm_swiglu (norm folded, gate/up side by side)
+    x2      = y W_d^T + x1                             linear_residual
+
+Attention, its mask, the KV cache and sliding windows are the model's own: codetta calls
+the attention interface the model is configured with, exactly as its attention module
+would. Where a part is not fused (``rope=False``, QK-norm models, ``swiglu=False``), that
+part runs as the model's own PyTorch code on the output of a norm-folded GEMM.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from ...ops import linear_residual, rmsnorm_linear, rmsnorm_qkv_rope, rmsnorm_swiglu
+from .architectures import Architecture
+
+
+@dataclass
+class LayerPlan:
+    """What the fused forward of one layer does (stored on the layer while it is patched)."""
+
+    arch: Architecture
+    rotary: torch.nn.Module  # the model's rotary embedding: inv_freq, attention_scaling
+    fuse_rope: bool
+    fuse_swiglu: bool
+
+
+def _modeling(module):
+    """The transformers modeling module that defines ``module``'s class (its attention helpers)."""
+    return sys.modules[type(module).__module__]
+
+
+def _positions(position_ids, lead_shape, device, kwargs):
+    if position_ids is None:
+        cache_position = kwargs.get("cache_position")
+        position_ids = cache_position if cache_position is not None else torch.arange(lead_shape[-1], device=device)
+    return position_ids.expand(lead_shape)
+
+
+def _qkv(layer, plan: LayerPlan, x, position_ids, position_embeddings, kwargs):
+    """q, k, v as [..., heads * head_dim] each, RoPE applied (and QK-norm where the model has it)."""
+    attn, ln = layer.self_attn, layer.input_layernorm
+    weights = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
+    biases = (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)
+    has_bias = biases[0] is not None
+    if plan.fuse_rope:
+        return rmsnorm_qkv_rope(
+            x, ln.weight, *weights, _positions(position_ids, x.shape[:-1], x.device, kwargs), plan.rotary.inv_freq,
+            head_dim=attn.head_dim, attention_scaling=plan.rotary.attention_scaling,
+            bias=biases if has_bias else None, eps=ln.variance_epsilon,
+        )
+    qkv = rmsnorm_linear(x, ln.weight, list(weights), ln.variance_epsilon)
+    if has_bias:
+        qkv = qkv + torch.cat(biases)
+    q, k, v = torch.split(qkv, [w.shape[0] for w in weights], dim=-1)
+    heads = (*x.shape[:-1], -1, attn.head_dim)
+    if plan.arch.qk_norm:
+        q, k = attn.q_norm(q.reshape(heads)), attn.k_norm(k.reshape(heads))
+    cos, sin = position_embeddings
+    q, k = _modeling(attn).apply_rotary_pos_emb(q.reshape(heads), k.reshape(heads), cos, sin, unsqueeze_dim=2)
+    return q.flatten(-2), k.flatten(-2), v
+
+
+def _attention(attn, q, k, v, attention_mask, past_key_values, kwargs):
+    """The model's attention on [..., heads * head_dim] q, k, v, as its attention module runs it."""
+    lead = q.shape[:-1]
+    q, k, v = (t.reshape(*lead, -1, attn.head_dim).transpose(1, 2) for t in (q, k, v))
+    if past_key_values is not None:
+        k, v = past_key_values.update(k, v, attn.layer_idx)
+    modeling = _modeling(attn)
+    interface = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
+                                                               modeling.eager_attention_forward)
+    sliding_window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
+    out, _ = interface(attn, q, k, v, attention_mask, dropout=0.0 if not attn.training else attn.attention_dropout,
+                       scaling=attn.scaling, sliding_window=sliding_window, **kwargs)
+    return out.reshape(*lead, -1)
+
+
+def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                          use_cache=False, position_embeddings=None, **kwargs):
+    """Drop-in for the layer's ``forward`` (same arguments, same result, the norms folded)."""
+    plan: LayerPlan = layer._codetta_plan
+    attn, mlp, ln2 = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+    x = hidden_states
+    q, k, v = _qkv(layer, plan, x, position_ids, position_embeddings, kwargs)
+    a = _attention(attn, q, k, v, attention_mask, past_key_values, kwargs)
+    x1, stats = linear_residual(a, attn.o_proj.weight, x, ln2.weight, ln2.variance_epsilon, bias=attn.o_proj.bias)
+    if plan.fuse_swiglu:
+        y = rmsnorm_swiglu(x1, ln2.weight, mlp.gate_proj.weight, mlp.up_proj.weight, ln2.variance_epsilon, stats=stats)
+    else:
+        gate, up = torch.chunk(rmsnorm_linear(x1, ln2.weight, [mlp.gate_proj.weight, mlp.up_proj.weight],
+                                              ln2.variance_epsilon, stats=stats), 2, dim=-1)
+        y = mlp.act_fn(gate) * up
+    return linear_residual(y, mlp.down_proj.weight, x1)

@@ -1,0 +1,144 @@
+"""codetta.patch on real transformers models (tiny random configs, no downloads).
+
+Parity: the loss and every parameter gradient of the patched model equal the unpatched
+model's (fp32 here: the fused algebra must match to fp32 precision). Plus what a user of
+the patched model relies on: generate(), gradient checkpointing, padding masks, the
+state_dict, unpatch, and clear errors for what is not supported.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import codetta
+from conftest import DEVICE
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 96
+
+
+def tiny(name, **overrides):
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=256, attn_implementation="sdpa")
+    common.update(overrides)
+    config_cls = getattr(transformers, name.replace("ForCausalLM", "Config"))
+    torch.manual_seed(0)
+    return getattr(transformers, name)(config_cls(**common)).to(DEVICE).float()
+
+
+MODELS = {
+    "llama": ("LlamaForCausalLM", {}),
+    "llama_bias_tied": ("LlamaForCausalLM", dict(attention_bias=True, tie_word_embeddings=True)),
+    "llama_mha_rope_scaling": ("LlamaForCausalLM", dict(num_key_value_heads=4, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64))),
+    "mistral_sliding": ("MistralForCausalLM", dict(sliding_window=6)),
+    "qwen2_bias": ("Qwen2ForCausalLM", {}),
+    "qwen3_qk_norm": ("Qwen3ForCausalLM", {}),
+    "gqa8_head64": ("LlamaForCausalLM", dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=1, head_dim=64)),
+}
+
+
+def loss_and_grads(model, **batch):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_training_step(ref, model, tol=2e-5, **batch):
+    loss_ref, grads_ref = loss_and_grads(ref, **batch)
+    loss, grads = loss_and_grads(model, **batch)
+    assert abs(loss.item() - loss_ref.item()) <= tol * abs(loss_ref.item())
+    assert grads.keys() == grads_ref.keys()
+    for name, g in grads_ref.items():
+        err = ((grads[name] - g).norm() / g.norm().clamp_min(1e-12)).item()
+        assert err < tol * 10, f"{name}: {err}"
+
+
+@pytest.mark.parametrize("key", sorted(MODELS))
+def test_loss_and_every_gradient_match_unpatched(key):
+    name, overrides = MODELS[key]
+    ref = tiny(name, **overrides)
+    model = codetta.patch(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (2, 13), device=DEVICE)
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+
+
+@pytest.mark.parametrize("flags", [dict(rope=False), dict(swiglu=False), dict(cross_entropy=False),
+                                   dict(rms_norm=False, rope=False, swiglu=False)], ids=str)
+def test_partial_patches_match(flags):
+    ref = tiny("Qwen2ForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref), **flags)
+    ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+
+
+def test_padding_mask_and_ignored_labels():
+    ref = tiny("LlamaForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (3, 10), device=DEVICE)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding
+    mask[2, 7:] = 0  # right padding
+    labels = ids.masked_fill(mask == 0, -100)
+    assert_same_training_step(ref, model, input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def test_num_items_in_batch_and_shift_labels():
+    ref = tiny("MistralForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    n = torch.tensor(11, device=DEVICE)
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids, num_items_in_batch=n)
+    shifted = torch.roll(ids, -1, dims=1)
+    assert_same_training_step(ref, model, input_ids=ids, shift_labels=shifted, labels=ids)
+
+
+def test_logits_without_labels_and_generate():
+    ref = tiny("Qwen3ForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (2, 7), device=DEVICE)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+        out_ref = ref.generate(ids, max_new_tokens=5, do_sample=False)
+        out = model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(out, out_ref)
+
+
+def test_gradient_checkpointing():
+    ref = tiny("LlamaForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    for m in (ref, model):
+        m.gradient_checkpointing_enable()
+        m.train()
+    ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+
+
+def test_parameters_and_state_dict_unchanged_and_unpatch():
+    ref = tiny("LlamaForCausalLM")
+    model = copy.deepcopy(ref)
+    before = {k: (v.shape, v.dtype, v.data_ptr()) for k, v in model.state_dict().items()}
+    codetta.patch(model)
+    assert {k: (v.shape, v.dtype, v.data_ptr()) for k, v in model.state_dict().items()} == before
+    assert model._codetta_patched["rope"] and "forward" in model.model.layers[0].__dict__
+    codetta.unpatch(model)
+    assert "forward" not in model.model.layers[0].__dict__ and "forward" not in model.__dict__
+    ids = torch.randint(0, VOCAB, (1, 6), device=DEVICE)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+def test_unsupported_models_and_options_are_refused_untouched():
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(codetta.integrations.hf.UnsupportedModelError, match="supports"):
+        codetta.patch(gpt2)
+    gelu = tiny("LlamaForCausalLM", hidden_act="gelu")
+    with pytest.raises(ValueError, match="activation"):
+        codetta.patch(gelu)
+    assert "forward" not in gelu.model.layers[0].__dict__
+    with pytest.raises(ValueError, match="need rms_norm"):
+        codetta.patch(tiny("LlamaForCausalLM"), rms_norm=False)
