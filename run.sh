@@ -9,7 +9,7 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv --system-site-packages "$venv"
 fi
 py="$venv/bin/python"
-if ! "$py" -c "import torch, triton, numpy, pytest, hypothesis, transformers" >/dev/null 2>&1; then
+if ! "$py" -c "import torch, triton, numpy, pytest, hypothesis, transformers, tqdm, matplotlib" >/dev/null 2>&1; then
   # A machine without torch: the pinned CPU build (a bare "torch" would pull a CUDA build of GBs).
   "$py" -m pip install -q -r requirements-cpu.txt
 fi

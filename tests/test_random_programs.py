@@ -404,8 +404,13 @@ def make_ab(M, K, N, layout, gen):
 
 
 def check_program(source, data, path):
+    """Build ``source``, draw a problem for it, and compare the kernel with the reference."""
     p = build(source)
-    M, K, N, layout, seed = data.draw(problems(p), label="M, K, N, layout, seed")
+    run_and_compare(p, *data.draw(problems(p), label="M, K, N, layout, seed"), path, report=note)
+
+
+def run_and_compare(p, M, K, N, layout, seed, path, report=print):
+    """Run ``p`` on that problem and compare every output; ``report`` shows the plan and kernel."""
     gen = torch.Generator().manual_seed(seed)
     a, b = make_ab(M, K, N, layout, gen)
     ops = make_operands(p, M, N, gen)
@@ -415,7 +420,7 @@ def check_program(source, data, path):
         else:
             mp.delenv("CODETTA_PATH", raising=False)
         plan = codetta.explain(a, b, p, **ops)
-        note(f"M, K, N = {M}, {K}, {N}; {plan}\n{codetta.kernel_source(p, plan['path'])}")
+        report(f"M, K, N = {M}, {K}, {N}; {plan}\n{codetta.kernel_source(p, plan['path'])}")
         got = codetta.gemm(a, b, p, **ops)
     b64 = [t.double() for t in b] if isinstance(b, list) else b.double()
     ref64 = ep.run_reference(p, a.double(), b64, {k: _to64(v) for k, v in ops.items()}, torch.float64)
@@ -451,3 +456,19 @@ def test_generated_programs_build(source):
     p = build(source).check()
     assert 1 <= len(p.outputs) <= 3
     assert p.min_block_n() <= _MAX_N // 2
+
+
+# Programs the generator found failing once (the interpreter passed scalar operands as
+# Python floats: no .to() for round_to, and 0-d comparisons that & and | refused).
+REGRESSIONS = [
+    "p.store('o0', ep.where((((-1.0 * p.scalar('s0')) < -1.0) & (~(p.col('c0', ep.FULL) < -1.0))), "
+    "p.col('c0', ep.FULL), -1.0), dtype=torch.float32)",
+    "p.store('o0', ep.where((p.col('c0', ep.FULL) < -1.0), p.col('c0', ep.FULL), "
+    "ep.round_to(p.scalar('s0'), torch.bfloat16)), dtype=torch.float32)",
+]
+
+
+@pytest.mark.parametrize("source", REGRESSIONS)
+def test_regressions(source):
+    """Fixed programs that once failed, on a fixed problem with ragged tiles."""
+    run_and_compare(build(source), 19, 8, 36, "a@b", 0, "default")

@@ -5,7 +5,7 @@ accumulator of each from the fixed mainloop (:mod:`codetta.matmul.mainloop`) and
 runs the program's nodes as straight-line Triton code on that tile. Shapes inside a
 tile: a value with rows is [BM, ...], without rows [1, ...]; a value over the N
 columns is [..., BN], over the N/2 pairs [..., BN // 2], constant along columns
-[..., 1]; a scalar is a Triton scalar.
+[..., 1]; a scalar operand is a [1, 1] tensor, a constant a Python float.
 
 Row reductions over all N write one fp32 partial per (row, column tile), finished
 on the host side (:mod:`codetta.kernels.finish`); per-segment row reductions are
@@ -166,9 +166,11 @@ def _epilogue(program: Program, w: _Writer, path: str):
             names[id(node)] = _const(node.attrs[0])
             continue
         if op == "load_scalar":
-            names[id(node)] = node.attrs[0]
-            continue
-        if op == "load_row":
+            # A [1, 1] fp32 tensor, not the argument itself: Triton's interpreter passes a Python
+            # float (fp64 arithmetic, no .to()), and splats a 0-d comparison result as fp32, which
+            # & and | then refuse.
+            expr = f"tl.full([1, 1], {node.attrs[0]}, tl.float32)"
+        elif op == "load_row":
             n = node.attrs[0]
             expr = f"tl.load({n}_ptr + rows64 * {n}_stride, mask=row_ok, other=0.0).to(tl.float32)[:, None]"
         elif op == "load_col":

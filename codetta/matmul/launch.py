@@ -503,10 +503,11 @@ def _choose_plan(call, config):
             )
         return ("tma" if tma and _fits(config, parts) else "ptr"), config, outputs
     if interpreting():
-        cfg = interpreter_config(min_bn=min_bn, n_parts_sizes=parts)
+        size = dict(m=call.M, n=call.N, k=call.K)
+        cfg = interpreter_config(min_bn=min_bn, n_parts_sizes=parts, **size)
         if tma and cfg is not None:
             return "tma", cfg, outputs
-        return "ptr", interpreter_config(min_bn=min_bn), outputs
+        return "ptr", interpreter_config(min_bn=min_bn, **size), outputs
     es = call.a.element_size()
     configs = candidates(elem_bytes=es, min_bn=min_bn, n_parts_sizes=parts, m=call.M, n=call.N) if tma else []
     path = "tma" if configs else "ptr"
