@@ -1,0 +1,79 @@
+"""A patched model under DDP and FSDP2 (2 processes, gloo) gives the loss and gradients of one process.
+
+Each rank runs half of the batch; the single-process reference runs the whole batch.
+With the same number of counted tokens per rank, the mean of the ranks' losses is the
+whole batch's loss and the averaged gradients are its gradients.
+"""
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import codetta
+
+transformers = pytest.importorskip("transformers")
+
+BATCH, SEQ, VOCAB = 4, 10, 64
+
+
+def tiny_model():
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return codetta.patch(transformers.LlamaForCausalLM(config).float())
+
+
+def batch():
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def _worker(rank, world, mode, init_file, out_file):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model = tiny_model()
+        if mode == "ddp":
+            wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (world,))
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            wrapped = fully_shard(model, mesh=mesh)
+        ids = batch().chunk(world)[rank]
+        loss = wrapped(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses = [torch.zeros(()) for _ in range(world)]
+        dist.all_gather(losses, loss.detach())
+        grads = {}
+        for name, p in model.named_parameters():
+            g = p.grad
+            if hasattr(g, "full_tensor"):  # FSDP2: a sharded DTensor
+                g = g.full_tensor()
+            grads[name] = g.detach().clone()
+        if rank == 0:
+            torch.save({"loss": torch.stack(losses).mean(), "grads": grads}, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_two_processes_match_one(mode, tmp_path):
+    init_file, out_file = tmp_path / "init", tmp_path / "out.pt"
+    mp.spawn(_worker, args=(2, mode, str(init_file), str(out_file)), nprocs=2, join=True)
+    got = torch.load(out_file)
+    model = tiny_model()
+    ids = batch()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert abs(got["loss"].item() - loss.item()) < 1e-5 * loss.item()
+    for name, p in model.named_parameters():
+        err = ((got["grads"][name] - p.grad).norm() / p.grad.norm()).item()
+        assert err < 1e-4, f"{name}: {err}"
