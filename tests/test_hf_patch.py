@@ -142,3 +142,17 @@ def test_unsupported_models_and_options_are_refused_untouched():
     assert "forward" not in gelu.model.layers[0].__dict__
     with pytest.raises(ValueError, match="need rms_norm"):
         codetta.patch(tiny("LlamaForCausalLM"), rms_norm=False)
+
+
+def test_torch_compile_whole_patched_model_without_graph_break():
+    """fullgraph=True: one graph through the patched layers, codetta's custom ops and the fused loss."""
+    ref = tiny("LlamaForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    ids = torch.randint(0, VOCAB, (2, 10), device=DEVICE)
+    loss = compiled(input_ids=ids, labels=ids).loss
+    loss.backward()
+    loss_ref, grads_ref = loss_and_grads(ref, input_ids=ids, labels=ids)
+    assert abs(loss.item() - loss_ref.item()) < 2e-5 * loss_ref.item()
+    for name, p in model.named_parameters():
+        assert ((p.grad - grads_ref[name]).norm() / grads_ref[name].norm()).item() < 2e-4, name
