@@ -38,6 +38,7 @@ MODELS = {
     "qwen2_bias": ("Qwen2ForCausalLM", {}),
     "qwen3_qk_norm": ("Qwen3ForCausalLM", {}),
     "gqa8_head64": ("LlamaForCausalLM", dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=1, head_dim=64)),
+    "llama_eager_attention": ("LlamaForCausalLM", dict(attn_implementation="eager")),
 }
 
 
@@ -95,6 +96,15 @@ def test_num_items_in_batch_and_shift_labels():
     assert_same_training_step(ref, model, input_ids=ids, labels=ids, num_items_in_batch=n)
     shifted = torch.roll(ids, -1, dims=1)
     assert_same_training_step(ref, model, input_ids=ids, shift_labels=shifted, labels=ids)
+
+
+def test_return_dict_false_gives_a_tuple_with_the_loss_first():
+    ref = tiny("LlamaForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (1, 6), device=DEVICE)
+    out = model(input_ids=ids, labels=ids, return_dict=False)
+    assert isinstance(out, tuple)
+    torch.testing.assert_close(out[0], ref(input_ids=ids, labels=ids).loss, rtol=1e-5, atol=1e-6)
 
 
 def test_logits_without_labels_and_generate():

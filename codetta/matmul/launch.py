@@ -4,7 +4,8 @@
 ``torch.matmul`` and runs ``program`` on each accumulator tile. The layout of each
 operand is read from its strides, so the three GEMMs of training are written as in
 PyTorch: ``gemm(x, w.t())`` (forward), ``gemm(dy, w)`` (dgrad), ``gemm(dy.t(), x)``
-(wgrad). ``b`` may be a list of [K, N_i] tensors read as one [K, sum N_i] operand.
+(wgrad). ``b`` may be several weights read as one without a copy: a list of [K, N_i]
+(concatenated along N) or [K_i, N] (along K), or ``interleave(b0, b1)``.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class _Call:
         if not isinstance(a, torch.Tensor):
             raise GemmError(f"a must be a torch.Tensor, got {type(a).__name__}")
         device = a.device
-        interleave = isinstance(b, Interleaved)
+        interleaved = isinstance(b, Interleaved)
         parts = list(b) if isinstance(b, (list, tuple)) else [b]
         if not 1 <= len(parts) <= _MAX_B_PARTS:
             raise GemmError(f"b must be a tensor or a list of 1 to {_MAX_B_PARTS} tensors, got {len(parts)}")
@@ -108,7 +109,7 @@ class _Call:
         self.a, self.parts, self.device = a2, parts, device
         self.M, self.K = a2.shape
         shapes = [tuple(t.shape) for t in parts]
-        if interleave:
+        if interleaved:
             if len(shapes) != 2 or shapes[0] != shapes[1] or shapes[0][0] != self.K:
                 raise GemmError(f"interleave() takes two [K, N] tensors with K = {self.K}, got {shapes}")
             self.b_parts, sizes = "interleave", [0, 0]

@@ -26,7 +26,8 @@ def fused_causal_lm_forward(model, input_ids=None, attention_mask=None, position
                                    **kwargs)
     shift_labels = kwargs.pop("shift_labels", None)
     num_items = kwargs.pop("num_items_in_batch", None)
-    outputs = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+    return_dict = kwargs.pop("return_dict", None)
+    outputs = model.model(return_dict=True, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
@@ -36,5 +37,6 @@ def fused_causal_lm_forward(model, input_ids=None, attention_mask=None, position
                                 reduction="mean" if num_items is None else "sum")
     if num_items is not None:
         loss = loss / num_items
-    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    result = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+                                    hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    return result.to_tuple() if return_dict is False else result
