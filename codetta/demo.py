@@ -137,8 +137,15 @@ def run(out: Path, steps: int | None = None) -> int:
     plot({"transformers": loss_plain, "codetta.patch": loss_fused}, out,
          f"Llama {setup.layers}x{setup.hidden} on {'GPU' if gpu else 'CPU (interpreter)'}")
     print(f"loss curves: {out}")
-    tolerance = 0.05 if setup.dtype == torch.bfloat16 else 1e-3
-    if diff > tolerance * max(loss_plain[0], 1.0):
-        print(f"FAILED: the patched run's losses differ by more than {tolerance:.0e} (relative)")
+    # Two trainings drift apart step by step from rounding alone (chaotically, more in bf16):
+    # parity is judged on the mean loss of the last tenth of the run.
+    tail = max(1, setup.steps // 10)
+    end_plain, end_fused = sum(loss_plain[-tail:]) / tail, sum(loss_fused[-tail:]) / tail
+    tolerance = 0.02 if setup.dtype == torch.bfloat16 else 1e-3
+    gap = abs(end_fused - end_plain) / end_plain
+    print(f"mean loss of the last {tail} steps: {end_plain:.4f} vs {end_fused:.4f} (relative gap {gap:.1e}, "
+          f"tolerance {tolerance:.0e})")
+    if gap > tolerance:
+        print("FAILED: the patched run does not reach the unpatched run's loss")
         return 1
     return 0
