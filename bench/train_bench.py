@@ -1,0 +1,104 @@
+"""End-to-end training step of a Llama-3-1B-shape model: HF eager, + torch.compile, + Liger, + codetta.
+
+    python bench/train_bench.py [--seq 4096] [--batch 2] [--steps 8] [--warmup 3]
+
+Each variant runs in its own process (Liger's patch replaces transformers' classes for the
+whole process): forward, backward and fused AdamW on random tokens, bf16 parameters,
+random init (no downloads). Reports median step time, tokens/s, peak memory and the
+time of the first steps (compilation, tuning). Writes bench/results/train.{md,json}.
+Status: written 2026-11-29, not yet run on the H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import markdown_table, write_results  # noqa: E402
+
+VARIANTS = ("hf_eager", "hf_compile", "hf_liger", "hf_codetta")
+
+
+def build(variant: str):
+    import transformers
+
+    if variant == "hf_liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
+    config = transformers.LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                                      num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                                      max_position_embeddings=8192, rope_parameters=dict(rope_type="default",
+                                                                                         rope_theta=500000.0),
+                                      tie_word_embeddings=True, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16)
+    if variant == "hf_codetta":
+        import codetta
+
+        codetta.patch(model)
+    if variant == "hf_compile":
+        model = torch.compile(model)
+    return model
+
+
+def run_variant(variant: str, args) -> dict:
+    model = build(variant)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    ids = torch.randint(0, 128256, (args.batch, args.seq), device="cuda")
+    times, first = [], None
+    start = time.perf_counter()
+    for step in range(args.warmup + args.steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        if step == args.warmup - 1:
+            first = time.perf_counter() - start
+            torch.cuda.reset_peak_memory_stats()
+    step_s = statistics.median(times[args.warmup:])
+    return {"variant": variant, "step_ms": step_s * 1e3, "tokens_per_s": args.batch * args.seq / step_s,
+            "peak_GiB": torch.cuda.max_memory_allocated() / 2**30, "first_steps_s": first, "loss": loss.item()}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--variant", choices=VARIANTS, help="run one variant here (used by the driver)")
+    args = parser.parse_args()
+    if args.variant:
+        print(json.dumps(run_variant(args.variant, args)), flush=True)
+        return
+    rows = []
+    for variant in VARIANTS:
+        cmd = [sys.executable, __file__, "--variant", variant, "--seq", str(args.seq), "--batch", str(args.batch),
+               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode or not lines:
+            rows.append({"variant": variant, "error": (proc.stderr.strip().splitlines() or ["?"])[-1][:200]})
+        else:
+            rows.append(json.loads(lines[-1]))
+        print(rows[-1], flush=True)
+        write_results("train", rows, markdown_table(rows, sorted({k for r in rows for k in r}, key=str)))
+    print(markdown_table(rows, sorted({k for r in rows for k in r}, key=str)))
+
+
+if __name__ == "__main__":
+    main()
