@@ -144,7 +144,9 @@ def test_parameters_and_state_dict_unchanged_and_unpatch():
 
 def test_unsupported_models_and_options_are_refused_untouched():
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
-    with pytest.raises(codetta.integrations.hf.UnsupportedModelError, match="supports"):
+    from codetta.integrations.hf import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="supports"):
         codetta.patch(gpt2)
     gelu = tiny("LlamaForCausalLM", hidden_act="gelu")
     with pytest.raises(ValueError, match="activation"):
