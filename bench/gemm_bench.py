@@ -66,7 +66,7 @@ def _plan(*args, **kwargs):
     plan = codetta.explain(*args, **kwargs)
     c = plan["config"]
     return {"path": plan["path"],
-            "config": f"{c.BM}x{c.BN}x{c.BK} s{c.STAGES} w{c.num_warps} e{c.EPI_SPLIT}{' ws' if c.WARP_SPEC else ''}"}
+            "config": f"{c.BM}x{c.BN}x{c.BK} s{c.STAGES} w{c.num_warps} e{c.EPI_SPLIT}"}
 
 
 def layouts(m, n, k, dtype):

@@ -17,7 +17,7 @@ if not _torch.cuda.is_available():
     # Triton decorates codetta's kernels, i.e. here; set TRITON_INTERPRET yourself to override.
     _os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from . import epilogue, integrations  # noqa: E402
+from . import epilogue  # noqa: E402
 from .epilogue import EpilogueError, Program, kernel_source, run_reference  # noqa: E402
 from .matmul import Config, GemmError, explain, gemm, interleave  # noqa: E402
 from .ops import linear  # noqa: E402

@@ -5,7 +5,6 @@ With the same number of counted tokens per rank, the mean of the ranks' losses i
 whole batch's loss and the averaged gradients are its gradients.
 """
 
-import copy
 import os
 
 import pytest

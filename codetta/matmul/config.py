@@ -16,9 +16,6 @@ class Config:
     STAGES: int = 3
     num_warps: int = 8
     EPI_SPLIT: int = 1  # run the epilogue on 1 or 2 column slices of the tile
-    # Triton's warp specialization of the persistent tile loop. Off in every candidate:
-    # Triton 3.6 aborts the process (not an exception) compiling some epilogues with it.
-    WARP_SPEC: bool = False
 
     @property
     def epilogue_bn(self):
@@ -33,23 +30,25 @@ class Config:
         return (self.STAGES * (self.BM + self.BN) * self.BK + self.BM * self.epilogue_bn) * elem_bytes
 
 
-# Hopper candidates for 16-bit inputs (BM, BN, BK, GROUP_M, STAGES, num_warps, EPI_SPLIT, WARP_SPEC).
+# Hopper candidates for 16-bit inputs (BM, BN, BK, GROUP_M, STAGES, num_warps, EPI_SPLIT).
+# No warp specialization: Triton 3.6 fails on several epilogues with it and aborts the
+# process on one (see docs/internals.md).
 _HOPPER_16 = [
-    (128, 256, 64, 8, 3, 8, 1, False),
-    (128, 256, 64, 8, 3, 8, 2, False),
-    (128, 256, 64, 8, 4, 8, 2, False),
-    (256, 128, 64, 8, 3, 8, 1, False),
-    (256, 128, 64, 8, 4, 8, 2, False),
-    (128, 128, 64, 8, 4, 8, 1, False),
-    (128, 128, 64, 8, 5, 4, 1, False),
-    (64, 256, 64, 8, 4, 4, 1, False),
-    (64, 128, 64, 8, 4, 4, 1, False),
+    (128, 256, 64, 8, 3, 8, 1),
+    (128, 256, 64, 8, 3, 8, 2),
+    (128, 256, 64, 8, 4, 8, 2),
+    (256, 128, 64, 8, 3, 8, 1),
+    (256, 128, 64, 8, 4, 8, 2),
+    (128, 128, 64, 8, 4, 8, 1),
+    (128, 128, 64, 8, 5, 4, 1),
+    (64, 256, 64, 8, 4, 4, 1),
+    (64, 128, 64, 8, 4, 4, 1),
 ]
 _HOPPER_32 = [
-    (128, 128, 32, 8, 3, 8, 1, False),
-    (128, 64, 32, 8, 4, 4, 1, False),
-    (64, 128, 32, 8, 4, 4, 1, False),
-    (64, 64, 32, 8, 4, 4, 1, False),
+    (128, 128, 32, 8, 3, 8, 1),
+    (128, 64, 32, 8, 4, 4, 1),
+    (64, 128, 32, 8, 4, 4, 1),
+    (64, 64, 32, 8, 4, 4, 1),
 ]
 _SMEM_LIMIT = 227 * 1024
 
@@ -63,12 +62,12 @@ def candidates(*, elem_bytes: int, min_bn: int, n_parts_sizes=(), m: int = 0, n:
     tiles are far larger than the problem are dropped (all but the smallest, if need be).
     """
     fitting, small = [], []
-    for bm, bn, bk, group, stages, warps, split, ws in _HOPPER_16 if elem_bytes <= 2 else _HOPPER_32:
+    for bm, bn, bk, group, stages, warps, split in _HOPPER_16 if elem_bytes <= 2 else _HOPPER_32:
         if bn // split < min_bn:
             if split > 1:
                 continue
             bn = min_bn
-        cfg = Config(bm, bn, bk, group, stages, warps, split, ws)
+        cfg = Config(bm, bn, bk, group, stages, warps, split)
         if cfg in fitting + small or cfg.smem_bytes(elem_bytes) > _SMEM_LIMIT:
             continue
         if any(size % cfg.BN for size in n_parts_sizes):

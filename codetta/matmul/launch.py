@@ -333,7 +333,7 @@ class _Launch:
         kernel = load_kernel(c.program, self.path)
         kernel[(_num_programs(c.device, tiles),)](
             *args,
-            BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, STAGES=cfg.STAGES, EPI_SPLIT=cfg.EPI_SPLIT, WARP_SPEC=cfg.WARP_SPEC,
+            BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, STAGES=cfg.STAGES, EPI_SPLIT=cfg.EPI_SPLIT,
             NUM_B=len(c.parts), B_PARTS=c.b_parts, A_KM=a_km, B_KN=bool(b_kn), INTERPRET=interp,
             PRECISION="ieee" if (interp or c.a.dtype == torch.float32) else "tf32",
             num_warps=cfg.num_warps, num_stages=cfg.STAGES,
