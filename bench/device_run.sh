@@ -1,19 +1,31 @@
 #!/usr/bin/env bash
 # What one device-tool call runs on the H200: environment, compiled-kernel checks, the test
-# suite with compiled kernels, and the benchmark. Logs go to $OUT.
-#   bash bench/device_run.sh [smoke] [test] [bench] [bench-quick]
+# suite with compiled kernels, and the benchmarks. Logs go to $OUT. Wheels carried in .whl/
+# (Liger-Kernel) are installed first when present.
+#   OPS=a,b,c,d,e TESTS=tests bash bench/device_run.sh [smoke] [test] [gemm] [gemm-quick] [breakdown] [ops] [ops-compile] [train] [demo]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CODETTA_CACHE_DIR=/tmp/codetta-cache
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+touch /tmp/device_run.start
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/env.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
 for step in "$@"; do
   case "$step" in
     smoke) python3 bench/device_smoke.py 2>&1 | tee "$OUT/smoke.log" ;;
-    test) python3 -m pytest -q -x tests 2>&1 | tee "$OUT/test.log" | tail -30 ;;
-    bench) python3 bench/gemm_bench.py 2>&1 | tee "$OUT/bench.log" ;;
-    bench-quick) python3 bench/gemm_bench.py --quick 2>&1 | tee "$OUT/bench.log" ;;
+    test) CODETTA_AUTOTUNE=0 timeout 420 python3 -m pytest -q ${TESTS:-tests} 2>&1 | tee "$OUT/test.log" | tail -40 ;;
+    gemm) python3 bench/gemm_bench.py 2>&1 | tee "$OUT/gemm.log" ;;
+    gemm-quick) python3 bench/gemm_bench.py --quick 2>&1 | tee "$OUT/gemm.log" ;;
+    breakdown) python3 bench/ops_breakdown.py 2>&1 | tee "$OUT/breakdown.log" ;;
+    ops) python3 bench/ops_bench.py --no-compile --ops "${OPS:-a,b,c,d,e}" 2>&1 | tee "$OUT/ops.log" ;;
+    ops-compile) python3 bench/ops_bench.py --ops "${OPS:-a,b,c,d,e}" 2>&1 | tee "$OUT/ops.log" ;;
+    train) python3 bench/train_bench.py 2>&1 | tee "$OUT/train.log" ;;
+    demo) python3 -m codetta demo 2>&1 | tee "$OUT/demo.log" | tail -30 ;;
   esac
 done
-cp -r bench/results "$OUT/" 2>/dev/null || true
+# Only the result files this call wrote come back (the tool returns at most 8 files).
+find bench/results -newer /tmp/device_run.start -type f -exec cp {} "$OUT/" \;

@@ -1,14 +1,14 @@
 """Transformer operators, forward and forward+backward, against their speed of light and the peers.
 
-    python bench/ops_bench.py [--m 16384] [--no-compile] [--ops a,b,c,d,e]
+    python bench/ops_bench.py [--m 16384] [--no-compile] [--compile-mode MODE] [--ops a,b,c,d,e]
 
 Per op (ANCHORS.md's a-e at Llama-3-8B shapes): codetta, eager PyTorch written the usual
 unfused way (the package's *_reference functions), torch.compile of that eager code
-(mode "max-autotune-no-cudagraphs"), and the SOL: the sum of the op's plain GEMMs timed
+(mode "max-autotune-no-cudagraphs"), Liger-Kernel where it has the op (when importable),
+and the SOL: the sum of the op's plain GEMMs timed
 alone with torch.matmul (forward GEMMs for "fwd"; plus the dX and dW GEMMs for "fwd+bwd").
 Ratios are time / SOL. Peak memory of each forward+backward too. Writes
-bench/results/ops.{md,json}. Status: written 2026-11-29, not yet run on the H200.
-"""
+bench/results/ops.{md,json}."""
 
 from __future__ import annotations
 
@@ -88,15 +88,51 @@ def cases(m):
     }
 
 
+def liger_variants(m):
+    """Liger-Kernel versions of the ops it has (rope, rms_norm, fused add+rms_norm, swiglu,
+    fused linear cross-entropy), written the way its Llama patch composes them; {} without it."""
+    try:
+        from liger_kernel.transformers import functional as lk
+    except ImportError:
+        return {}
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, HD, 2, device="cuda").float() / HD))
+    theta = (torch.arange(m, device="cuda") % 8192).float()[:, None] * inv_freq
+    cos = torch.cat([theta.cos(), theta.cos()], -1).bfloat16()[None]
+    sin = torch.cat([theta.sin(), theta.sin()], -1).bfloat16()[None]
+    linear = torch.nn.functional.linear
+
+    def heads(t, n):
+        return t.view(1, m, n, HD).transpose(1, 2)
+
+    def a(x, g, wq, wk, wv):
+        h = lk.liger_rms_norm(x, g, EPS, in_place=False)
+        q, k = lk.liger_rope(heads(linear(h, wq), HQ), heads(linear(h, wk), HKV), cos, sin)
+        return q, k, linear(h, wv)
+
+    def b(a_, w, r, g):
+        h, x1 = lk.liger_fused_add_rms_norm(linear(a_, w), r, g, EPS, in_place=False)
+        return x1, h
+
+    def c(x, g, wg, wu):
+        h = lk.liger_rms_norm(x, g, EPS, in_place=False)
+        return lk.liger_swiglu(linear(h, wg), linear(h, wu))
+
+    def e(x, w, t, g):
+        return lk.liger_fused_linear_cross_entropy(lk.liger_rms_norm(x, g, EPS, in_place=False), w, t)
+
+    return {"a_qkv_rope": a, "b_oproj_residual_norm": b, "c_gateup_swiglu": c, "e_lm_head_ce": e}
+
+
 def _residual_then_norm(a, w, r, g):
     x = torch.nn.functional.linear(a, w) + r
     return x, torch.nn.functional.rms_norm(x, (x.shape[-1],), g, EPS)
 
 
-def _loss(out):
+def _differentiable(out):
+    """The outputs of an op that carry gradient, flattened out of nested tuples."""
     outs = out if isinstance(out, (tuple, list)) else (out,)
     flat = [o for item in outs for o in (item if isinstance(item, (tuple, list)) else (item,))]
-    return sum(o.float().sum() for o in flat if o.requires_grad)
+    return [o for o in flat if isinstance(o, torch.Tensor) and o.requires_grad]
 
 
 def sol_ms(gemms, backward):
@@ -112,12 +148,20 @@ def sol_ms(gemms, backward):
 
 
 def measure(fn, inputs, backward):
+    """(median ms, peak GiB) of fn(*inputs), with a backward from fixed random output gradients
+    (made once, so that no loss computation is timed) into fresh .grad tensors."""
+    outs = _differentiable(fn(*inputs))  # compile, tune
+    # a scalar loss gets dL/dL = 1, as in training
+    grads = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in outs] if backward else None
+
     def step():
+        for t in inputs:  # a fresh .grad each time: no accumulation into the previous one
+            t.grad = None
         out = fn(*inputs)
         if backward:
-            _loss(out).backward()
+            torch.autograd.backward(_differentiable(out), grads)
 
-    step()  # compile, tune
+    step()
     torch.cuda.reset_peak_memory_stats()
     ms = median_ms(step)
     return ms, torch.cuda.max_memory_allocated() / 2**30
@@ -128,6 +172,7 @@ def main():
     parser.add_argument("--m", type=int, default=16384, help="tokens (the loss op uses half of them, as ANCHORS)")
     parser.add_argument("--ops", default="a,b,c,d,e")
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("ops_bench needs a CUDA GPU")
@@ -135,22 +180,29 @@ def main():
     for name, (make, ours, eager, gemms) in cases(args.m).items():
         if name[0] not in args.ops.split(","):
             continue
-        if name.startswith("e"):
-            make, ours, eager, gemms = cases(args.m // 2)[name]
+        m = args.m // 2 if name.startswith("e") else args.m
+        make, ours, eager, gemms = cases(m)[name]
         variants = {"codetta": ours, "eager": eager}
         if not args.no_compile:
-            variants["compile"] = torch.compile(eager, mode="max-autotune-no-cudagraphs")
+            variants["compile"] = torch.compile(eager, mode=args.compile_mode)
+        if name in liger_variants(m):
+            variants["liger"] = liger_variants(m)[name]
         for backward in (False, True):
             sol = sol_ms(gemms, backward)
             row = {"op": name, "pass": "fwd+bwd" if backward else "fwd", "M": gemms[0][0], "sol_ms": sol}
             for label, fn in variants.items():
-                ms, peak = measure(fn, make(), backward)
+                try:
+                    ms, peak = measure(fn, make(), backward)
+                except Exception as exc:  # a peer failing must not hide the other rows
+                    print(f"{name} {label}: {type(exc).__name__}: {exc}"[:300], flush=True)
+                    continue
                 row[f"{label}/SOL"] = ms / sol
                 row[f"{label} GiB"] = peak
             rows.append(row)
             print(row, flush=True)
-            write_results("ops", rows, markdown_table(rows, list(rows[0])))
-    print(markdown_table(rows, list(rows[0])))
+            columns = list(dict.fromkeys(key for r in rows for key in r))
+            write_results("ops", rows, markdown_table(rows, columns))
+    print(markdown_table(rows, columns))
 
 
 if __name__ == "__main__":

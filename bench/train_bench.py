@@ -6,7 +6,6 @@ Each variant runs in its own process (Liger's patch replaces transformers' class
 whole process): forward, backward and fused AdamW on random tokens, bf16 parameters,
 random init (no downloads). Reports median step time, tokens/s, peak memory and the
 time of the first steps (compilation, tuning). Writes bench/results/train.{md,json}.
-Status: written 2026-11-29, not yet run on the H200.
 """
 
 from __future__ import annotations
@@ -81,12 +80,13 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--variant", choices=VARIANTS, help="run one variant here (used by the driver)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="the variants to compare, comma-separated")
     args = parser.parse_args()
     if args.variant:
         print(json.dumps(run_variant(args.variant, args)), flush=True)
         return
     rows = []
-    for variant in VARIANTS:
+    for variant in args.variants.split(","):
         cmd = [sys.executable, __file__, "--variant", variant, "--seq", str(args.seq), "--batch", str(args.batch),
                "--steps", str(args.steps), "--warmup", str(args.warmup)]
         proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -174,8 +174,8 @@ def test_no_valid_target(reduction, rows):
 # bf16 / fp16: error of ours <= 2 x error of eager PyTorch in that dtype (both against fp64)
 
 
-@pytest.mark.parametrize("dtype, reduction", [(torch.bfloat16, "mean"), (torch.bfloat16, "none"),
-                                              (torch.float16, "mean")])
+@pytest.mark.parametrize("dtype, reduction", [(torch.bfloat16, "mean"), (torch.bfloat16, "sum"),
+                                              (torch.bfloat16, "none"), (torch.float16, "mean")])
 def test_half_precision_within_twice_eager_error(dtype, reduction):
     inputs = make(lead=(40,), d=32, vocab=131, bias=True, norm=True, ignored=4, dtype=dtype)
     grad_output = random_grad_output(reduction, inputs["target"])
@@ -194,32 +194,158 @@ def test_half_precision_within_twice_eager_error(dtype, reduction):
 
 
 # --------------------------------------------------------------------------------------
-# Memory: the logits exist only one chunk at a time
+# The work done: three GEMMs per chunk, in the forward; the logits one chunk at a time
 
 
-def test_logits_never_exceed_a_chunk(monkeypatch):
+def record_gemms(monkeypatch):
+    """(program name, a's rows, b's columns, data_ptr of the stored logits or None) of every GEMM."""
     seen = []
 
     def recording_gemm(a, b, epilogue=None, **kwargs):
-        out = codetta.gemm(a, b, epilogue, **kwargs)
-        seen.append((epilogue.name if epilogue else "plain", a.shape[0], b.shape[1]))
-        return out
+        logits = (kwargs.get("out") or {}).get("logits")
+        seen.append((epilogue.name if epilogue else "plain", a.shape[0], b.shape[1],
+                     None if logits is None else logits.data_ptr()))
+        return codetta.gemm(a, b, epilogue, **kwargs)
 
     monkeypatch.setattr(ce, "gemm", recording_gemm)
+    return seen
+
+
+def test_three_gemms_per_chunk_in_the_forward(monkeypatch):
+    seen = record_gemms(monkeypatch)
     inputs = make(lead=(23,), vocab=37, bias=True, norm=True)
-    ours(inputs, "mean", chunk_size=6)
-    logits_rows = [rows for name, rows, cols in seen if name.startswith(("lce_loss", "lce_dlogits")) and cols == 37]
-    assert logits_rows == [6, 6, 6, 5] * 2  # 4 chunks, forward then backward
-    assert [rows for name, rows, _ in seen if name == "plain"] == [6, 6, 6, 5]  # dh = dlogits W, per chunk
+    loss = linear_cross_entropy(inputs["x"], inputs["weight"], inputs["target"], bias=inputs["bias"],
+                                norm_weight=inputs["norm_weight"], eps=EPS, chunk_size=6)
+    expected = []
+    for i, rows in enumerate([6, 6, 6, 5]):  # logits; dW = dz^T h (written, then added); dh = dz W
+        expected += [("lce_logits_bias", rows, 37), ("lce_dweight_add" if i else "lce_dweight", 37, 20),
+                     ("plain", rows, 20)]
+    assert [s[:3] for s in seen] == expected
+    assert len({s[3] for s in seen if s[3] is not None}) == 1  # one logits buffer for every chunk
+    seen.clear()
+    (3.7 * loss).backward()
+    assert seen == []  # the backward only scales the saved gradients
+
+
+def test_reduction_none_recomputes_in_the_backward(monkeypatch):
+    seen = record_gemms(monkeypatch)
+    inputs = make(lead=(23,), vocab=37, bias=True, norm=True)
+    ours(inputs, "none", random_grad_output("none", inputs["target"]), chunk_size=6)
+    logits = [(name, rows) for name, rows, cols, _ in seen if cols == 37]
+    assert logits == [("lce_loss_bias", r) for r in (6, 6, 6, 5)] + [("lce_logits_bias", r) for r in (6, 6, 6, 5)]
+    assert len(seen) == 4 + 3 * 4
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "no_requires_grad"])
+def test_no_gradient_work_without_backward(monkeypatch, mode):
+    """Evaluation: only the loss GEMMs, nothing stored, no dz kernel; the loss as PyTorch's."""
+    seen = record_gemms(monkeypatch)
+    monkeypatch.setattr(ce, "softmax_grad_", None)  # would fail if called
+    inputs = make(lead=(11,), vocab=37, bias=True, norm=True, ignored=2,
+                  requires_grad=() if mode == "no_requires_grad" else PARAMS)
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
+               "no_requires_grad": torch.enable_grad}[mode]
+    for reduction in ("mean", "sum", "none"):
+        seen.clear()
+        with context():
+            loss = linear_cross_entropy(inputs["x"], inputs["weight"], inputs["target"], bias=inputs["bias"],
+                                        norm_weight=inputs["norm_weight"], reduction=reduction, eps=EPS,
+                                        chunk_size=4)
+        assert loss.grad_fn is None
+        assert [s[:2] for s in seen] == [("lce_loss_bias", 4), ("lce_loss_bias", 4), ("lce_loss_bias", 3)]
+        close(loss, pytorch(inputs, reduction, grad_output=random_grad_output(reduction, inputs["target"]))[0])
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("grad_output", [1.0, 3.7])
+def test_grad_output_scales_the_saved_gradients(reduction, grad_output):
+    """loss * 3.7 (the saved gradients are multiplied in place) and loss itself (nothing to do)."""
+    inputs = make(bias=True, norm=True, ignored=3)
+    loss = linear_cross_entropy(inputs["x"], inputs["weight"], inputs["target"], bias=inputs["bias"],
+                                norm_weight=inputs["norm_weight"], reduction=reduction, eps=EPS, chunk_size=8)
+    (loss * grad_output if grad_output != 1 else loss).backward()
+    _, ref = pytorch(inputs, reduction, grad_output=torch.tensor(grad_output))
+    for name in PARAMS:
+        close(inputs[name].grad, ref[name])
+
+
+def test_second_backward_through_saved_gradients_raises():
+    """The saved gradients are scaled in place: a retained graph cannot be run twice."""
+    inputs = make()
+    loss = 2 * linear_cross_entropy(inputs["x"], inputs["weight"], inputs["target"], eps=EPS)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_several_chunks_match_one_chunk(reduction):
+    """bf16: 40 rows in chunks of 16 (fp32 dW accumulator) or in one chunk (dW written in bf16)."""
+    inputs = make(lead=(40,), d=32, vocab=131, bias=True, norm=True, ignored=4, dtype=torch.bfloat16)
+    grad_output = random_grad_output(reduction, inputs["target"])
+    loss, grads = ours(inputs, reduction, grad_output, chunk_size=16)
+    one_loss, one = ours(inputs, reduction, grad_output)  # the default chunk holds all 40 rows
+    close(loss, one_loss)
+    for name in PARAMS:
+        assert grads[name].dtype == one[name].dtype == torch.bfloat16
+        close(grads[name].float(), one[name].float(), tol=2**-7)
 
 
 def test_default_chunk_size():
-    assert ce.default_chunk_size(128256) == 512
+    assert ce.default_chunk_size(128256) == 4096  # bf16: 1 GiB of logits
+    assert ce.default_chunk_size(128256, torch.float32) == 2048
     assert ce.default_chunk_size(37) % 128 == 0
-    assert ce.default_chunk_size(2**24 - 1) == 4
-    assert ce.default_chunk_size(2**27) == 1
-    for vocab in (37, 1000, 32000, 128256, 262144, 2**27):
-        assert ce.default_chunk_size(vocab) * vocab * 4 <= 2**28 or ce.default_chunk_size(vocab) == 1
+    assert ce.default_chunk_size(2**24 - 1) == 32
+    assert ce.default_chunk_size(2**30) == 1
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for vocab in (37, 1000, 32000, 128256, 262144, 2**30):
+            rows = ce.default_chunk_size(vocab, dtype)
+            assert rows * vocab * dtype.itemsize <= 2**30 or rows == 1
+
+
+# --------------------------------------------------------------------------------------
+# The dz kernel alone
+
+
+def _half_ulp(ref, dtype):
+    """Half a unit in the last place of dtype at |ref| (the bound of round-to-nearest)."""
+    bits = {torch.bfloat16: 8, torch.float16: 11}[dtype]
+    _, exponent = torch.frexp(ref)
+    tiny = torch.finfo(dtype).tiny * torch.finfo(dtype).eps  # the subnormal spacing
+    return torch.maximum(torch.ldexp(torch.ones_like(ref), exponent - bits - 1), torch.full_like(ref, tiny / 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_softmax_grad_kernel(dtype):
+    """13 x 37 in blocks of 4 x 16 (edges masked) inside a NaN-filled buffer that stays untouched;
+    ignored rows (scale 0, target -100), dz rounded to nearest (also in the interpreter)."""
+    from codetta.kernels.softmax_grad import softmax_grad_
+
+    m, n = 13, 37
+    buffer = torch.full((m + 3, n + 7), float("nan"), device=DEVICE, dtype=dtype)
+    z = buffer[1 : m + 1, 2 : n + 2]
+    z.copy_(4 * torch.randn(m, n, device=DEVICE))
+    z64 = z.double()
+    lse = torch.logsumexp(z64, 1).float()
+    target = torch.randint(0, n, (m,), device=DEVICE)
+    target[[0, 5]] = -100
+    scale = torch.rand(m, device=DEVICE) + 0.5
+    scale[[0, 5]] = 0.0
+    onehot = F.one_hot(target.clamp_min(0), n).double() * (target >= 0).double()[:, None]
+    ref = (torch.exp(z64 - lse.double()[:, None]) - onehot) * scale.double()[:, None]
+    outside = buffer.clone()
+    outside[1 : m + 1, 2 : n + 2] = 0
+
+    assert softmax_grad_(z, lse, target, scale, block_m=4, block_n=16) is z
+    assert z.dtype == dtype and not z[[0, 5]].any()
+    err = (z.double() - ref).abs()
+    if dtype == torch.float32:
+        assert err.max() <= 1e-6 * ref.abs().max()
+    else:
+        assert (err <= _half_ulp(ref, dtype) * (1 + 1e-4) + 1e-7 * ref.abs()).all()
+    rest = buffer.clone()
+    rest[1 : m + 1, 2 : n + 2] = 0
+    torch.testing.assert_close(rest, outside, rtol=0, atol=0, equal_nan=True)
 
 
 # --------------------------------------------------------------------------------------
@@ -282,19 +408,38 @@ def test_reference_function_matches_pytorch(reduction):
         close(got[name], ref[name])
 
 
-def test_opcheck():
+@pytest.mark.parametrize("reduction, in_forward", [("mean", True), ("sum", False), ("none", True)])
+def test_opcheck(reduction, in_forward):
+    """The forward with its gradients ("mean"), or recomputing them in the backward op.
+
+    With the gradients in the forward, the AOT test is left out: it returns the op's gradient
+    outputs to the caller, and the backward scales them in place (linear_cross_entropy never
+    returns them; torch.compile through AOT autograd's partitioners is tested below).
+    """
     inputs = make(lead=(5,), d=8, vocab=11, bias=True, norm=True, ignored=1)
-    args = (inputs["x"], inputs["weight"], inputs["target"], inputs["bias"], inputs["norm_weight"], -100, "mean", EPS, 2)
-    torch.library.opcheck(torch.ops.codetta.linear_cross_entropy.default, args)
+    args = (inputs["x"], inputs["weight"], inputs["target"], inputs["bias"], inputs["norm_weight"], -100, reduction,
+            EPS, 2, *[in_forward] * 4)
+    fused = in_forward and reduction != "none"
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor") if fused else None
+    torch.library.opcheck(torch.ops.codetta.linear_cross_entropy.default, args,
+                          **({"test_utils": utils} if utils else {}))
 
 
-def test_torch_compile_traces_without_graph_break():
+def test_opcheck_scale():
+    grads = [torch.randn(shape, device=DEVICE) for shape in ((3, 4), (5, 4), (5,), (0,))]
+    torch.library.opcheck(torch.ops.codetta.linear_cross_entropy_scale_.default,
+                          (torch.tensor(2.5, device=DEVICE), *grads))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "aot_eager_decomp_partition"])
+def test_torch_compile_traces_without_graph_break(backend):
+    """aot_eager_decomp_partition partitions forward and backward as inductor does."""
     inputs = make(lead=(2, 5), d=8, vocab=11, bias=True, norm=True, ignored=2)
 
     def step(x, weight, target, bias, norm_weight):
         return linear_cross_entropy(x, weight, target, bias=bias, norm_weight=norm_weight, eps=EPS, chunk_size=4) * 2
 
-    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
     args = [inputs[k] for k in ("x", "weight", "target", "bias", "norm_weight")]
     loss, grads = grads_of(compiled(*args), inputs, None)
     ref_loss, ref = pytorch(inputs, "mean", grad_output=torch.tensor(2.0))

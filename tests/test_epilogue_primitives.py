@@ -224,6 +224,24 @@ def test_half_width_operands_and_outputs(ab):
     close(out["csum"], acc[:, 0::2].sum(0))
 
 
+@pytest.mark.parametrize("period", [5, 16])
+def test_tables_repeat_along_columns(period, ab):
+    """A table [M, P] is read at column j % P (FULL) or pair j % P (HALF); a strided view works too."""
+    a, b, acc = ab
+    full = torch.randn(M, 2 * period, device=DEVICE)[:, ::2]  # column stride 2: read through pointers
+    half = torch.randn(M, period, device=DEVICE)
+    p = ep.Program(f"tables_{period}")
+    g, u = ep.pairs(p.acc)
+    p.store("out", p.acc * p.table("t", period), dtype=torch.float32)
+    p.store("hout", g + u * p.table("h", period, ep.HALF), dtype=torch.float32)
+    out = codetta.gemm(a, b, p, t=full, h=half)
+    cols, pairs = torch.arange(N) % period, torch.arange(N // 2) % period
+    close(out["out"], acc * full.double().cpu()[:, cols])
+    close(out["hout"], acc[:, 0::2] + acc[:, 1::2] * half.double().cpu()[:, pairs])
+    with pytest.raises(ep.EpilogueError, match="is a table"):
+        codetta.gemm(a, b, p, t=full[:, :-1], h=half)
+
+
 def test_generated_source_is_readable_triton():
     p = ep.Program("show_me")
     p.store("y", ep.silu(p.acc) * p.row("r"))

@@ -1,4 +1,5 @@
-"""RMSNorm -> gate/up -> SwiGLU fused (codetta.ops.rmsnorm_swiglu): output and every gradient.
+"""RMSNorm -> gate/up -> SwiGLU fused (codetta.ops.rmsnorm_swiglu): output and every gradient,
+and its SwiGLU-backward kernel (codetta.kernels.swiglu) on its own.
 
 The reference is the usual unfused module math (F.rms_norm, two F.linear, F.silu) in fp64.
 """
@@ -7,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from codetta.kernels.swiglu import swiglu_backward
 from codetta.ops import linear_residual, rmsnorm_swiglu
 from conftest import DEVICE, INTERPRET
 
@@ -35,7 +37,7 @@ def run(fn, tensors, dy, dtype):
     return [y] + [t.grad for t in leaves]
 
 
-@pytest.mark.parametrize("shape,f", [((1, 16), 8), ((37, 24), 20), ((2, 9, 32), 44)], ids=str)
+@pytest.mark.parametrize("shape,f", [((1, 16), 8), ((37, 24), 20), ((2, 9, 32), 44), ((19, 16), 130)], ids=str)
 def test_forward_backward_fp32(shape, f):
     tensors = inputs(shape, f)
     dy = torch.randn(*shape[:-1], f, device=DEVICE)
@@ -87,3 +89,93 @@ def test_custom_op_passes_opcheck():
     x, g, wg, wu = (t.requires_grad_() for t in inputs((6, 16), 8))
     torch.library.opcheck(torch.ops.codetta.rmsnorm_swiglu.default, (x, g, wg, wu, EPS, None, None),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+# ---------------------------------------------------------------------------------------
+# The SwiGLU-backward kernel alone: dz = d(silu(g) * u)/d[g | u] and zdz = sum_k z_k dz_k
+
+
+def swiglu_inputs(m, f, dtype):
+    z = (torch.randn(m, 2 * f, device=DEVICE) * 3).to(dtype)
+    return torch.randn(m, f, device=DEVICE).to(dtype), z
+
+
+def autograd_swiglu(dy, z):
+    """(dz, zdz) of silu(g) * u by autograd, in dy's and z's own dtype (zdz in fp32 or fp64)."""
+    f = dy.shape[-1]
+    zz = z.detach().clone().requires_grad_()
+    (F.silu(zz[:, :f]) * zz[:, f:]).backward(dy)
+    acc = torch.float64 if z.dtype == torch.float64 else torch.float32
+    return zz.grad, (z.to(acc) * zz.grad.to(acc)).sum(-1)
+
+
+SHAPES = [(1, 5), (1, 64), (37, 150), (16, 128), (50, 1)]
+
+
+@pytest.mark.parametrize("m,f", SHAPES, ids=str)
+def test_kernel_fp32(m, f):
+    dy, z = swiglu_inputs(m, f, torch.float32)
+    dz, zdz = swiglu_backward(dy, z)
+    dz_ref, zdz_ref = autograd_swiglu(dy.double(), z.double())
+    assert dz.dtype == torch.float32 and dz.shape == (m, 2 * f) and zdz.dtype == torch.float32 and zdz.shape == (m,)
+    assert rel(dz, dz_ref) < 1e-6
+    assert rel(zdz, zdz_ref) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("m,f", SHAPES, ids=str)
+def test_kernel_low_precision_within_twice_eager_error(m, f, dtype):
+    dy, z = swiglu_inputs(m, f, dtype)
+    dz, zdz = swiglu_backward(dy, z)
+    assert dz.dtype == dtype and zdz.dtype == torch.float32
+    dz_eager, zdz_eager = autograd_swiglu(dy, z)
+    dz_ref, zdz_ref = autograd_swiglu(dy.double(), z.double())
+    assert rel(dz, dz_ref) <= 2 * rel(dz_eager, dz_ref) + 1e-6
+    assert rel(zdz, zdz_ref) <= 2 * rel(zdz_eager, zdz_ref) + 1e-6
+
+
+def test_kernel_zdz_is_from_stored_dz():
+    # zdz is the row dot product of z with dz as stored (rounded), up to fp32 summation order
+    dy, z = swiglu_inputs(23, 100, torch.bfloat16)
+    dz, zdz = swiglu_backward(dy, z)
+    exact = (z.double() * dz.double()).sum(-1)
+    scale = (z.double() * dz.double()).abs().sum(-1)
+    assert ((zdz.double() - exact).abs() <= 1e-6 * scale + 1e-30).all()
+
+
+@pytest.mark.parametrize("block", [None, (4, 16, 1)], ids=str)
+def test_kernel_writes_exactly_its_output(block):
+    # strided views in and out: dz goes into a view of a larger NaN-filled tensor
+    m, f = 21, 70
+    dy_c, z_c = swiglu_inputs(m, f, torch.bfloat16)
+    dy = torch.full((m, f + 7), float("nan"), device=DEVICE, dtype=torch.bfloat16)[:, 3:3 + f]
+    z = torch.full((m, 2 * f + 5), float("nan"), device=DEVICE, dtype=torch.bfloat16)[:, :2 * f]
+    dy.copy_(dy_c)
+    z.copy_(z_c)
+    big = torch.full((m + 3, 2 * f + 10), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+    out = big[1:m + 1, 4:4 + 2 * f]
+    dz, zdz = swiglu_backward(dy, z, out=out, block=block)
+    assert dz.data_ptr() == out.data_ptr()
+    assert not out.isnan().any() and not zdz.isnan().any()
+    inside = torch.zeros_like(big, dtype=torch.bool)
+    inside[1:m + 1, 4:4 + 2 * f] = True
+    assert big[~inside].isnan().all()
+    dz_c, zdz_c = swiglu_backward(dy_c, z_c, block=block)
+    assert torch.equal(out, dz_c)
+    assert torch.allclose(zdz, zdz_c, rtol=1e-6, atol=0)
+    dz_ref, zdz_ref = autograd_swiglu(dy_c.double(), z_c.double())
+    dz_eager, zdz_eager = autograd_swiglu(dy_c, z_c)
+    assert rel(dz, dz_ref) <= 2 * rel(dz_eager, dz_ref) + 1e-6
+
+
+def test_kernel_empty_and_bad_inputs():
+    dy, z = swiglu_inputs(0, 8, torch.float32)
+    dz, zdz = swiglu_backward(dy, z)
+    assert dz.shape == (0, 16) and zdz.shape == (0,)
+    dy, z = swiglu_inputs(4, 8, torch.float32)
+    with pytest.raises(ValueError, match="need dy"):
+        swiglu_backward(dy, z[:, :15])
+    with pytest.raises(ValueError, match="differ"):
+        swiglu_backward(dy.double(), z)
+    with pytest.raises(ValueError, match="out must be"):
+        swiglu_backward(dy, z, out=torch.empty(16, 4, device=DEVICE).t())

@@ -1,7 +1,7 @@
 """Random well-formed epilogue programs: the Triton kernel agrees with the fp64 reference.
 
 A Hypothesis strategy writes the Python source of a random program (expression trees
-of depth <= 4 over acc, row / col / aux / scalar operands, indices and constants, with
+of depth <= 4 over acc, row / col / aux / table / scalar operands, indices and constants, with
 pairs / join / segment steps, and one to three outputs of random kinds); the test
 builds it, runs ``codetta.gemm`` on random shapes and compares every output with
 ``ep.run_reference`` evaluated in float64 on the same inputs.
@@ -111,7 +111,7 @@ class ProgramWriter:
         if width is None:
             kinds = ["row", "scalar", "row_index"]
         else:
-            kinds = ["col", "aux", "col_index"] + (["acc", "acc"] if width is ep.FULL else [])
+            kinds = ["col", "aux", "table", "col_index"] + (["acc", "acc"] if width is ep.FULL else [])
             if width is ep.FULL and self.shared is not None and (self.shared.exact or not exact_only):
                 kinds += ["shared", "shared"]
         kind = self.choose(kinds)
@@ -131,6 +131,8 @@ class ProgramWriter:
             return Val(f"p.col('c{suffix}{i}', {w})", width, 2.0, (2.0, 2))
         if kind == "aux":
             return Val(f"p.aux('x{suffix}{i}', {w})", width, 2.0, (2.0, 2))
+        if kind == "table":
+            return Val(f"p.table('t{suffix}{i}', {3 + 2 * i}, {w})", width, 2.0, (2.0, 2))
         return Val(f"(p.col_index({w}) * 0.125)", width, _MAX_N / 8, (_MAX_N / 8, 3))
 
     def const(self):
@@ -353,6 +355,8 @@ def make_operands(p, M, N, gen):
             ops[op.name] = _dyadic(gen, (n,), -2, 2)
         elif op.kind == "aux":
             ops[op.name] = _dyadic(gen, (M, n), -2, 2)
+        elif op.kind == "table":
+            ops[op.name] = _dyadic(gen, (M, op.period), -2, 2)
         else:
             ops[op.name] = float(_dyadic(gen, (), -2, 2))
     return ops

@@ -97,6 +97,8 @@ def _kernel_args(program, path):
             args.append((op.name, "scalar"))
         elif op.kind in ("row", "col"):
             args += [(f"{op.name}_ptr", op.kind), (f"{op.name}_stride", "stride")]
+        elif op.kind == "table":
+            args += _tile_args(op.name, "table", "ptr")
         else:
             args += _tile_args(op.name, "aux", path)
     for out in sorted(program.outputs.values(), key=lambda o: o.name):
@@ -184,6 +186,14 @@ def _epilogue(program: Program, w: _Writer, path: str):
             c, ok = width_cols[node.width][:2]
             expr = (
                 f"tl.load({n}_ptr + rows64[:, None] * {n}_s0 + {c}.to(tl.int64)[None, :] * {n}_s1, "
+                f"mask=row_ok[:, None] & {ok}[None, :], other=0.0).to(tl.float32)"
+            )
+        elif op == "load_table":
+            n = node.attrs[0]
+            c, ok = width_cols[node.width][:2]
+            period = program.operands[n].period
+            expr = (
+                f"tl.load({n}_ptr + rows64[:, None] * {n}_s0 + ({c} % {period}).to(tl.int64)[None, :] * {n}_s1, "
                 f"mask=row_ok[:, None] & {ok}[None, :], other=0.0).to(tl.float32)"
             )
         elif op == "row_index":

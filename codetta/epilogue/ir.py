@@ -154,7 +154,7 @@ def _as_expr(program, x):
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         raise EpilogueError(
             f"program {program.name!r}: cannot use {type(x).__name__} {x!r} in an epilogue; "
-            "use a number, or declare an operand (row, col, scalar, aux)"
+            "use a number, or declare an operand (row, col, scalar, aux, table)"
         )
     return Expr(program, "const", attrs=(float(x),), rows=False, width=None)
 
@@ -313,11 +313,12 @@ def segment_max(x, segment):
 
 @dataclass(frozen=True)
 class Operand:
-    """An input the caller passes by name: kind is 'row', 'col', 'scalar' or 'aux'."""
+    """An input the caller passes by name: kind is 'row', 'col', 'scalar', 'aux' or 'table'."""
 
     name: str
     kind: str
     width: Width | None = None
+    period: int | None = None
 
 
 @dataclass(frozen=True)
@@ -389,17 +390,17 @@ class Program:
             self._acc = Expr(self, "acc", rows=True, width=FULL)
         return self._acc
 
-    def _declare(self, name, kind, width=None):
+    def _declare(self, name, kind, width=None, period=None):
         if not isinstance(name, str) or not name.isidentifier():
             raise EpilogueError(f"program {self.name!r}: operand name must be an identifier, got {name!r}")
         if name in ("a", "b", "epilogue"):
             raise EpilogueError(f"program {self.name!r}: operand name {name!r} is reserved")
         if width is not None and not isinstance(width, Width):
             raise EpilogueError(f"program {self.name!r}: width must be FULL or HALF, got {width!r}")
-        new = Operand(name, kind, width)
+        new = Operand(name, kind, width, period)
         old = self.operands.get(name)
         if old is not None and old != new:
-            raise EpilogueError(f"program {self.name!r}: operand {name!r} declared as {old.kind} and as {kind}")
+            raise EpilogueError(f"program {self.name!r}: operand {name!r} declared as {old} and as {new}")
         if name in self.outputs:
             raise EpilogueError(f"program {self.name!r}: {name!r} is already an output")
         self.operands[name] = new
@@ -430,6 +431,15 @@ class Program:
         """A tile operand [M, N] (or [M, N/2]) read at the output tile's coordinates."""
         self._declare(name, "aux", width)
         return self._load("load_aux", name, rows=True, width=width)
+
+    def table(self, name, period, width=FULL):
+        """A per-row table [M, period] repeated along the columns: column (or pair) j reads
+        entry j % period of its row. E.g. RoPE's cos and sin per token and frequency, read
+        by every head. Tables are small and read through the cache, not through TMA."""
+        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+            raise EpilogueError(f"program {self.name!r}: table {name!r} needs a positive integer period, got {period!r}")
+        self._declare(name, "table", width, period)
+        return self._load("load_table", name, rows=True, width=width)
 
     def row_index(self):
         """The global row index of each row, as fp32 (exact below 2^24)."""

@@ -103,6 +103,10 @@ def run_reference(program: Program, a, b, operands, compute_dtype=torch.float32)
             v = torch.tensor(float(operands[node.attrs[0]]), dtype=cd, device=acc.device)
         elif op == "load_aux":
             v = operands[node.attrs[0]].to(cd).reshape(m, ncols(node.width))
+        elif op == "load_table":
+            period = program.operands[node.attrs[0]].period
+            table = operands[node.attrs[0]].to(cd).reshape(m, period)
+            v = table[:, torch.arange(ncols(node.width), device=acc.device) % period]
         elif op == "row_index":
             v = torch.arange(m, dtype=cd, device=acc.device).reshape(m, 1)
         elif op == "col_index":

@@ -1,1 +1,1 @@
-"""Small kernels outside the GEMM: finishing steps of reductions."""
+"""Small memory-bound kernels around the GEMMs: finishing steps of reductions, RoPE and SwiGLU backward."""

@@ -180,6 +180,10 @@ class _Call:
                 if value.dim() != 1 or value.shape[0] != n:
                     raise EpilogueError(f"{what} is a column vector: expected [{n}], got {tuple(value.shape)}")
                 v = value
+            elif kind == "table":
+                if tuple(value.shape) not in ((self.M, op.period), (*self.lead, op.period)):
+                    raise EpilogueError(f"{what} is a table: expected [{self.M}, {op.period}] (or {list(self.lead)} + [{op.period}]), got {tuple(value.shape)}")
+                v = value.reshape(self.M, op.period)
             else:
                 width = op.width if op else p.outputs[name].width
                 n = self.width(width)
@@ -346,7 +350,7 @@ class _Launch:
             return c.operands[name]
         if kind in ("row", "col"):
             return c.operands[base]
-        if kind == "aux":
+        if kind in ("aux", "table"):
             return c.operands[base]
         if kind == "out":
             return self.outputs[base][1]

@@ -17,34 +17,41 @@ for "sum", grad_output_i for "none"; 0 for ignored rows), the gradients are
     RMSNorm:  dx = r ⊙row (dxh - xh ⊙row mean_k(dxh ⊙ xh)),  dg = sum_i dh_i ⊙ xh_i,
               with xh = x ⊙row r and dxh = dh ⊙col g.
 
-Design. The rows are processed in chunks of ``chunk_size`` rows, so the [M, V] logits
-are never materialized:
+Design. The rows are processed in chunks of ``chunk_size`` rows (C), so the [M, V]
+logits exist one chunk at a time. Per chunk (``_chunked``):
 
-* forward, per chunk: one GEMM z = h_c W^T whose epilogue keeps only lse and zt (the
-  logits stay on chip). lse [M] (fp32) is saved for the backward.
-* backward, per chunk: the logits GEMM again, with an epilogue that stores
-  dz_c = (exp(z - lse) - onehot) * dloss in the input dtype (and its column sums, db);
-  then dh_c = gemm(dz_c, W) and dW += gemm(dz_c^T, h_c) (an accumulating fp32 store).
+1. GEMM z_c = h_c W^T (+ b), whose epilogue writes lse and zt from the fp32 accumulator
+   (the loss) and, when gradients are computed, also stores z_c in the input dtype into
+   one [C, V] buffer reused by every chunk;
+2. ``softmax_grad_`` (codetta.kernels.softmax_grad) turns that buffer into dz_c in place,
+   in fp32 arithmetic, stored in the input dtype (db += its column sums, when needed);
+3. GEMM dh_c = dz_c W, then the RMSNorm backward (dx_c, dg) when norm_weight is given;
+4. GEMM dW (+)= dz_c^T h_c: the first chunk writes, the others add (an accumulating store).
 
-That is four GEMMs of M x V x d per training step. Computing the gradients inside the
-forward would not save one here: dz is formed in the epilogue of a logits GEMM, which
-needs lse before the tile exists, so such a forward also runs the logits GEMM twice.
-(Liger runs it once by storing each chunk's logits and applying the softmax in a
-separate memory-bound pass; epilogue programs have no such pass, and a prologue on the
-A operand of dh = dz W would be needed to save the fourth GEMM.) Recomputing in the
-backward saves only lse instead of gradients as large as x and W, does no gradient
-work when no backward runs, and takes the per-row grad_output of reduction "none"
-without a special case: dloss_i is a row operand of the dz epilogue (saved gradients
-could not be rescaled per row for dW and db).
+So the gradients come from the logits rounded to the input dtype, exactly what eager
+PyTorch does (``F.linear`` in bf16, then ``.float()``); the loss comes from the fp32
+accumulators.
 
-Memory, beyond the inputs and the gradients returned: forward, per chunk, the epilogue's
-per-tile partials (3 fp32 [C, ceil(V / BLOCK_N)]) and h_c (RMSNorm); saved, lse [M].
-Backward: dz_c [C, V] in the input dtype (and db's per-tile partials), h_c and dh_c [C, d], an fp32 [V, d] accumulator
-for dW (it is dW itself for fp32 weights) and fp32 [V] for db. The default C keeps
-C * V * 4 bytes <= 2^28 (256 MiB).
+When a backward will be needed (grad mode on, an input requires grad) and the reduction
+is "mean" or "sum", the forward runs all of it, Liger-style: three GEMMs of M x V x d per
+training step. It returns the gradients for grad_output = 1; the backward multiplies
+them by grad_output, a scalar, in place (nothing when it is 1: a host check, as in Liger).
+Those saved gradients are consumed by the backward: a second backward through the same
+graph (``retain_graph=True``) raises PyTorch's in-place modification error.
+Otherwise the forward runs step 1 alone, storing nothing (inference, evaluation), and
+reduction "none" recomputes in the backward (its per-row grad_output could not be
+applied to gradients summed over rows): the forward keeps only its inputs and the
+backward runs steps 1-4 with dloss_i as the row scale, four GEMMs in all.
+
+Memory, beyond the inputs and the gradients returned: the [C, V] logits / dz buffer in
+the input dtype (rows padded to 16 bytes), the epilogue's per-tile partials (3 fp32 [C, ceil(V / BLOCK_N)]), h_c and
+dh_c [C, d]; with several chunks, an fp32 [V, d] accumulator for dW, cast to the weight's
+dtype at the end (with one chunk dW is written directly in the weight's dtype); fp32 [V]
+for db. The default C keeps the buffer at C * V * itemsize <= 2^30 bytes (1 GiB): 4096
+rows at V = 128256 in bf16. The gradients computed in the forward live until the backward.
 
 RMSNorm runs in plain PyTorch on each chunk, in fp32, rounded once to the input dtype
-(as ``F.rms_norm`` does); h_c is recomputed in the backward instead of saved.
+(as ``F.rms_norm`` does).
 
 Targets: any integer dtype; values outside [0, V) other than ``ignore_index`` raise a
 ValueError on the CPU; on a GPU they trigger ``torch._assert_async`` (a device-side
@@ -53,9 +60,9 @@ asynchronously as a RuntimeError. The epilogue compares column indices with targ
 fp32, exact for V < 2^24 (checked).
 
 The operator is the custom op ``codetta::linear_cross_entropy`` (autograd through
-``register_autograd``, its backward the custom op ``codetta::linear_cross_entropy_backward``),
-with shape-only fake implementations, so torch.compile traces it without a graph break.
-There is no double backward.
+``register_autograd``; its backward the custom ops ``codetta::linear_cross_entropy_scale_``
+and ``codetta::linear_cross_entropy_backward``), with shape-only fake implementations, so
+torch.compile traces it without a graph break. There is no double backward.
 """
 
 import functools
@@ -65,18 +72,21 @@ import torch
 import torch.nn.functional as F
 
 from .. import epilogue as ep
+from ..kernels.softmax_grad import softmax_grad_
 from ..matmul import gemm
+from .rmsnorm import rms_rstd
 
 _REDUCTIONS = ("mean", "sum", "none")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_CHUNK_BYTES = 2**28  # the fp32-equivalent size of one chunk of logits (dz)
+_CHUNK_BYTES = 2**30  # one chunk of logits (dz) in the input dtype
 _MAX_VOCAB = 2**24  # column indices and targets are compared as fp32 in the epilogue
 
 
-def default_chunk_size(vocab: int) -> int:
-    """Rows per chunk so that one chunk of logits takes at most 2^28 bytes in fp32
-    (rounded down to a multiple of 128 rows, one GEMM tile, when that many fit)."""
-    rows = max(1, _CHUNK_BYTES // (4 * vocab))
+def default_chunk_size(vocab: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Rows per chunk so that one chunk of logits takes at most 2^30 bytes (1 GiB) in ``dtype``
+    (rounded down to a multiple of 128 rows, one GEMM tile, when that many fit): 4096 rows
+    at V = 128256 in bf16, 2048 in fp32."""
+    rows = max(1, _CHUNK_BYTES // (dtype.itemsize * vocab))
     return rows if rows < 128 else rows - rows % 128
 
 
@@ -93,31 +103,22 @@ def _is_target(p: ep.Program):
 
 
 @functools.lru_cache(maxsize=None)
-def _loss_program(bias: bool) -> ep.Program:
-    """Per row: lse = logsumexp of the logits, target_logit = the logit at the target column."""
-    p = ep.Program("lce_loss_bias" if bias else "lce_loss")
+def _logits_program(bias: bool, store: bool) -> ep.Program:
+    """Per row: lse = logsumexp of the logits, target_logit = the logit at the target column;
+    with ``store``, also the logits themselves, in the input dtype."""
+    p = ep.Program(f"lce_{'logits' if store else 'loss'}{'_bias' if bias else ''}")
     z = _logits(p, bias)
+    if store:
+        p.store("logits", z)
     p.row_logsumexp("lse", z)
     p.row_sum("target_logit", ep.where(_is_target(p), z, 0.0))
     return p
 
 
 @functools.lru_cache(maxsize=None)
-def _dlogits_program(bias: bool, dbias: bool) -> ep.Program:
-    """dlogits = (softmax - onehot) * scale, stored in the input dtype; dbias = its column sums."""
-    p = ep.Program(f"lce_dlogits{'_bias' if bias else ''}{'_dbias' if dbias else ''}")
-    z = _logits(p, bias)
-    dz = (ep.exp(z - p.row("lse")) - ep.where(_is_target(p), 1.0, 0.0)) * p.row("scale")
-    p.store("dlogits", dz)
-    if dbias:
-        p.col_sum("dbias", dz)
-    return p
-
-
-@functools.lru_cache(maxsize=None)
-def _accumulate_program() -> ep.Program:
-    p = ep.Program("lce_dweight")
-    p.store("dw", p.acc, dtype=torch.float32, accumulate=True)
+def _dweight_program(dtype: torch.dtype, accumulate: bool) -> ep.Program:
+    p = ep.Program("lce_dweight_add" if accumulate else "lce_dweight")
+    p.store("dw", p.acc, dtype=dtype, accumulate=accumulate)
     return p
 
 
@@ -132,7 +133,7 @@ def _chunks(rows: int, chunk_size: int):
 
 def _rstd(x, eps):
     """fp32 [C, 1]: 1 / sqrt(mean(x^2) + eps) per row."""
-    return torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps)
+    return rms_rstd(x, eps).unsqueeze(-1)
 
 
 def _hidden(x, norm_weight, eps):
@@ -181,6 +182,83 @@ def _row_scale(grad, valid, reduction):
     return torch.where(valid, grad.float(), 0.0)
 
 
+def _add_dweight(dw, dz, h, first):
+    """dw = dz^T h (first chunk) or dw += dz^T h (later chunks, an accumulating store in dw's dtype)."""
+    if first:
+        gemm(dz.t(), h, _dweight_program(dw.dtype, False), out={"dw": dw})
+    else:
+        gemm(dz.t(), h, _dweight_program(dw.dtype, True), dw=dw)
+
+
+def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs):
+    """lse, target_logit (fp32 [M]) and the gradients (dx, dweight, dbias, dnorm_weight) of
+    sum_i scale_i loss_i asked for by ``needs`` (None for the others), chunk by chunk.
+
+    Gradients are computed only when one is needed: then each chunk's logits are stored
+    (one buffer for all chunks) and turned into dz; see the module docstring.
+    """
+    need_x, need_weight, need_bias, need_norm_weight = needs
+    rows, (vocab, d) = x.shape[0], weight.shape
+    fp32 = {"device": x.device, "dtype": torch.float32}
+    lse = torch.empty(rows, **fp32)
+    target_logit = torch.empty_like(lse)
+    store = any(needs)
+    program = _logits_program(bias is not None, store)
+    if store:  # rows padded to 16 bytes, so that the GEMMs can read and write it through TMA
+        pad = 16 // x.element_size()
+        logits = x.new_empty(min(rows, chunk_size), -(-vocab // pad) * pad)[:, :vocab]
+    n_chunks = -(-rows // chunk_size)
+    dx = x.new_empty(x.shape) if need_x else None
+    if need_weight:  # several chunks add into an fp32 accumulator; one writes dW in the weight's dtype
+        dw_dtype = weight.dtype if n_chunks <= 1 else torch.float32
+        dw = (torch.empty if n_chunks else torch.zeros)(weight.shape, device=x.device, dtype=dw_dtype)
+    db = torch.zeros(vocab, **fp32) if need_bias else None
+    dg = torch.zeros(d, **fp32) if need_norm_weight else None
+    for i, c in enumerate(_chunks(rows, chunk_size)):
+        h = _hidden(x[c], norm_weight, eps)
+        out = {"lse": lse[c], "target_logit": target_logit[c]}
+        if store:
+            out["logits"] = dz = logits[: c.stop - c.start]
+        gemm(h, weight.t(), program, out=out, target=target[c], **_bias_operand(bias))
+        if not store:
+            continue
+        softmax_grad_(dz, lse[c], target[c], scale[c])
+        if need_bias:
+            db += dz.sum(0, dtype=torch.float32)
+        if need_weight:
+            _add_dweight(dw, dz, h, first=i == 0)
+        if norm_weight is None and need_x:
+            gemm(dz, weight, out={"out": dx[c]})
+        elif need_x or need_norm_weight:
+            dx_c, dg_c = _rms_norm_backward(x[c], norm_weight, eps, gemm(dz, weight))
+            if need_x:
+                dx[c] = dx_c
+            if need_norm_weight:
+                dg += dg_c
+    grads = (
+        dx,
+        dw.to(weight.dtype) if need_weight else None,
+        db.to(bias.dtype) if need_bias else None,
+        dg.to(norm_weight.dtype) if need_norm_weight else None,
+    )
+    return lse, target_logit, grads
+
+
+def _in_forward(reduction, needs):
+    """Which gradients the forward computes: those needed, unless the reduction is "none"."""
+    return tuple(bool(n) and reduction != "none" for n in needs)
+
+
+def _grad_outputs(x, grads):
+    """The custom ops' gradient outputs: each gradient, or an empty tensor where it is None."""
+    return tuple(x.new_empty(0) if g is None else g for g in grads)
+
+
+def _fake_grads(x, weight, bias, norm_weight, needs):
+    return _grad_outputs(x, [t.new_empty(t.shape) if need else None
+                             for t, need in zip((x, weight, bias, norm_weight), needs)])
+
+
 # --------------------------------------------------------------------------------------
 # The custom ops (x is [M, d], target [M] int64: linear_cross_entropy flattens them)
 
@@ -196,27 +274,41 @@ def _forward(
     reduction: str,
     eps: float,
     chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, lse [M] fp32)."""
+    need_x: bool,
+    need_weight: bool,
+    need_bias: bool,
+    need_norm_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, dx, dweight, dbias, dnorm_weight): the gradients of the loss itself (grad_output
+    = 1) that ``_in_forward`` selects; the others are empty tensors."""
     _check_target_values(target, weight.shape[0], ignore_index)
-    rows = x.shape[0]
-    lse = torch.empty(rows, device=x.device, dtype=torch.float32)
-    target_logit = torch.empty_like(lse)
-    program = _loss_program(bias is not None)
-    for c in _chunks(rows, chunk_size):
-        h = _hidden(x[c], norm_weight, eps)
-        gemm(h, weight.t(), program, out={"lse": lse[c], "target_logit": target_logit[c]},
-             target=target[c], **_bias_operand(bias))
     valid = target != ignore_index
+    needs = _in_forward(reduction, (need_x, need_weight, need_bias, need_norm_weight))
+    scale = _row_scale(torch.ones((), device=x.device), valid, reduction) if any(needs) else None
+    lse, target_logit, grads = _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs)
     losses = torch.where(valid, lse - target_logit, 0.0)
-    return _reduce(losses, valid, reduction), lse
+    return (_reduce(losses, valid, reduction), *_grad_outputs(x, grads))
 
 
 @_forward.register_fake
-def _forward_fake(x, weight, target, bias, norm_weight, ignore_index, reduction, eps, chunk_size):
-    rows = x.shape[0]
-    loss = x.new_empty((rows,) if reduction == "none" else (), dtype=torch.float32)
-    return loss, x.new_empty(rows, dtype=torch.float32)
+def _forward_fake(x, weight, target, bias, norm_weight, ignore_index, reduction, eps, chunk_size, *needs):
+    loss = x.new_empty((x.shape[0],) if reduction == "none" else (), dtype=torch.float32)
+    return (loss, *_fake_grads(x, weight, bias, norm_weight, _in_forward(reduction, needs)))
+
+
+@torch.library.custom_op("codetta::linear_cross_entropy_scale_",
+                         mutates_args=("dx", "dweight", "dbias", "dnorm_weight"))
+def _scale_(grad: torch.Tensor, dx: torch.Tensor, dweight: torch.Tensor, dbias: torch.Tensor,
+            dnorm_weight: torch.Tensor) -> None:
+    """The gradients computed in the forward times the scalar grad_output, in place (nothing when it is 1)."""
+    if bool(grad != 1):
+        for g in (dx, dweight, dbias, dnorm_weight):
+            g.mul_(grad)
+
+
+@_scale_.register_fake
+def _scale_fake(grad, dx, dweight, dbias, dnorm_weight):
+    return None
 
 
 @torch.library.custom_op("codetta::linear_cross_entropy_backward", mutates_args=())
@@ -227,7 +319,6 @@ def _backward(
     target: torch.Tensor,
     bias: Optional[torch.Tensor],
     norm_weight: Optional[torch.Tensor],
-    lse: torch.Tensor,
     ignore_index: int,
     reduction: str,
     eps: float,
@@ -237,70 +328,41 @@ def _backward(
     need_bias: bool,
     need_norm_weight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dweight, dbias, dnorm_weight); a gradient not asked for is an empty tensor."""
+    """(dx, dweight, dbias, dnorm_weight) for ``grad``, the logits recomputed; a gradient not asked for is empty."""
     scale = _row_scale(grad, target != ignore_index, reduction)
-    fp32 = {"device": x.device, "dtype": torch.float32}
-    dx = torch.empty(x.shape, device=x.device, dtype=x.dtype) if need_x else x.new_empty(0)
-    dw = torch.zeros(weight.shape, **fp32) if need_weight else None
-    db = torch.zeros(weight.shape[0], **fp32) if need_bias else None
-    dg = torch.zeros(x.shape[1], **fp32) if need_norm_weight else None
-    program = _dlogits_program(bias is not None, need_bias)
-    for c in _chunks(x.shape[0], chunk_size):
-        h = _hidden(x[c], norm_weight, eps)
-        out = gemm(h, weight.t(), program, target=target[c], lse=lse[c], scale=scale[c], **_bias_operand(bias))
-        dz = out["dlogits"]
-        if need_bias:
-            db += out["dbias"]
-        if need_weight:
-            gemm(dz.t(), h, _accumulate_program(), dw=dw)
-        if norm_weight is None and need_x:
-            gemm(dz, weight, out={"out": dx[c]})
-        elif need_x or need_norm_weight:
-            dx_c, dg_c = _rms_norm_backward(x[c], norm_weight, eps, gemm(dz, weight))
-            if need_x:
-                dx[c] = dx_c
-            if need_norm_weight:
-                dg += dg_c
-    return (
-        dx,
-        dw.to(weight.dtype) if need_weight else weight.new_empty(0),
-        db.to(bias.dtype) if need_bias else x.new_empty(0),
-        dg.to(norm_weight.dtype) if need_norm_weight else x.new_empty(0),
-    )
+    needs = (need_x, need_weight, need_bias, need_norm_weight)
+    _, _, grads = _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs)
+    return _grad_outputs(x, grads)
 
 
 @_backward.register_fake
-def _backward_fake(grad, x, weight, target, bias, norm_weight, lse, ignore_index, reduction, eps, chunk_size,
-                   need_x, need_weight, need_bias, need_norm_weight):
-    return (
-        x.new_empty(x.shape if need_x else 0),
-        weight.new_empty(weight.shape if need_weight else 0),
-        x.new_empty(bias.shape if need_bias else 0, dtype=bias.dtype if need_bias else x.dtype),
-        x.new_empty(norm_weight.shape if need_norm_weight else 0,
-                    dtype=norm_weight.dtype if need_norm_weight else x.dtype),
-    )
+def _backward_fake(grad, x, weight, target, bias, norm_weight, ignore_index, reduction, eps, chunk_size, *needs):
+    return _fake_grads(x, weight, bias, norm_weight, needs)
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, target, bias, norm_weight, ignore_index, reduction, eps, chunk_size = inputs
-    ctx.save_for_backward(x, weight, target, bias, norm_weight, output[1])
+    x, weight, target, bias, norm_weight, ignore_index, reduction, eps, chunk_size, *needs = inputs
+    ctx.in_forward = _in_forward(reduction, needs)
+    if any(ctx.in_forward):
+        ctx.save_for_backward(*output[1:])
+    else:
+        ctx.save_for_backward(x, weight, target, bias, norm_weight)
     ctx.options = (ignore_index, reduction, eps, chunk_size)
-    ctx.mark_non_differentiable(output[1])
+    ctx.mark_non_differentiable(*output[1:])
 
 
-def _autograd_backward(ctx, grad_loss, _grad_lse):
-    x, weight, target, bias, norm_weight, lse = ctx.saved_tensors
-    need_x, need_weight, _, need_bias, need_norm_weight = ctx.needs_input_grad[:5]
-    dx, dw, db, dg = _backward(grad_loss, x, weight, target, bias, norm_weight, lse, *ctx.options,
-                               need_x, need_weight, need_bias, need_norm_weight)
-    return (
-        dx if need_x else None,
-        dw if need_weight else None,
-        None,
-        db if need_bias else None,
-        dg if need_norm_weight else None,
-        None, None, None, None,
-    )
+def _autograd_backward(ctx, grad_loss, *_grad_gradients):
+    needs = ctx.needs_input_grad[:2] + ctx.needs_input_grad[3:5]  # x, weight, bias, norm_weight
+    if any(ctx.in_forward):
+        if any(n and not f for n, f in zip(needs, ctx.in_forward)):
+            raise RuntimeError("codetta::linear_cross_entropy: a gradient is needed that the forward was not asked "
+                               "for (need_* arguments); linear_cross_entropy sets them")
+        grads = ctx.saved_tensors
+        _scale_(grad_loss, *grads)
+    else:
+        grads = _backward(grad_loss, *ctx.saved_tensors, *ctx.options, *needs)
+    dx, dw, db, dg = (g if n else None for g, n in zip(grads, needs))
+    return dx, dw, None, db, dg, None, None, None, None, None, None, None, None
 
 
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -356,23 +418,28 @@ def linear_cross_entropy(x, weight, target, *, bias=None, ignore_index=-100, red
 
     Equals ``F.cross_entropy(F.linear(h, weight, bias).float(), target, ignore_index=...,
     reduction=...)`` with h = x, or h = ``F.rms_norm(x, (d,), norm_weight, eps)`` when
-    ``norm_weight`` is given (the logits are kept in fp32, not rounded to x's dtype).
+    ``norm_weight`` is given: the loss from the fp32 logits (not rounded to x's dtype), the
+    gradients, as in eager PyTorch, from the logits rounded to x's dtype.
 
     Args:
         x: [..., d] fp32, fp16 or bf16; the leading dims are flattened into rows.
         weight: [V, d], as nn.Linear stores it; bias: [V] or None; norm_weight: [d] or None.
         target: integer class indices of x's leading shape; ``ignore_index`` rows count nothing.
         reduction: "mean" (over the rows not ignored), "sum", or "none" (x's leading shape).
-        chunk_size: rows per chunk (default :func:`default_chunk_size`, about 2^26 / V).
+        chunk_size: rows per chunk (default :func:`default_chunk_size`: 2^30 bytes of
+            logits in x's dtype at most).
 
-    Gradients flow to x, weight, bias and norm_weight; see the module docstring for the
-    math, the design and the memory bound.
+    Gradients flow to x, weight, bias and norm_weight; for "mean" and "sum" they are
+    computed in this call when grad mode is on and an input requires grad. See the module
+    docstring for the math, the design and the memory bound.
     """
     _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size)
     vocab, d = weight.shape
-    chunk = default_chunk_size(vocab) if chunk_size is None else chunk_size
-    loss, _ = _forward(x.reshape(-1, d), weight, target.reshape(-1).long(), bias, norm_weight,
-                       int(ignore_index), reduction, float(eps), chunk)
+    chunk = default_chunk_size(vocab, x.dtype) if chunk_size is None else chunk_size
+    grad = torch.is_grad_enabled()
+    needs = [grad and t is not None and t.requires_grad for t in (x, weight, bias, norm_weight)]
+    loss, *_ = _forward(x.reshape(-1, d), weight, target.reshape(-1).long(), bias, norm_weight,
+                        int(ignore_index), reduction, float(eps), chunk, *needs)
     return loss.reshape(target.shape) if reduction == "none" else loss
 
 

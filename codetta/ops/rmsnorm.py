@@ -120,10 +120,18 @@ def rstd_from_sumsq(sumsq: Tensor, d: int, eps: float) -> Tensor:
 
 
 def rmsnorm_stats(x: Tensor, norm_weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(u, rstd) of x computed directly: u = x g in x's dtype, rstd fp32 [M]."""
+    """(u, rstd) of x computed directly: u = x g in x's dtype, rstd fp32 [M].
+
+    rstd = rsqrt(||x_i||^2 / d + eps) from an fp32 norm that reads x once (no fp32 copy of x).
+    """
     x2 = x.reshape(-1, x.shape[-1])
-    rstd = torch.rsqrt(x2.float().square().mean(-1) + eps)
-    return (x2 * norm_weight.to(x.dtype)), rstd
+    return (x2 * norm_weight.to(x.dtype)), rms_rstd(x2, eps)
+
+
+def rms_rstd(x: Tensor, eps: float) -> Tensor:
+    """rsqrt(mean_j x_ij^2 + eps) over the last dim, fp32, reading x once (fp32 accumulation)."""
+    norm = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)
+    return torch.rsqrt(norm.square() / x.shape[-1] + eps)
 
 
 # ---------------------------------------------------------------------------------------

@@ -16,23 +16,23 @@ theta = position_i * inv_freq_t:
 segments of R columns (``epilogue.pairs(z, segment=R)``); v heads and the columns past R
 of a head get frequency 0: a rotation by exactly 0, the identity.
 
-Accurate angles. theta reaches 10^6 radians at positions near 2^20; fp32 products are
-then off by up to 0.06 radians (as Hugging Face's own fp32 tables are). The epilogue
-computes theta = p f exactly as a pair p f = P + e (P = fl(p f), e = fma(p, f, -P)),
-reduces P modulo 2 pi with k = round(P / 2 pi) and 2 pi split in two fp32 constants
-(fma(-k, C1, P) is exact: see :func:`_reduced_angle`), and adds e last: errors ~1e-6
-radians at any position below 2^24.
+Angles. theta reaches 10^6 radians at positions near 2^20, where fp32 products are off
+by up to 0.06 radians (as Hugging Face's own fp32 tables are). The per-token tables
+cos_t = s cos(theta), sin_t = s sin(theta) [M, R/2] are computed from fp64 angles and
+rounded once to fp32 (:func:`rope_tables`); the epilogue reads them as a per-row table
+repeated along the heads (``Program.table``), so it does no trigonometry at all: a tile
+of 128 x 256 would otherwise evaluate 32768 sines and cosines, more time than its MMAs.
 
-Backward, given dqkv: the inverse rotation (angle -theta) gives dz; a rotation keeps
-inner products (and with the scale s: qkv = s R z, dz = s R^T dqkv, so qkv . dqkv = z . dz),
-so zdz_i = sum_k (z_ik - b_k) dz_ik = sum_k qkv_ik dqkv_ik - sum_k b_k dz_ik needs no un-rotated z; then the norm-backward GEMM of
-:func:`codetta.ops.rmsnorm.rmsnorm_linear_backward`, dW_i = dz_i^T h and db = sum_i dz_i.
+Backward, given dqkv: the transposed rotation gives dz, and sum_k qkv_ik dqkv_ik =
+sum_k z_ik dz_ik (with the bias: minus sum_k b_k dz_ik) is the zdz of the norm backward;
+one memory-bound kernel (:func:`codetta.kernels.rope.rope_backward`) writes both. Then the
+norm-backward GEMM of :func:`codetta.ops.rmsnorm.rmsnorm_linear_backward`, dW_i = dz_i^T h
+and db = sum_i dz_i.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional
 
 import torch
@@ -40,25 +40,8 @@ from torch import Tensor
 
 from .. import epilogue as ep
 from ..matmul import gemm
-from .rmsnorm import _check_norm_inputs, _weight_t, rmsnorm_linear_backward, rmsnorm_stats, row_dot
-
-_TWO_PI_HI = float(torch.tensor(2 * math.pi, dtype=torch.float32))  # 2 pi rounded to fp32
-_TWO_PI_LO = 2 * math.pi - _TWO_PI_HI  # the rest, |.| < 2^-22
-
-
-def _reduced_angle(pos, freq):
-    """theta = pos * freq reduced to about [-pi, pi], accurate to ~1e-6 rad for integer pos < 2^24.
-
-    P = fl(pos freq) and e = fma(pos, freq, -P) = pos freq - P exactly. k = round(P / 2 pi).
-    fma(-k, C1, P) is exact: k C1 and P are multiples of ulp(C1) = 2^-21 (P is larger than
-    C1 whenever k != 0) and the result lies within 4 of 0, where such multiples are fp32.
-    """
-    prod = pos * freq
-    err = ep.fma(pos, freq, -prod)
-    k = ep.floor(prod * (1.0 / (2 * math.pi)) + 0.5)
-    r = ep.fma(-k, _TWO_PI_HI, prod)
-    return ep.fma(-k, _TWO_PI_LO, r) + err
-
+from ..kernels.rope import rope_backward
+from .rmsnorm import _check_norm_inputs, _weight_t, rmsnorm_linear_backward, rmsnorm_stats
 
 @functools.lru_cache(maxsize=None)
 def _forward_program(rotary_dim: int, with_bias: bool) -> ep.Program:
@@ -67,47 +50,26 @@ def _forward_program(rotary_dim: int, with_bias: bool) -> ep.Program:
     if with_bias:
         z = z + p.col("bias")
     x1, x2 = ep.pairs(z, segment=rotary_dim)
-    theta = _reduced_angle(p.row("positions"), p.col("freq", ep.HALF))
-    scale = p.col("scale", ep.HALF)  # attention_scaling on rotated pairs, 1 on the others
-    cos, sin = ep.cos(theta) * scale, ep.sin(theta) * scale
+    rotated = p.col("rotated", ep.HALF).ne(0) # q and k pairs inside the rotary dims
+    cos = ep.where(rotated, p.table("cos", rotary_dim // 2, ep.HALF), 1.0)
+    sin = ep.where(rotated, p.table("sin", rotary_dim // 2, ep.HALF), 0.0)
     p.store("qkv", ep.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin, segment=rotary_dim))
     return p
 
 
 @functools.lru_cache(maxsize=64)
-def _pair_layout(n_q: int, n_kv: int, head_dim: int, rotary_dim: int, device: torch.device):
-    """(frequency index, rotated?) of every column pair of qkv, for a gather from inv_freq."""
+def _rotated_pairs(n_q: int, n_kv: int, head_dim: int, rotary_dim: int, device: torch.device) -> Tensor:
+    """1 for every column pair of qkv that RoPE rotates (q and k heads, first R columns), else 0; [N/2] fp32."""
     half = rotary_dim // 2
     pair = torch.arange((n_q + 2 * n_kv) * head_dim // 2, device=device)
     col = (pair // half) * rotary_dim + pair % half  # the first column of each pair
-    in_head = col % head_dim
-    rotated = (in_head < rotary_dim) & (col < (n_q + n_kv) * head_dim)
-    return in_head.clamp_max(half - 1), rotated
+    return ((col % head_dim < rotary_dim) & (col < (n_q + n_kv) * head_dim)).float()
 
 
-def pair_frequencies(inv_freq: Tensor, n_q: int, n_kv: int, head_dim: int, rotary_dim: int, scale: float):
-    """(frequency, amplitude) of every column pair of qkv, [N/2] fp32 each: (inv_freq, scale) on
-    rotated pairs, (0, 1) on the others (a rotation by exactly 0). No host sync."""
-    index, rotated = _pair_layout(n_q, n_kv, head_dim, rotary_dim, inv_freq.device)
-    return torch.where(rotated, inv_freq.float()[index], 0.0), torch.where(rotated, scale, 1.0)
-
-
-def _rotate(t: Tensor, positions: Tensor, inv_freq: Tensor, n_q: int, n_kv: int, head_dim: int, rotary_dim: int,
-            scale: float, inverse: bool) -> Tensor:
-    """RoPE (or its inverse) of qkv-shaped t [M, N] in plain PyTorch, angles in fp64."""
-    m = t.shape[0]
-    half = rotary_dim // 2
-    theta = positions.double().reshape(-1, 1) * inv_freq.double().reshape(1, -1)[:, :half]
-    cos, sin = (torch.cos(theta) * scale).float(), (torch.sin(theta) * scale).float()
-    if inverse:
-        sin = -sin
-    heads = t.float().reshape(m, -1, head_dim)
-    rot = heads[:, : n_q + n_kv, :rotary_dim]
-    x1, x2 = rot[..., :half], rot[..., half:]
-    out = heads.clone()
-    out[:, : n_q + n_kv, :half] = x1 * cos[:, None] - x2 * sin[:, None]
-    out[:, : n_q + n_kv, half:rotary_dim] = x2 * cos[:, None] + x1 * sin[:, None]
-    return out.reshape(m, -1)
+def rope_tables(positions: Tensor, inv_freq: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """(scale cos(theta), scale sin(theta)), [M, R/2] fp32 each, theta = position x inv_freq in fp64."""
+    theta = positions.reshape(-1, 1).double() * inv_freq.double().reshape(1, -1)
+    return (torch.cos(theta) * scale).float(), (torch.sin(theta) * scale).float()
 
 
 @torch.library.custom_op("codetta::rmsnorm_qkv_rope", mutates_args=())
@@ -122,8 +84,8 @@ def _qkv_rope_op(
         u, rstd = rmsnorm_stats(x2, norm_weight, eps)
     else:
         rstd = rstd.reshape(-1).clone()  # an output must not alias an input
-    freq, scale = pair_frequencies(inv_freq, n_q, n_kv, head_dim, rotary_dim, attention_scaling)
-    operands = dict(rstd=rstd, positions=positions.reshape(-1), freq=freq, scale=scale)
+    cos, sin = rope_tables(positions, inv_freq, attention_scaling)
+    operands = dict(rstd=rstd, cos=cos, sin=sin, rotated=_rotated_pairs(n_q, n_kv, head_dim, rotary_dim, x.device))
     if bias is not None:
         operands["bias"] = bias
     qkv = gemm(u.reshape(x2.shape), _weight_t(weights), _forward_program(rotary_dim, bias is not None), **operands)["qkv"]
@@ -145,12 +107,12 @@ def _qkv_rope_backward_op(
 ) -> tuple[Tensor, Tensor, list[Tensor], Tensor]:
     n = qkv.shape[-1]
     dqkv2 = dqkv.reshape(-1, n)
-    dz = _rotate(dqkv2, positions.reshape(-1), inv_freq, n_q, n_kv, head_dim, rotary_dim, attention_scaling, True)
-    zdz = row_dot(qkv, dqkv2)  # = sum z dz: dz = (s R)^T dqkv where qkv = (s R) z
+    cos, sin = rope_tables(positions, inv_freq, attention_scaling)
+    dz, zdz = rope_backward(dqkv2, qkv.reshape(-1, n), cos, sin, n_rotated=(n_q + n_kv) * head_dim, head_dim=head_dim)
     if bias is not None:
-        zdz = zdz - dz @ bias.float()
-    dx, dg, dws = rmsnorm_linear_backward(dz.to(qkv.dtype), zdz, x, norm_weight, weights, rstd)
-    dbias = dz.sum(0).to(bias.dtype) if bias is not None else dz.new_empty(0)
+        zdz = zdz - dz.float() @ bias.float()
+    dx, dg, dws = rmsnorm_linear_backward(dz, zdz, x, norm_weight, weights, rstd)
+    dbias = dz.float().sum(0).to(bias.dtype) if bias is not None else qkv.new_empty(0, dtype=torch.float32)
     return dx, dg, dws, dbias
 
 

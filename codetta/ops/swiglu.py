@@ -4,19 +4,28 @@ With h = RMSNorm(x) (see :mod:`codetta.ops.rmsnorm`), W_g, W_u [F, d]:
 
     z_g = h W_g^T,  z_u = h W_u^T,  y = silu(z_g) * z_u
 
-Forward: one GEMM reads u = x g against W_g and W_u *interleaved* (``codetta.interleave``:
-column 2j from W_g, 2j + 1 from W_u, no copy of the weights), so that each (gate, up)
-pair sits in adjacent columns of one tile; the epilogue scales rows by r, splits the
-pairs, writes y and keeps z = [z_g | z_u] ([M, 2F], gate block then up block) for the
-backward: storing z costs one [M, 2F] write and saves a GEMM recomputation.
+Forward: one GEMM reads u = x g against W_gu = [W_g; W_u] *row-interleaved* (row 2j is
+W_g's row j, row 2j + 1 W_u's), so that each (gate, up) pair sits in adjacent columns of a
+tile, where splitting the pairs is free (each thread holds adjacent accumulator columns);
+the epilogue scales rows by r, writes y and keeps z = [z_g | z_u] ([M, 2F], gate block then
+up block) for the backward. W_gu is a copy made per call (2 F d elements read and written,
+about 2% of the GEMM at d = 4096): ``codetta.interleave`` reads the two weights without a
+copy, but as two dots of half width per tile, which read each A tile from shared memory
+twice; on an H200 that made the whole op 1.22x its GEMM time (bench/results/ops.md).
 
-Backward, given dy (s = sigmoid(z_g)):
+Backward, given dy [M, F] (s = sigmoid(z_g), fp32 math):
 
     dz_g = dy * z_u * s * (1 + z_g (1 - s)),   dz_u = dy * silu(z_g)
+    zdz_i = sum_k z_ik dz_ik   (over the 2F columns: the row dot product of the norm backward)
 
-then the norm-backward GEMM of :func:`codetta.ops.rmsnorm.rmsnorm_linear_backward` with
-dz = [dz_g | dz_u] against [W_g; W_u] read as one along K (no copy), and
-dW_g = dz_g^T h, dW_u = dz_u^T h.
+1. one memory-bound kernel (:func:`codetta.kernels.swiglu.swiglu_backward`) reads dy and
+   z and writes dz = [dz_g | dz_u] in z's dtype and zdz in fp32 (per-block partial row
+   sums, summed after; zdz is taken from dz as stored, i.e. after its rounding);
+2. the norm-backward GEMM of :func:`codetta.ops.rmsnorm.rmsnorm_linear_backward`: dz
+   against [W_g; W_u] read as one along K (no copy), with zdz giving the norm's row term,
+   then dW_g = dz_g^T h and dW_u = dz_u^T h.
+
+z is stored in the forward rather than recomputed: one [M, 2F] write saves a GEMM.
 """
 
 from __future__ import annotations
@@ -29,8 +38,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import epilogue as ep
-from ..matmul import gemm, interleave
-from .rmsnorm import _check_norm_inputs, rmsnorm_linear_backward, rmsnorm_stats, row_dot
+from ..matmul import gemm
+from ..kernels.swiglu import swiglu_backward
+from .rmsnorm import _check_norm_inputs, rmsnorm_linear_backward, rmsnorm_stats
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,14 +51,6 @@ def _forward_program() -> ep.Program:
     p.store("z_up", up)
     p.store("y", ep.silu(gate) * up)
     return p
-
-
-def swiglu_backward(dy: Tensor, z: Tensor) -> Tensor:
-    """dz = [dz_g | dz_u] of y = silu(z_g) * z_u, z = [z_g | z_u]; in z's dtype."""
-    f = dy.shape[-1]
-    g, u, dy = z[:, :f].float(), z[:, f:].float(), dy.float()
-    s = torch.sigmoid(g)
-    return torch.cat([dy * u * s * (1 + g * (1 - s)), dy * g * s], dim=-1).to(z.dtype)
 
 
 @torch.library.custom_op("codetta::rmsnorm_swiglu", mutates_args=())
@@ -62,7 +64,8 @@ def _rmsnorm_swiglu_op(
     else:
         rstd = rstd.reshape(-1).clone()  # an output must not alias an input
     z = x.new_empty(x2.shape[0], 2 * f)
-    out = gemm(u.reshape(x2.shape), interleave(w_gate.t(), w_up.t()), _forward_program(), rstd=rstd,
+    w_gate_up = torch.stack((w_gate, w_up), dim=1).reshape(2 * f, d)  # rows g0, u0, g1, u1, ...
+    out = gemm(u.reshape(x2.shape), w_gate_up.t(), _forward_program(), rstd=rstd,
                out={"z_gate": z[:, :f], "z_up": z[:, f:]})
     return out["y"].reshape(*x.shape[:-1], f), z, rstd
 
@@ -77,8 +80,8 @@ def _(x, norm_weight, w_gate, w_up, eps, u, rstd):
 def _rmsnorm_swiglu_backward_op(
     dy: Tensor, z: Tensor, x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, rstd: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    dz = swiglu_backward(dy.reshape(z.shape[0], -1), z)
-    dx, dg, (dwg, dwu) = rmsnorm_linear_backward(dz, row_dot(z, dz), x, norm_weight, [w_gate, w_up], rstd)
+    dz, zdz = swiglu_backward(dy.reshape(z.shape[0], -1).to(z.dtype), z)
+    dx, dg, (dwg, dwu) = rmsnorm_linear_backward(dz, zdz, x, norm_weight, [w_gate, w_up], rstd)
     return dx, dg, dwg, dwu
 
 

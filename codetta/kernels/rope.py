@@ -1,0 +1,94 @@
+"""RoPE's backward as one memory-bound Triton kernel: the inverse rotation of dqkv and sum(qkv * dqkv).
+
+qkv [M, N] holds heads of D columns; in the first ``n_rotated`` columns (the q and k
+heads) the first R columns of every head are rotated: column t < R/2 with column
+t + R/2 by the angle of frequency t, with cos_t = s cos(theta), sin_t = s sin(theta)
+from per-token tables [M, R/2] (s: the attention scaling). The forward was
+
+    qkv_t = cos_t z_t - sin_t z_{t+R/2},   qkv_{t+R/2} = cos_t z_{t+R/2} + sin_t z_t
+
+so the gradient of z is the transposed rotation of dqkv:
+
+    dz_t = cos_t dqkv_t + sin_t dqkv_{t+R/2},   dz_{t+R/2} = cos_t dqkv_{t+R/2} - sin_t dqkv_t
+
+and every other column passes through. The kernel also returns zdz_i = sum_k qkv_ik dqkv_ik
+(fp32): a rotation keeps inner products, so this equals sum_k z_ik dz_ik when s = 1 and
+is what the RMSNorm backward needs (with s, qkv . dqkv = z . dz too, since qkv = s R z
+and dz = s R^T dqkv).
+
+The kernel works in the space of column pairs: pair p sits at columns
+(p // (R/2)) R + p % (R/2) and R/2 further on. Its grid is (row blocks, pair blocks); each
+program writes its partial row sums of zdz to an fp32 [M, pair blocks] buffer, summed after
+(deterministic, no atomics). Without qkv (``qkv=None``: QK-norm, whose backward takes the
+norm's zdz from the pre-norm z instead) the kernel neither reads qkv nor writes zdz.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..matmul.launch import interpreting
+from ..matmul.mainloop import cast
+
+
+@triton.jit
+def _rope_backward_kernel(
+    dqkv, qkv, cos, sin, dz, zdz_part,
+    M, N, n_rotated, head_dim,
+    s_dqkv, s_qkv, s_table, s_dz, s_part,
+    HALF_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, WITH_ZDZ: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    rows64 = rows.to(tl.int64)[:, None]
+    first = (pairs // HALF_R) * (2 * HALF_R) + pairs % HALF_R
+    second = first + HALF_R
+    freq = pairs % HALF_R
+    ok = (rows < M)[:, None] & (pairs < N // 2)[None, :]
+    rotated = ((first % head_dim < 2 * HALF_R) & (first < n_rotated))[None, :]
+
+    d1 = tl.load(dqkv + rows64 * s_dqkv + first[None, :], mask=ok, other=0.0).to(tl.float32)
+    d2 = tl.load(dqkv + rows64 * s_dqkv + second[None, :], mask=ok, other=0.0).to(tl.float32)
+    c = tl.load(cos + rows64 * s_table + freq[None, :], mask=ok & rotated, other=1.0)
+    s = tl.load(sin + rows64 * s_table + freq[None, :], mask=ok & rotated, other=0.0)
+
+    out_ty = dz.dtype.element_ty
+    tl.store(dz + rows64 * s_dz + first[None, :], cast(c * d1 + s * d2, out_ty, EMULATE_RNE), mask=ok)
+    tl.store(dz + rows64 * s_dz + second[None, :], cast(c * d2 - s * d1, out_ty, EMULATE_RNE), mask=ok)
+    if WITH_ZDZ:
+        q1 = tl.load(qkv + rows64 * s_qkv + first[None, :], mask=ok, other=0.0).to(tl.float32)
+        q2 = tl.load(qkv + rows64 * s_qkv + second[None, :], mask=ok, other=0.0).to(tl.float32)
+        partial = tl.sum(q1 * d1 + q2 * d2, axis=1)
+        tl.store(zdz_part + rows.to(tl.int64) * s_part + tl.program_id(1), partial, mask=rows < M)
+
+
+def rope_backward(dqkv: torch.Tensor, qkv: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, *,
+                  n_rotated: int, head_dim: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(dz [M, N] in dqkv's dtype, zdz [M] fp32) from dqkv, qkv [M, N] (unit column stride) and
+    the tables cos, sin [M, R/2] fp32 (attention scaling included); see the module docstring.
+    With ``qkv=None`` only dz is computed (zdz is None)."""
+    with_zdz = qkv is not None
+    dqkv = dqkv if dqkv.stride(1) == 1 else dqkv.contiguous()
+    qkv = (qkv if qkv.stride(1) == 1 else qkv.contiguous()) if with_zdz else dqkv
+    m, n = dqkv.shape
+    half_r = cos.shape[1]
+    if interpreting():
+        block_m, block_p, warps = 16, 32, 4
+    else:
+        block_m, block_p, warps = 16, 256, 8
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n // 2, block_p))
+    dz = torch.empty(m, n, device=dqkv.device, dtype=dqkv.dtype)
+    part = torch.empty(m, grid[1], device=dqkv.device, dtype=torch.float32) if with_zdz else cos  # cos: unused
+    if m and n:
+        _rope_backward_kernel[grid](
+            dqkv, qkv, cos, sin, dz, part, m, n, n_rotated, head_dim,
+            dqkv.stride(0), qkv.stride(0), cos.stride(0), dz.stride(0), part.stride(0),
+            HALF_R=half_r, BLOCK_M=block_m, BLOCK_P=block_p, WITH_ZDZ=with_zdz, EMULATE_RNE=interpreting(),
+            num_warps=warps,
+        )
+    return dz, part.sum(dim=1) if with_zdz else None

@@ -1,0 +1,54 @@
+"""The cross-entropy gradient of stored logits, in place: softmax minus one-hot, scaled per row.
+
+``softmax_grad_(z, lse, target, scale)`` turns the logits z [M, N] (bf16, fp16 or fp32)
+into dz_ij = (exp(z_ij - lse_i) - [j == t_i]) * s_i, computed in fp32 and stored in z's
+dtype (rounded to nearest even, also in Triton's interpreter). One memory-bound pass: a
+2-D grid of [BLOCK_M, BLOCK_N] blocks, masked at the edges; only the elements of the view
+z are read and written (any row stride, unit column stride).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ..matmul.launch import interpreting
+from ..matmul.mainloop import cast
+
+
+@triton.jit
+def _softmax_grad_kernel(z_ptr, z_stride, lse_ptr, target_ptr, scale_ptr, M, N,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    ptrs = z_ptr + rows.to(tl.int64)[:, None] * z_stride + cols[None, :]
+    z = tl.load(ptrs, mask=mask, other=0.0)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
+    scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
+    onehot = tl.where(cols[None, :] == target[:, None], 1.0, 0.0)
+    dz = (tl.exp(z.to(tl.float32) - lse[:, None]) - onehot) * scale[:, None]
+    tl.store(ptrs, cast(dz, z.dtype, EMULATE_RNE), mask=mask)
+
+
+def softmax_grad_(z: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, *,
+                  block_m: int = 16, block_n: int = 512) -> torch.Tensor:
+    """z [M, N] becomes (softmax(z) - onehot(target)) * scale, in place; returns z.
+
+    lse, scale: fp32 [M] (lse_i = logsumexp of row i, s_i its weight: 0 skips the row);
+    target: integer [M] (a value outside [0, N), e.g. an ignore_index, has no one-hot).
+    """
+    m, n = z.shape
+    if z.stride(1) != 1 and n > 1:
+        raise ValueError(f"softmax_grad_: z needs unit column stride, got strides {z.stride()}")
+    for name, t in (("lse", lse), ("scale", scale)):
+        if t.shape != (m,) or t.dtype != torch.float32:
+            raise ValueError(f"softmax_grad_: {name} must be fp32 [{m}], got {t.dtype} {tuple(t.shape)}")
+    if target.shape != (m,) or target.dtype.is_floating_point:
+        raise ValueError(f"softmax_grad_: target must be integer [{m}], got {target.dtype} {tuple(target.shape)}")
+    if m and n:
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+        _softmax_grad_kernel[grid](z, z.stride(0), lse.contiguous(), target.contiguous(), scale.contiguous(), m, n,
+                                   BLOCK_M=block_m, BLOCK_N=block_n, EMULATE_RNE=interpreting(), num_warps=4)
+    return z

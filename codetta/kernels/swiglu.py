@@ -1,0 +1,114 @@
+"""SwiGLU backward in one memory-bound kernel, with the row dot product the norm backward needs.
+
+With z = [z_g | z_u] ([M, 2F]: gate block then up block, as the forward of
+:func:`codetta.ops.rmsnorm_swiglu` stores it), y = silu(z_g) * z_u and dy [M, F],
+s = sigmoid(z_g), everything in fp32:
+
+    dz_g = dy * z_u * s * (1 + z_g (1 - s)),   dz_u = dy * silu(z_g) = dy * z_g * s
+    zdz_i = sum_k z_ik dz_ik  over the 2F columns (fp32)
+
+dz is stored in z's dtype, rounded to nearest even. zdz is taken from dz *after* that
+rounding (each stored value read back as fp32): it is then exactly the row dot product of
+the z and dz that the next GEMM (dL/dh = dz W) consumes, as eager PyTorch would compute it
+from the stored tensors. In fp32 the two are the same.
+
+One pass: each program reads a [BM, BF] tile of dy and the matching tiles of z_g and z_u,
+writes those of dz_g and dz_u and one fp32 partial row sum per row into a [M, T] buffer
+(T column blocks of F); the partials are summed after in torch, in a fixed order
+(deterministic, no atomics). Offsets are int64 (M * 2F may exceed 2^31); rows may have
+any stride, columns must be contiguous.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..matmul.launch import interpreting
+from ..matmul.mainloop import cast
+from .finish import row_sum
+
+# [rows, columns of F] per program and warps: on a GPU about 8K elements of each of the five
+# tiles per program (memory bound); in the interpreter, which pays per operation and per
+# program, small tiles keep the tests fast.
+GPU_BLOCK = (32, 256, 8)
+INTERPRET_BLOCK = (16, 64, 1)
+
+
+@triton.jit
+def _swiglu_backward_kernel(
+    dy_ptr, z_ptr, dz_ptr, part_ptr, M, F,
+    dy_s0, z_s0, dz_s0, part_s0,
+    BM: tl.constexpr, BF: tl.constexpr, EMULATE_RNE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_f = tl.program_id(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_f * BF + tl.arange(0, BF)
+    row_ok = rows < M
+    mask = row_ok[:, None] & (cols < F)[None, :]
+    rows64 = rows.to(tl.int64)
+    cols64 = cols.to(tl.int64)[None, :]
+
+    dy = tl.load(dy_ptr + rows64[:, None] * dy_s0 + cols64, mask=mask, other=0.0).to(tl.float32)
+    z_row = z_ptr + rows64[:, None] * z_s0
+    g = tl.load(z_row + cols64, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(z_row + F + cols64, mask=mask, other=0.0).to(tl.float32)
+
+    s = tl.sigmoid(g)
+    dg = dy * u * s * (1.0 + g * (1.0 - s))
+    du = dy * (g * s)
+
+    dg_st = cast(dg, dz_ptr.dtype.element_ty, EMULATE_RNE)
+    du_st = cast(du, dz_ptr.dtype.element_ty, EMULATE_RNE)
+    dz_row = dz_ptr + rows64[:, None] * dz_s0
+    tl.store(dz_row + cols64, dg_st, mask=mask)
+    tl.store(dz_row + F + cols64, du_st, mask=mask)
+
+    # masked lanes hold g = u = 0, so they add nothing
+    part = tl.sum(g * dg_st.to(tl.float32) + u * du_st.to(tl.float32), axis=1)
+    tl.store(part_ptr + rows64 * part_s0 + pid_f, part, mask=row_ok)
+
+
+def _rows_contiguous(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def swiglu_backward(dy: Tensor, z: Tensor, *, out: Optional[Tensor] = None,
+                    block: Optional[tuple[int, int, int]] = None) -> tuple[Tensor, Tensor]:
+    """(dz, zdz) of y = silu(z_g) * z_u given dy; see the module doc for the math.
+
+    Args:
+        dy: [M, F]; z: [M, 2F] = [z_g | z_u] in the same dtype as dy. Any row strides.
+        out: optional [M, 2F] tensor of z's dtype with contiguous columns to write dz into
+            (it may be a view of a larger tensor: nothing outside it is written).
+        block: optional (rows, columns, num_warps) per program; by default one that suits
+            a GPU, or a small one under Triton's interpreter.
+    Returns:
+        dz [M, 2F] in z's dtype and zdz [M] fp32 (from dz as stored).
+    """
+    if dy.dim() != 2 or z.dim() != 2 or z.shape != (dy.shape[0], 2 * dy.shape[1]):
+        raise ValueError(f"need dy [M, F] and z [M, 2F], got {tuple(dy.shape)} and {tuple(z.shape)}")
+    if dy.dtype != z.dtype or dy.device != z.device:
+        raise ValueError(f"dy ({dy.dtype}, {dy.device}) and z ({z.dtype}, {z.device}) differ")
+    m, f = dy.shape
+    if out is None:
+        out = z.new_empty(m, 2 * f)
+    elif out.shape != z.shape or out.dtype != z.dtype or out.device != z.device or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{m}, {2 * f}] {z.dtype} with contiguous columns, "
+                         f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    if m == 0 or f == 0:
+        return out, torch.zeros(m, device=z.device, dtype=torch.float32)
+    bm, bf, warps = block or (INTERPRET_BLOCK if interpreting() else GPU_BLOCK)
+    dy, z = _rows_contiguous(dy), _rows_contiguous(z)
+    grid = (triton.cdiv(m, bm), triton.cdiv(f, bf))
+    part = torch.empty(m, grid[1], device=z.device, dtype=torch.float32)
+    _swiglu_backward_kernel[grid](
+        dy, z, out, part, m, f, dy.stride(0), z.stride(0), out.stride(0), part.stride(0),
+        BM=bm, BF=bf, EMULATE_RNE=interpreting(), num_warps=warps,
+    )
+    return out, row_sum(part)
