@@ -17,13 +17,16 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for step in "$@"; do
   case "$step" in
     smoke) python3 bench/device_smoke.py 2>&1 | tee "$OUT/smoke.log" ;;
-    test) CODETTA_AUTOTUNE=0 timeout 420 python3 -m pytest -q ${TESTS:-tests} 2>&1 | tee "$OUT/test.log" | tail -40 ;;
+    test) CODETTA_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q ${TESTS:-tests} 2>&1 | tee "$OUT/test.log" | tail -40 ;;
     gemm) python3 bench/gemm_bench.py 2>&1 | tee "$OUT/gemm.log" ;;
     gemm-quick) python3 bench/gemm_bench.py --quick 2>&1 | tee "$OUT/gemm.log" ;;
     breakdown) python3 bench/ops_breakdown.py 2>&1 | tee "$OUT/breakdown.log" ;;
     ops) python3 bench/ops_bench.py --no-compile --ops "${OPS:-a,b,c,d,e}" 2>&1 | tee "$OUT/ops.log" ;;
     ops-compile) python3 bench/ops_bench.py --ops "${OPS:-a,b,c,d,e}" 2>&1 | tee "$OUT/ops.log" ;;
     train) python3 bench/train_bench.py --variants "${VARIANTS:-hf_eager,hf_compile,hf_liger,hf_codetta}" 2>&1 | tee "$OUT/train.log" ;;
+    profile) for v in ${VARIANTS//,/ }; do
+        timeout "${PROFILE_TIMEOUT:-120}" python3 bench/train_profile.py --variant "$v" 2>&1 | tail -45 | tee "$OUT/profile_$v.log"
+      done ;;
     demo) python3 -m codetta demo 2>&1 | tee "$OUT/demo.log" | tail -30 ;;
   esac
 done

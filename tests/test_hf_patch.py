@@ -68,6 +68,29 @@ def test_loss_and_every_gradient_match_unpatched(key):
     assert_same_training_step(ref, model, input_ids=ids, labels=ids)
 
 
+@pytest.mark.parametrize("bias, rope", [(False, True), (True, True), (False, False)], ids=["fused", "fused_bias",
+                                                                                           "rope_false"])
+def test_qwen3_qk_norm_fused_into_the_qkv_epilogue(bias, rope):
+    """QK-norm runs in rmsnorm_qkv_rope (the model's q_norm/k_norm modules are not called) and
+    its weight gradients land in q_norm.weight / k_norm.weight; with rope=False the model's own code runs."""
+    ref = tiny("Qwen3ForCausalLM", attention_bias=bias)
+    with torch.no_grad():  # non-trivial norm weights (they are initialized to ones)
+        for layer in ref.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.mul_(1 + 0.3 * torch.randn_like(norm.weight))
+    model = codetta.patch(copy.deepcopy(ref), rope=rope)
+    assert model._codetta_patched["rope"] == rope
+    calls = []
+    for layer in model.model.layers:
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+            norm.register_forward_hook(lambda *args: calls.append(1))
+    ids = torch.randint(0, VOCAB, (2, 11), device=DEVICE)
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    assert len(calls) == (0 if rope else 4)
+    assert all(layer.self_attn.q_norm.weight.grad is not None and layer.self_attn.k_norm.weight.grad is not None
+               for layer in model.model.layers)
+
+
 @pytest.mark.parametrize("flags", [dict(rope=False), dict(swiglu=False), dict(cross_entropy=False),
                                    dict(rms_norm=False, rope=False, swiglu=False)], ids=str)
 def test_partial_patches_match(flags):

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from codetta.kernels.rmsnorm import rmsnorm_stats
 from codetta.ops import linear_residual, rmsnorm_linear
 from conftest import DEVICE, INTERPRET
 
@@ -23,6 +24,19 @@ def leaf(t, dtype=torch.float32):
 
 def unfused(x, g, ws, eps=EPS):
     return F.linear(F.rms_norm(x, (x.shape[-1],), g, eps), torch.cat(ws))
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (37, 50), (2, 5, 72)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_stats_kernel(shape, dtype):
+    """u = x g rounded once to x's dtype, rstd = rsqrt(mean x^2 + eps) to fp32 accuracy, from a row view."""
+    d = shape[-1]
+    x = (torch.randn(*shape[:-1], d + 3, device=DEVICE) * 3).to(dtype)[..., :d]  # rows with a stride
+    g = (1 + 0.2 * torch.randn(d, device=DEVICE)).to(dtype)
+    u, rstd = rmsnorm_stats(x, g, EPS)
+    x64 = x.double().reshape(-1, d)
+    assert torch.equal(u, (x64 * g.double()).to(dtype))  # a product of two bf16 is exact in fp32
+    assert rel(rstd, torch.rsqrt(x64.square().mean(-1) + EPS)) < 1e-6
 
 
 @pytest.mark.parametrize("shape", [(1, 8), (33, 40), (2, 5, 24)], ids=str)

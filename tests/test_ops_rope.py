@@ -1,8 +1,9 @@
 """RMSNorm -> QKV -> RoPE fused (codetta.ops.rmsnorm_qkv_rope): outputs and every gradient.
 
 The reference is written here the Hugging Face way (rotate_half, cos/sin of head_dim
-entries, v untouched, partial rotary on the first rotary_dim columns), in fp64, with fp64
-angles: codetta's epilogue must match it even at positions near 2^20.
+entries, v untouched, partial rotary on the first rotary_dim columns; Qwen3's QK-norm as
+F.rms_norm per head of q and k before RoPE), in fp64, with fp64 angles: codetta's epilogue
+must match it even at positions near 2^20.
 """
 
 import pytest
@@ -13,6 +14,7 @@ from codetta.ops import rmsnorm_qkv_rope
 from conftest import DEVICE, INTERPRET
 
 EPS = 1e-6
+QK_EPS = 1e-5
 
 
 def rel(a, b):
@@ -24,10 +26,13 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def hf_style(x, g, wq, wk, wv, pos, inv_freq, head_dim, rotary_dim, scale, bias):
+def hf_style(x, g, wq, wk, wv, pos, inv_freq, head_dim, rotary_dim, scale, bias, qk_norm=None):
     h = F.rms_norm(x, (x.shape[-1],), g, EPS)
     bq, bk, bv = bias if bias is not None else (None, None, None)
     q, k, v = F.linear(h, wq, bq), F.linear(h, wk, bk), F.linear(h, wv, bv)
+    if qk_norm is not None:  # Qwen3: q_norm(q.view(..., heads, head_dim)), k_norm likewise
+        q, k = (F.rms_norm(t.reshape(*t.shape[:-1], -1, head_dim), (head_dim,), w, QK_EPS).reshape(t.shape)
+                for t, w in zip((q, k), qk_norm))
     freqs = pos.double()[..., None] * inv_freq.double()
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = (emb.cos() * scale).to(x.dtype)[..., None, :], (emb.sin() * scale).to(x.dtype)[..., None, :]
@@ -49,9 +54,18 @@ def make(m, d, head_dim, hq, hkv, rotary_dim, bias, max_pos):
     return tensors, biases, pos, inv_freq
 
 
-def run(fn, tensors, biases, grads, dtype):
-    leaves = [t.to(dtype).detach().requires_grad_() for t in tensors + biases]
-    outs = fn(leaves[:5], leaves[5:] or None)
+def make_qk_norm(head_dim):
+    return [1 + 0.3 * torch.randn(head_dim, device=DEVICE) for _ in range(2)]
+
+
+def run(fn, tensors, biases, grads, dtype, qk_norm=()):
+    leaves = [t.to(dtype).detach().requires_grad_() for t in tensors + biases + list(qk_norm)]
+    if qk_norm:
+        *leaves, qn, kn = leaves
+        outs = fn(leaves[:5], leaves[5:] or None, (qn, kn))
+        leaves += [qn, kn]
+    else:
+        outs = fn(leaves[:5], leaves[5:] or None)
     sum((o * g.to(dtype)).sum() for o, g in zip(outs, grads)).backward()
     return list(outs) + [t.grad for t in leaves]
 
@@ -88,6 +102,38 @@ def test_forward_backward_fp32_long_positions(case):
         assert rel(a, b) < 3e-5, name
 
 
+QK_CASES = [  # (head_dim, hq, hkv, rotary_dim, bias, scale)
+    (16, 2, 2, 16, False, 1.0),  # MHA (GQA ratio 1)
+    (16, 4, 1, 8, True, 1.3),  # GQA 4, partial rotary, q/k/v bias, scaled
+]
+
+
+@pytest.mark.parametrize("case", QK_CASES, ids=str)
+def test_qk_norm_forward_backward_fp32(case):
+    """Qwen3's QK-norm fused before RoPE: outputs and every gradient, q/k norm weights included."""
+    head_dim, hq, hkv, rotary_dim, bias, scale = case
+    m, d = (13, 32) if INTERPRET else (300, 512)  # odd M: masked rows
+    tensors, biases, pos, inv_freq = make(m, d, head_dim, hq, hkv, rotary_dim, bias, max_pos=2**16)
+    qk_norm = make_qk_norm(head_dim)
+    grads = [torch.randn(m, h * head_dim, device=DEVICE) for h in (hq, hkv, hkv)]
+
+    def ours(ts, bs, qk):
+        return rmsnorm_qkv_rope(*ts, pos, inv_freq, head_dim=head_dim, rotary_dim=rotary_dim, attention_scaling=scale,
+                                bias=bs, eps=EPS, q_norm_weight=qk[0], k_norm_weight=qk[1], qk_norm_eps=QK_EPS)
+
+    def ref(ts, bs, qk):
+        return hf_style(*ts, pos, inv_freq, head_dim, rotary_dim, scale, bs, qk_norm=qk)
+
+    got = run(ours, tensors, biases, grads, torch.float32, qk_norm)
+    want = run(ref, tensors, biases, grads, torch.float64, qk_norm)
+    names = ["q", "k", "v", "dx", "dnorm_weight", "dw_q", "dw_k", "dw_v"]
+    names += ["db_q", "db_k", "db_v"] * bias + ["dq_norm_weight", "dk_norm_weight"]
+    assert len(got) == len(want) == len(names)
+    for name, a, b in zip(names, got, want):
+        assert a is not None and a.shape == b.shape, name
+        assert rel(a, b) < 3e-5, (name, rel(a, b))
+
+
 def test_angles_beat_fp32_tables_at_long_positions():
     """At positions near 2^20, fp32 angle tables (as HF builds them) are off by ~1e-2 rad; codetta is not."""
     m, d, head_dim = 16, 32, 64
@@ -100,21 +146,24 @@ def test_angles_beat_fp32_tables_at_long_positions():
     assert rel(q, q64) < 1e-5
 
 
-def test_bf16_within_twice_eager_error():
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
+def test_bf16_within_twice_eager_error(qk_norm):
     head_dim, hq, hkv = (16, 4, 2) if INTERPRET else (128, 8, 2)
     m, d = (48, 64) if INTERPRET else (2048, 1024)
     tensors, _, pos, inv_freq = make(m, d, head_dim, hq, hkv, head_dim, False, max_pos=8192)
     grads = [torch.randn(m, h * head_dim, device=DEVICE) for h in (hq, hkv, hkv)]
+    norms = make_qk_norm(head_dim) if qk_norm else []
 
-    def ours(ts, bs):
-        return rmsnorm_qkv_rope(*ts, pos, inv_freq, head_dim=head_dim, eps=EPS)
+    def ours(ts, bs, qk=(None, None)):
+        return rmsnorm_qkv_rope(*ts, pos, inv_freq, head_dim=head_dim, eps=EPS, q_norm_weight=qk[0],
+                                k_norm_weight=qk[1], qk_norm_eps=QK_EPS)
 
-    def eager(ts, bs):
-        return hf_style(*ts, pos, inv_freq, head_dim, head_dim, 1.0, None)
+    def eager(ts, bs, qk=None):
+        return hf_style(*ts, pos, inv_freq, head_dim, head_dim, 1.0, None, qk_norm=qk)
 
-    got = run(ours, tensors, [], grads, torch.bfloat16)
-    base = run(eager, tensors, [], grads, torch.bfloat16)
-    want = run(eager, tensors, [], grads, torch.float64)
+    got = run(ours, tensors, [], grads, torch.bfloat16, norms)
+    base = run(eager, tensors, [], grads, torch.bfloat16, norms)
+    want = run(eager, tensors, [], grads, torch.float64, norms)
     for i, (a, e, r) in enumerate(zip(got, base, want)):
         assert rel(a, r) <= 2 * rel(e, r) + 1e-4, i
 
@@ -129,13 +178,24 @@ def test_bad_inputs():
         rmsnorm_qkv_rope(*tensors, pos, inv_freq[:3], head_dim=16)
     with pytest.raises(ValueError, match="positions"):
         rmsnorm_qkv_rope(*tensors, pos.float(), inv_freq, head_dim=16)
+    qn, kn = make_qk_norm(16)
+    with pytest.raises(ValueError, match="both q_norm_weight and k_norm_weight"):
+        rmsnorm_qkv_rope(*tensors, pos, inv_freq, head_dim=16, q_norm_weight=qn)
+    with pytest.raises(ValueError, match="both q_norm_weight and k_norm_weight"):
+        rmsnorm_qkv_rope(*tensors, pos, inv_freq, head_dim=16, k_norm_weight=kn)
+    with pytest.raises(ValueError, match=r"k_norm_weight must be a tensor \[head_dim = 16\]"):
+        rmsnorm_qkv_rope(*tensors, pos, inv_freq, head_dim=16, q_norm_weight=qn, k_norm_weight=kn[:8])
+    with pytest.raises(ValueError, match=r"q_norm_weight must be a tensor \[head_dim = 16\]"):
+        rmsnorm_qkv_rope(*tensors, pos, inv_freq, head_dim=16, q_norm_weight=qn.repeat(2, 1), k_norm_weight=kn)
 
 
-def test_custom_op_passes_opcheck():
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
+def test_custom_op_passes_opcheck(qk_norm):
     tensors, _, pos, inv_freq = make(6, 16, 16, 2, 1, 16, False, 64)
     x, g, wq, wk, wv = (t.requires_grad_() for t in tensors)
+    qn, kn = (t.requires_grad_() for t in make_qk_norm(16)) if qk_norm else (None, None)
     torch.library.opcheck(
         torch.ops.codetta.rmsnorm_qkv_rope.default,
-        (x, g, [wq, wk, wv], None, pos, inv_freq, 2, 1, 16, 16, 1.0, EPS, None, None),
+        (x, g, [wq, wk, wv], None, pos, inv_freq, 2, 1, 16, 16, 1.0, EPS, None, None, qn, kn, QK_EPS),
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )

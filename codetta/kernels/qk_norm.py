@@ -51,8 +51,7 @@ def _qk_norm_backward_kernel(
     cols = head.to(tl.int64) * D + offs[None, :]
     normed = head < n_normed
     out_ty = dz_ptr.dtype.element_ty
-    w = tl.load(w_ptr + (head >= n_q).to(tl.int64) * D + offs, mask=(offs < D) & normed, other=1.0)
-    w = w.to(tl.float32)[None, :]
+    w = tl.load(w_ptr + (head >= n_q).to(tl.int64) * D + offs).to(tl.float32)[None, :]  # v heads: unused
     dw = tl.zeros([D], dtype=tl.float32)
     for it in range(ITERS):
         rows = (pid_m * ITERS + it) * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from .. import epilogue as ep
+from ..kernels.rmsnorm import rmsnorm_stats
 from ..matmul import gemm
 
 # ---------------------------------------------------------------------------------------
@@ -117,15 +118,6 @@ def _split_columns(t: Tensor, weights: list[Tensor]) -> list[Tensor]:
 def rstd_from_sumsq(sumsq: Tensor, d: int, eps: float) -> Tensor:
     """r = rsqrt(sum_j x_j^2 / d + eps), fp32."""
     return torch.rsqrt(sumsq / d + eps)
-
-
-def rmsnorm_stats(x: Tensor, norm_weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(u, rstd) of x computed directly: u = x g in x's dtype, rstd fp32 [M].
-
-    rstd = rsqrt(||x_i||^2 / d + eps) from an fp32 norm that reads x once (no fp32 copy of x).
-    """
-    x2 = x.reshape(-1, x.shape[-1])
-    return (x2 * norm_weight.to(x.dtype)), rms_rstd(x2, eps)
 
 
 def rms_rstd(x: Tensor, eps: float) -> Tensor:

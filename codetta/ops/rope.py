@@ -28,6 +28,27 @@ sum_k z_ik dz_ik (with the bias: minus sum_k b_k dz_ik) is the zdz of the norm b
 one memory-bound kernel (:func:`codetta.kernels.rope.rope_backward`) writes both. Then the
 norm-backward GEMM of :func:`codetta.ops.rmsnorm.rmsnorm_linear_backward`, dW_i = dz_i^T h
 and db = sum_i dz_i.
+
+QK-norm (Qwen3, optional: ``q_norm_weight``, ``k_norm_weight``, ``qk_norm_eps`` = e). Between
+the projection and RoPE, every q and k head h (its D columns) is RMS-normalized with a
+weight w of D entries (w_q shared by the q heads, w_k by the k heads); v is untouched:
+
+    r_ih = rsqrt(mean_{k in h} z_ik^2 + e),   zhat = z r_h,   zn = w ⊙ zhat,   qkv = RoPE(zn)
+
+In the epilogue, ``segment_sum(z * z, D)`` gives the per-head sums (the tile holds whole
+heads), a column operand holds w tiled over the heads, and ``where(column < (H_q + H_kv) D,
+...)`` leaves the v heads alone. The forward also stores the pre-norm z [M, N] (inputs'
+dtype) as a second output: one more [M, N] write, which saves recomputing the GEMM in the
+backward (without QK-norm nothing more is stored). Backward: the RoPE kernel gives dzn (the
+un-rotated gradient; its qkv . dqkv would be zn . dzn, not the z . dz the outer norm needs,
+so it is skipped), then one memory-bound kernel (:func:`codetta.kernels.qk_norm.qk_norm_backward`)
+computes per q/k head, with g = w ⊙ dzn,
+
+    dz = r_h (g - zhat mean_{k in h}(g_k zhat_k))     (dz = dzn on the v heads)
+    dw_q = sum over rows and q heads of dzn ⊙ zhat    (dw_k likewise)
+    zdz_i = sum_k z_ik dz_ik over all N columns       (minus sum_k b_k dz_ik with a bias)
+
+and the norm-backward GEMM follows as above.
 """
 
 from __future__ import annotations
@@ -40,17 +61,27 @@ from torch import Tensor
 
 from .. import epilogue as ep
 from ..matmul import gemm
+from ..kernels.qk_norm import qk_norm_backward
 from ..kernels.rope import rope_backward
-from .rmsnorm import _check_norm_inputs, _weight_t, rmsnorm_linear_backward, rmsnorm_stats
+from ..kernels.rmsnorm import rmsnorm_stats
+from .rmsnorm import _check_norm_inputs, _weight_t, rmsnorm_linear_backward
+
 
 @functools.lru_cache(maxsize=None)
-def _forward_program(rotary_dim: int, with_bias: bool) -> ep.Program:
-    p = ep.Program(f"rmsnorm_qkv_rope_r{rotary_dim}" + ("_bias" if with_bias else ""))
+def _forward_program(rotary_dim: int, with_bias: bool, qk_norm_dim: int = 0) -> ep.Program:
+    """The epilogue; ``qk_norm_dim`` = D turns QK-norm on (0: off, the program is unchanged)."""
+    name = f"rmsnorm_qkv_rope_r{rotary_dim}" + ("_bias" if with_bias else "")
+    p = ep.Program(name + (f"_qknorm{qk_norm_dim}" if qk_norm_dim else ""))
     z = p.acc * p.row("rstd")
     if with_bias:
         z = z + p.col("bias")
+    if qk_norm_dim:
+        p.store("z", z)  # pre-norm z, for the backward
+        r = ep.rsqrt(ep.segment_sum(z * z, qk_norm_dim) * (1.0 / qk_norm_dim) + p.scalar("qk_eps"))
+        normed = p.col_index() < p.scalar("n_normed")  # the q and k columns
+        z = ep.where(normed, z * r * p.col("qk_weight"), z)
     x1, x2 = ep.pairs(z, segment=rotary_dim)
-    rotated = p.col("rotated", ep.HALF).ne(0) # q and k pairs inside the rotary dims
+    rotated = p.col("rotated", ep.HALF).ne(0)  # q and k pairs inside the rotary dims
     cos = ep.where(rotated, p.table("cos", rotary_dim // 2, ep.HALF), 1.0)
     sin = ep.where(rotated, p.table("sin", rotary_dim // 2, ep.HALF), 0.0)
     p.store("qkv", ep.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin, segment=rotary_dim))
@@ -66,6 +97,12 @@ def _rotated_pairs(n_q: int, n_kv: int, head_dim: int, rotary_dim: int, device: 
     return ((col % head_dim < rotary_dim) & (col < (n_q + n_kv) * head_dim)).float()
 
 
+def _qk_weight_columns(q_norm_weight: Tensor, k_norm_weight: Tensor, n_q: int, n_kv: int) -> Tensor:
+    """w_q tiled over the q heads, w_k over the k heads, ones over the v heads: [N] fp32."""
+    w_q, w_k = q_norm_weight.float(), k_norm_weight.float()
+    return torch.cat([w_q.repeat(n_q), w_k.repeat(n_kv), w_k.new_ones(n_kv * w_k.shape[0])])
+
+
 def rope_tables(positions: Tensor, inv_freq: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """(scale cos(theta), scale sin(theta)), [M, R/2] fp32 each, theta = position x inv_freq in fp64."""
     theta = positions.reshape(-1, 1).double() * inv_freq.double().reshape(1, -1)
@@ -76,8 +113,10 @@ def rope_tables(positions: Tensor, inv_freq: Tensor, scale: float) -> tuple[Tens
 def _qkv_rope_op(
     x: Tensor, norm_weight: Tensor, weights: list[Tensor], bias: Optional[Tensor], positions: Tensor,
     inv_freq: Tensor, n_q: int, n_kv: int, head_dim: int, rotary_dim: int, attention_scaling: float, eps: float,
-    u: Optional[Tensor], rstd: Optional[Tensor],
-) -> tuple[Tensor, Tensor]:
+    u: Optional[Tensor], rstd: Optional[Tensor], q_norm_weight: Optional[Tensor], k_norm_weight: Optional[Tensor],
+    qk_norm_eps: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(qkv, rstd, z): z is the pre-QK-norm projection [..., N] with QK-norm, else empty."""
     d = x.shape[-1]
     x2 = x.reshape(-1, d)
     if u is None or rstd is None:
@@ -88,55 +127,83 @@ def _qkv_rope_op(
     operands = dict(rstd=rstd, cos=cos, sin=sin, rotated=_rotated_pairs(n_q, n_kv, head_dim, rotary_dim, x.device))
     if bias is not None:
         operands["bias"] = bias
-    qkv = gemm(u.reshape(x2.shape), _weight_t(weights), _forward_program(rotary_dim, bias is not None), **operands)["qkv"]
-    return qkv.reshape(*x.shape[:-1], qkv.shape[-1]), rstd
+    qk_norm = q_norm_weight is not None
+    if qk_norm:
+        operands.update(qk_eps=qk_norm_eps, n_normed=(n_q + n_kv) * head_dim,
+                        qk_weight=_qk_weight_columns(q_norm_weight, k_norm_weight, n_q, n_kv))
+    program = _forward_program(rotary_dim, bias is not None, head_dim if qk_norm else 0)
+    out = gemm(u.reshape(x2.shape), _weight_t(weights), program, **operands)
+    lead = x.shape[:-1]
+    qkv = out["qkv"].reshape(*lead, out["qkv"].shape[-1])
+    z = out["z"].reshape(*lead, out["z"].shape[-1]) if qk_norm else x.new_empty(0)
+    return qkv, rstd, z
 
 
 @_qkv_rope_op.register_fake
 def _(x, norm_weight, weights, bias, positions, inv_freq, n_q, n_kv, head_dim, rotary_dim, attention_scaling, eps, u,
-      rstd):
-    m = x.numel() // x.shape[-1]
-    return x.new_empty(*x.shape[:-1], (n_q + 2 * n_kv) * head_dim), x.new_empty(m, dtype=torch.float32)
+      rstd, q_norm_weight, k_norm_weight, qk_norm_eps):
+    m, n = x.numel() // x.shape[-1], (n_q + 2 * n_kv) * head_dim
+    z = x.new_empty(*x.shape[:-1], n) if q_norm_weight is not None else x.new_empty(0)
+    return x.new_empty(*x.shape[:-1], n), x.new_empty(m, dtype=torch.float32), z
 
 
 @torch.library.custom_op("codetta::rmsnorm_qkv_rope_backward", mutates_args=())
 def _qkv_rope_backward_op(
-    dqkv: Tensor, qkv: Tensor, x: Tensor, norm_weight: Tensor, weights: list[Tensor], bias: Optional[Tensor],
+    dqkv: Tensor, qkv: Optional[Tensor], x: Tensor, norm_weight: Tensor, weights: list[Tensor], bias: Optional[Tensor],
     positions: Tensor, inv_freq: Tensor, n_q: int, n_kv: int, head_dim: int, rotary_dim: int,
-    attention_scaling: float, rstd: Tensor,
-) -> tuple[Tensor, Tensor, list[Tensor], Tensor]:
-    n = qkv.shape[-1]
+    attention_scaling: float, rstd: Tensor, z: Optional[Tensor], q_norm_weight: Optional[Tensor],
+    k_norm_weight: Optional[Tensor], qk_norm_eps: float,
+) -> tuple[Tensor, Tensor, list[Tensor], Tensor, Tensor, Tensor]:
+    """Without QK-norm it reads the output qkv; with QK-norm the pre-norm z instead (qkv unused)."""
+    n = dqkv.shape[-1]
     dqkv2 = dqkv.reshape(-1, n)
     cos, sin = rope_tables(positions, inv_freq, attention_scaling)
-    dz, zdz = rope_backward(dqkv2, qkv.reshape(-1, n), cos, sin, n_rotated=(n_q + n_kv) * head_dim, head_dim=head_dim)
+    qk_norm = q_norm_weight is not None
+    dz, zdz = rope_backward(dqkv2, None if qk_norm else qkv.reshape(-1, n), cos, sin,
+                            n_rotated=(n_q + n_kv) * head_dim, head_dim=head_dim)
+    if qk_norm:  # dz above is dzn; QK-norm's backward in place gives dz and zdz from the pre-norm z
+        dz, zdz, dqw, dkw = qk_norm_backward(dz, z.reshape(-1, n), q_norm_weight, k_norm_weight, n_q=n_q, n_kv=n_kv,
+                                             eps=qk_norm_eps, out=dz)
+    else:
+        dqw, dkw = dqkv.new_empty(0, dtype=torch.float32), dqkv.new_empty(0, dtype=torch.float32)
     if bias is not None:
         zdz = zdz - dz.float() @ bias.float()
     dx, dg, dws = rmsnorm_linear_backward(dz, zdz, x, norm_weight, weights, rstd)
-    dbias = dz.float().sum(0).to(bias.dtype) if bias is not None else qkv.new_empty(0, dtype=torch.float32)
-    return dx, dg, dws, dbias
+    dbias = dz.float().sum(0).to(bias.dtype) if bias is not None else dqkv.new_empty(0, dtype=torch.float32)
+    return dx, dg, dws, dbias, dqw, dkw
 
 
 @_qkv_rope_backward_op.register_fake
 def _(dqkv, qkv, x, norm_weight, weights, bias, positions, inv_freq, n_q, n_kv, head_dim, rotary_dim, attention_scaling,
-      rstd):
-    dbias = torch.empty_like(bias) if bias is not None else qkv.new_empty(0, dtype=torch.float32)
-    return torch.empty_like(x), torch.empty_like(norm_weight), [torch.empty_like(w) for w in weights], dbias
+      rstd, z, q_norm_weight, k_norm_weight, qk_norm_eps):
+    def grad_like(t):
+        return torch.empty_like(t) if t is not None else dqkv.new_empty(0, dtype=torch.float32)
+
+    return (torch.empty_like(x), torch.empty_like(norm_weight), [torch.empty_like(w) for w in weights],
+            grad_like(bias), grad_like(q_norm_weight), grad_like(k_norm_weight))
 
 
 def _setup(ctx, inputs, output):
-    (x, norm_weight, weights, bias, positions, inv_freq, n_q, n_kv, head_dim, rotary_dim, scale, eps, u, rstd) = inputs
-    qkv, rstd_used = output
-    ctx.meta = (n_q, n_kv, head_dim, rotary_dim, scale, len(weights), bias is not None)
-    ctx.save_for_backward(qkv, x, norm_weight, positions, inv_freq, rstd_used,
-                          bias if bias is not None else qkv.new_empty(0), *weights)
+    (x, norm_weight, weights, bias, positions, inv_freq, n_q, n_kv, head_dim, rotary_dim, scale, eps, u, rstd,
+     q_norm_weight, k_norm_weight, qk_norm_eps) = inputs
+    qkv, rstd_used, z = output
+    qk_norm = q_norm_weight is not None
+    ctx.meta = (n_q, n_kv, head_dim, rotary_dim, scale, bias is not None, qk_norm, qk_norm_eps)
+    empty = x.new_empty(0)
+    ctx.save_for_backward(z if qk_norm else qkv, x, norm_weight, positions, inv_freq, rstd_used,
+                          bias if bias is not None else empty, q_norm_weight if qk_norm else empty,
+                          k_norm_weight if qk_norm else empty, *weights)
 
 
-def _backward(ctx, dqkv, _drstd):
-    qkv, x, norm_weight, positions, inv_freq, rstd, bias, *weights = ctx.saved_tensors
-    n_q, n_kv, head_dim, rotary_dim, scale, _, has_bias = ctx.meta
-    dx, dg, dws, dbias = _qkv_rope_backward_op(dqkv, qkv, x, norm_weight, weights, bias if has_bias else None,
-                                               positions, inv_freq, n_q, n_kv, head_dim, rotary_dim, scale, rstd)
-    return (dx, dg, dws, dbias if has_bias else None) + (None,) * 10
+def _backward(ctx, dqkv, _drstd, _dz):
+    saved, x, norm_weight, positions, inv_freq, rstd, bias, q_norm_weight, k_norm_weight, *weights = ctx.saved_tensors
+    n_q, n_kv, head_dim, rotary_dim, scale, has_bias, qk_norm, qk_norm_eps = ctx.meta
+    qk = (saved, q_norm_weight, k_norm_weight) if qk_norm else (None, None, None)
+    dx, dg, dws, dbias, dqw, dkw = _qkv_rope_backward_op(
+        dqkv, None if qk_norm else saved, x, norm_weight, weights, bias if has_bias else None, positions, inv_freq,
+        n_q, n_kv, head_dim, rotary_dim, scale, rstd, *qk, qk_norm_eps)
+    none10 = (None,) * 10
+    return (dx, dg, dws, dbias if has_bias else None, *none10, dqw if qk_norm else None, dkw if qk_norm else None, None)
 
 
 _qkv_rope_op.register_autograd(_backward, setup_context=_setup)
@@ -144,8 +211,14 @@ _qkv_rope_op.register_autograd(_backward, setup_context=_setup)
 
 def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w_v: Tensor, positions: Tensor,
                      inv_freq: Tensor, *, head_dim: int, rotary_dim: int | None = None, attention_scaling: float = 1.0,
-                     bias: tuple | None = None, eps: float = 1e-6, stats=None):
+                     bias: tuple | None = None, eps: float = 1e-6, stats=None, q_norm_weight: Tensor | None = None,
+                     k_norm_weight: Tensor | None = None, qk_norm_eps: float = 1e-6):
     """q, k, v = RoPE(RMSNorm(x) W_q^T + b_q), RoPE(RMSNorm(x) W_k^T + b_k), RMSNorm(x) W_v^T + b_v, fused.
+
+    With ``q_norm_weight`` and ``k_norm_weight`` (Qwen3's QK-norm), q and k are RMS-normalized
+    per head (weights of D entries, epsilon ``qk_norm_eps``) before RoPE, in the same
+    epilogue; the forward then also stores the pre-norm projection ([M, N], x's dtype) for the
+    backward: one more [M, N] write instead of recomputing the GEMM (see the module docstring).
 
     Args:
         x: [..., d]; norm_weight: [d]; w_q: [H_q D, d]; w_k, w_v: [H_kv D, d].
@@ -154,6 +227,8 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
         head_dim: D; rotary_dim: R (default D) with D a multiple of R (partial rotary), R a
             power of two. attention_scaling: HF's factor on cos and sin (rope scaling types).
         bias: optional (b_q, b_k, b_v) (Qwen2). stats: optional (u, rstd) from linear_residual.
+        q_norm_weight, k_norm_weight: optional [D] each, both or neither (QK-norm, Qwen3).
+        qk_norm_eps: QK-norm's epsilon (Qwen3: config.rms_norm_eps).
     Returns:
         (q, k, v): [..., H_q D], [..., H_kv D], [..., H_kv D], views of one qkv tensor.
     """
@@ -174,18 +249,34 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
         b = torch.cat([t.reshape(-1) for t in bias])
         if b.shape[0] != sum(w.shape[0] for w in weights):
             raise ValueError("bias must be (b_q, b_k, b_v) matching the weights")
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("QK-norm needs both q_norm_weight and k_norm_weight (or neither)")
+    if q_norm_weight is not None:
+        for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+            if not isinstance(w, Tensor) or w.shape != (head_dim,):
+                raise ValueError(f"{name} must be a tensor [head_dim = {head_dim}], got "
+                                 f"{tuple(w.shape) if isinstance(w, Tensor) else type(w).__name__}")
+            if w.device != x.device:
+                raise ValueError(f"{name} is on {w.device} but x is on {x.device}")
     u, rstd = stats if stats is not None else (None, None)
     qkv = _qkv_rope_op(x, norm_weight, weights, b, positions, inv_freq.float(), nq[0], nk[0], head_dim, rotary_dim,
-                       float(attention_scaling), float(eps), u, rstd)[0]
+                       float(attention_scaling), float(eps), u, rstd, q_norm_weight, k_norm_weight,
+                       float(qk_norm_eps))[0]
     return tuple(torch.split(qkv, [w.shape[0] for w in weights], dim=-1))
 
 
 def rmsnorm_qkv_rope_reference(x, norm_weight, w_q, w_k, w_v, positions, inv_freq, *, head_dim, rotary_dim=None,
-                               attention_scaling=1.0, bias=None, eps=1e-6):
-    """The same math unfused: F.rms_norm, F.linear, and HF's rotate_half RoPE with fp64 angles."""
-    h = torch.nn.functional.rms_norm(x, (x.shape[-1],), norm_weight, eps)
+                               attention_scaling=1.0, bias=None, eps=1e-6, q_norm_weight=None, k_norm_weight=None,
+                               qk_norm_eps=1e-6):
+    """The same math unfused: F.rms_norm, F.linear, per-head F.rms_norm (QK-norm), and HF's
+    rotate_half RoPE with fp64 angles."""
+    rms_norm = torch.nn.functional.rms_norm
+    h = rms_norm(x, (x.shape[-1],), norm_weight, eps)
     bias = bias or (None, None, None)
     q, k, v = (torch.nn.functional.linear(h, w, b) for w, b in zip((w_q, w_k, w_v), bias))
+    if q_norm_weight is not None:
+        q, k = (rms_norm(t.reshape(*t.shape[:-1], -1, head_dim), (head_dim,), w, qk_norm_eps).reshape(t.shape)
+                for t, w in ((q, q_norm_weight), (k, k_norm_weight)))
     rotary_dim = rotary_dim or head_dim
     theta = positions.reshape(*positions.shape, 1).double() * inv_freq.double()
     cos = (torch.cos(theta) * attention_scaling).to(x.dtype).unsqueeze(-2)

@@ -40,7 +40,8 @@ from torch import Tensor
 from .. import epilogue as ep
 from ..matmul import gemm
 from ..kernels.swiglu import swiglu_backward
-from .rmsnorm import _check_norm_inputs, rmsnorm_linear_backward, rmsnorm_stats
+from ..kernels.rmsnorm import rmsnorm_stats
+from .rmsnorm import _check_norm_inputs, rmsnorm_linear_backward
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,10 +21,10 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
     """Patch an already built transformers causal LM in place; returns it.
 
     rms_norm: fold every RMSNorm into the GEMM after it (and its statistics into the GEMM
-        before it); rope: RoPE in the QKV GEMM's epilogue (models with QK-norm keep their
-        own QK-norm and RoPE code after the norm-folded QKV GEMM); swiglu: SwiGLU in the
-        gate/up GEMM's epilogue; cross_entropy: LM head + loss fused when labels are given
-        (``logits`` is then None). ``rope`` and ``swiglu`` need ``rms_norm``.
+        before it); rope: RoPE in the QKV GEMM's epilogue (with Qwen3's QK-norm before it,
+        in the same epilogue); swiglu: SwiGLU in the gate/up GEMM's epilogue;
+        cross_entropy: LM head + loss fused when labels are given (``logits`` is then None).
+        ``rope`` and ``swiglu`` need ``rms_norm``.
 
     Raises UnsupportedModelError (a ValueError) for a model or option it cannot patch,
     before changing anything.
@@ -36,11 +36,11 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
     unpatch(model)
     if rms_norm:
         for layer in model.model.layers:
-            layer._codetta_plan = LayerPlan(arch, model.model.rotary_emb, rope and not arch.qk_norm, swiglu)
+            layer._codetta_plan = LayerPlan(arch, model.model.rotary_emb, rope, swiglu)
             layer.forward = MethodType(fused_decoder_forward, layer)
     if cross_entropy:
         model.forward = MethodType(fused_causal_lm_forward, model)
-    model._codetta_patched = dict(rms_norm=rms_norm, rope=rope and rms_norm and not arch.qk_norm,
+    model._codetta_patched = dict(rms_norm=rms_norm, rope=rope and rms_norm,
                                   swiglu=swiglu and rms_norm, cross_entropy=cross_entropy)
     return model
 

@@ -3,8 +3,8 @@
 A supported decoder layer is Llama-shaped: ``input_layernorm`` and
 ``post_attention_layernorm`` (RMSNorm: ``weight``, ``variance_epsilon``), ``self_attn``
 with ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (optionally ``q_norm``, ``k_norm``:
-QK-norm) and ``mlp`` with ``gate_proj``, ``up_proj``, ``down_proj`` and SiLU. A new
-architecture of that shape is one more entry in :data:`ARCHITECTURES`.
+QK-norm, RMSNorms over ``head_dim`` with one epsilon) and ``mlp`` with ``gate_proj``,
+``up_proj``, ``down_proj`` and SiLU. A new architecture of that shape is one more entry in :data:`ARCHITECTURES`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class UnsupportedModelError(ValueError):
 class Architecture:
     """What differs between the supported families."""
 
-    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before RoPE
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before RoPE (fused with RoPE)
 
 
 ARCHITECTURES = {
@@ -67,10 +67,12 @@ def check_model(model, arch: Architecture):
             _need(layer, path, what)
         attn = layer.self_attn
         if arch.qk_norm:
-            _need(attn, "q_norm.weight", what)
-            _need(attn, "k_norm.weight", what)
-            if attn.q_proj.bias is not None:
-                raise UnsupportedModelError(f"{what}: q/k/v biases with QK-norm are not supported. Nothing was patched.")
+            for path in ("q_norm.weight", "q_norm.variance_epsilon", "k_norm.weight", "k_norm.variance_epsilon"):
+                _need(attn, path, what)
+            norms = (attn.q_norm, attn.k_norm)
+            if any(n.weight.shape != (attn.head_dim,) for n in norms) or len({n.variance_epsilon for n in norms}) > 1:
+                raise UnsupportedModelError(f"{what}: q_norm and k_norm must be RMSNorms of head_dim "
+                                            f"{attn.head_dim} with one epsilon. Nothing was patched.")
         biases = {attn.q_proj.bias is None, attn.k_proj.bias is None, attn.v_proj.bias is None}
         if len(biases) > 1:
             raise UnsupportedModelError(f"{what}: some of q/k/v have a bias and some not. Nothing was patched.")

@@ -1,6 +1,7 @@
 """The fused forward of a Llama-shaped decoder layer.
 
-    q, k, v = RoPE(RMSNorm(x) W_qkv^T)                 rmsnorm_qkv_rope (norm folded, RoPE in the epilogue)
+    q, k, v = RoPE(RMSNorm(x) W_qkv^T)                 rmsnorm_qkv_rope (norm folded, RoPE in the epilogue;
+                                                       Qwen3's QK-norm too, before RoPE)
     a       = attention(q, k, v)                       the model's own attention function (sdpa, flash, eager)
     x1, s   = a W_o^T + x, with RMSNorm stats of x1    linear_residual (the next norm's producer)
     y       = silu(RMSNorm(x1) W_g^T) * (... W_u^T)    rmsnorm_swiglu (norm folded, gate/up side by side)
@@ -8,8 +9,8 @@
 
 Attention, its mask, the KV cache and sliding windows are the model's own: codetta calls
 the attention interface the model is configured with, exactly as its attention module
-would. Where a part is not fused (``rope=False``, QK-norm models, ``swiglu=False``), that
-part runs as the model's own PyTorch code on the output of a norm-folded GEMM.
+would. Where a part is not fused (``rope=False``, ``swiglu=False``), that part runs as
+the model's own PyTorch code on the output of a norm-folded GEMM.
 """
 
 from __future__ import annotations
@@ -52,10 +53,14 @@ def _qkv(layer, plan: LayerPlan, x, position_ids, position_embeddings, kwargs):
     biases = (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)
     has_bias = biases[0] is not None
     if plan.fuse_rope:
+        qk_norm = {}
+        if plan.arch.qk_norm:  # the modules' own weights: their gradients land there
+            qk_norm = dict(q_norm_weight=attn.q_norm.weight, k_norm_weight=attn.k_norm.weight,
+                           qk_norm_eps=attn.q_norm.variance_epsilon)
         return rmsnorm_qkv_rope(
             x, ln.weight, *weights, _positions(position_ids, x.shape[:-1], x.device, kwargs), plan.rotary.inv_freq,
             head_dim=attn.head_dim, attention_scaling=plan.rotary.attention_scaling,
-            bias=biases if has_bias else None, eps=ln.variance_epsilon,
+            bias=biases if has_bias else None, eps=ln.variance_epsilon, **qk_norm,
         )
     qkv = rmsnorm_linear(x, ln.weight, list(weights), ln.variance_epsilon)
     if has_bias:

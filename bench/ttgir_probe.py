@@ -1,0 +1,79 @@
+"""Compile an op's generated kernel for Hopper (sm_90) without a GPU and count what its TTGIR does.
+
+    python bench/ttgir_probe.py
+
+Layout conversions (``ttg.convert_layout``) in an epilogue go through shared memory once
+per tile; this counts them, and the dots and TMA copies, per program, so that an epilogue
+can be checked for such costs on a CPU-only machine. Configs: 128 x 256 x 64 tiles, 8 warps,
+3 stages, bf16 operands, all epilogue tiles through TMA descriptors.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"  # compile, do not interpret (before codetta is imported)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from codetta import epilogue as ep  # noqa: E402
+from codetta.epilogue.codegen import kernel_args, load_kernel  # noqa: E402
+from codetta.ops import rope, swiglu  # noqa: E402
+
+_CONSTEXPRS = ("BM", "BN", "BK", "GROUP_M", "STAGES", "EPI_SPLIT", "NUM_B", "B_PARTS", "A_KM", "B_KN", "INTERPRET",
+               "PRECISION")
+_COUNTED = {"layout conversions": r"ttg\.convert_layout", "dots": r"ttng\.warp_group_dot ",
+            "TMA loads": r"async_tma_copy_global_to_local", "TMA stores": r"async_tma_copy_local_to_global"}
+
+
+def ttgir(program, *, BM=128, BN=256, BK=64, num_b=1, warps=8, stages=3):
+    """The TTGIR of ``program``'s TMA kernel compiled for sm_90 with one config."""
+    kernel = load_kernel(program, "tma")
+    kinds = dict(kernel_args(program, "tma"))
+    consts = dict(BM=BM, BN=BN, BK=BK, GROUP_M=8, STAGES=stages, EPI_SPLIT=1, NUM_B=num_b, B_PARTS="n",
+                  A_KM=False, B_KN=False, INTERPRET=False, PRECISION="tf32", a_s0=0, a_s1=0)
+    signature = {}
+    for name in kernel.arg_names:
+        if name in _CONSTEXPRS or name in ("a_s0", "a_s1"):
+            signature[name] = "constexpr"
+        elif name == "a":
+            signature[name] = f"tensordesc<bf16[{BM}, {BK}]>"
+        elif name in ("b0", "b1", "b2", "b3"):
+            used = int(name[1]) < num_b
+            signature[name] = f"tensordesc<bf16[{BN}, {BK}]>" if used else "constexpr"
+            if not used:
+                consts[name] = None
+        elif name in ("b_s0", "b_s1", "b_starts", "b_ends"):
+            signature[name] = tuple(["i32"] * num_b)
+        elif name in ("M", "N", "K"):
+            signature[name] = "i32"
+        else:
+            kind = kinds[name]
+            signature[name] = {"scalar": "fp32", "stride": "i64"}.get(kind, "*fp32")
+            if kind.endswith("_desc"):
+                base = name[: -len("_desc")]
+                width = (program.outputs.get(base) or program.operands[base]).width
+                signature[name] = f"tensordesc<bf16[{BM}, {BN if width is ep.FULL else BN // 2}]>"
+    source = ASTSource(kernel, signature, {(kernel.arg_names.index(n),): v for n, v in consts.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=warps, num_stages=stages))
+    return compiled.asm["ttgir"]
+
+
+def main():
+    plain = ep.Program("probe_plain")
+    plain.store("y", plain.acc)
+    programs = {"plain GEMM": (plain, 1), "RMSNorm + QKV + RoPE (3 parts)": (rope._forward_program(128, False), 3),
+                "RMSNorm + gate/up + SwiGLU": (swiglu._forward_program(), 1)}
+    for name, (program, num_b) in programs.items():
+        text = ttgir(program, num_b=num_b)
+        print(f"{name}: " + ", ".join(f"{k} {len(re.findall(v, text))}" for k, v in _COUNTED.items()))
+
+
+if __name__ == "__main__":
+    main()
