@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -34,7 +35,18 @@ def environment() -> dict:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "code": _commit(),
     }
+
+
+def _commit() -> str:
+    """The git commit of the code measured, or 'unknown' (the device copy has no .git)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def write_results(name: str, rows: list[dict], table: str) -> Path:

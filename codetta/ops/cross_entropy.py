@@ -20,17 +20,19 @@ for "sum", grad_output_i for "none"; 0 for ignored rows), the gradients are
 Design. The rows are processed in chunks of ``chunk_size`` rows (C), so the [M, V]
 logits exist one chunk at a time. Per chunk (``_chunked``):
 
-1. GEMM z_c = h_c W^T (+ b), whose epilogue writes lse and zt from the fp32 accumulator
-   (the loss) and, when gradients are computed, also stores z_c in the input dtype into
-   one [C, V] buffer reused by every chunk;
+1. GEMM z_c = h_c W^T (+ b), whose epilogue writes lse and zt (the loss) and, when
+   gradients are computed, also stores z_c rounded to the input dtype into one [C, V]
+   buffer reused by every chunk;
 2. ``softmax_grad_`` (codetta.kernels.softmax_grad) turns that buffer into dz_c in place,
    in fp32 arithmetic, stored in the input dtype (db += its column sums, when needed);
 3. GEMM dh_c = dz_c W, then the RMSNorm backward (dx_c, dg) when norm_weight is given;
 4. GEMM dW (+)= dz_c^T h_c: the first chunk writes, the others add (an accumulating store).
 
-So the gradients come from the logits rounded to the input dtype, exactly what eager
-PyTorch does (``F.linear`` in bf16, then ``.float()``); the loss comes from the fp32
-accumulators.
+When the logits are stored, lse and zt are taken from the stored (rounded) logits, so
+that loss and gradients are exactly eager PyTorch's math (``F.linear`` in bf16, then
+``.float()``): the softmax of the stored logits sums to one in each row. (An lse of the
+unrounded accumulators made the gradients' errors up to ~2.8x eager's in bf16 tests.)
+Otherwise (inference, and the "none" recompute) both come from the fp32 accumulators.
 
 When a backward will be needed (grad mode on, an input requires grad) and the reduction
 is "mean" or "sum", the forward runs all of it, Liger-style: three GEMMs of M x V x d per
@@ -103,15 +105,30 @@ def _is_target(p: ep.Program):
 
 
 @functools.lru_cache(maxsize=None)
-def _logits_program(bias: bool, store: bool) -> ep.Program:
-    """Per row: lse = logsumexp of the logits, target_logit = the logit at the target column;
-    with ``store``, also the logits themselves, in the input dtype."""
-    p = ep.Program(f"lce_{'logits' if store else 'loss'}{'_bias' if bias else ''}")
+def _logits_program(bias: bool, store: Optional[torch.dtype]) -> ep.Program:
+    """Per row: lse = logsumexp of the logits, target_logit = the logit at the target column.
+
+    With ``store`` (the input dtype, when gradients are computed) the logits are rounded to it
+    first and stored; lse and the target logit then come from the rounded logits, as eager
+    PyTorch computes them, so that the softmax of the stored logits sums to one. Without it,
+    they come from the fp32 accumulators.
+    """
+    suffix = f"_{str(store).split('.')[-1]}" if store is not None else ""
+    p = ep.Program(f"lce_{'logits' if store else 'loss'}{'_bias' if bias else ''}{suffix}")
     z = _logits(p, bias)
-    if store:
+    if store is not None:
+        if store != torch.float32:
+            z = ep.round_to(z, store)
         p.store("logits", z)
     p.row_logsumexp("lse", z)
     p.row_sum("target_logit", ep.where(_is_target(p), z, 0.0))
+    return p
+
+
+@functools.lru_cache(maxsize=None)
+def _fp32_program() -> ep.Program:
+    p = ep.Program("lce_fp32_out")
+    p.store("out", p.acc, dtype=torch.float32)
     return p
 
 
@@ -144,13 +161,13 @@ def _hidden(x, norm_weight, eps):
 
 
 def _rms_norm_backward(x, norm_weight, eps, dh):
-    """(dx in x's dtype, fp32 dg) of h = x ⊙row r ⊙col g, given dh."""
+    """(fp32 dx, fp32 dg) of h = x ⊙row r ⊙col g, given dh."""
     rstd = _rstd(x, eps)
     xhat = x.float() * rstd
     dh = dh.float()
     dxhat = dh * norm_weight.float()
     dx = rstd * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
-    return dx.to(x.dtype), (dh * xhat).sum(0)
+    return dx, (dh * xhat).sum(0)
 
 
 def _bias_operand(bias):
@@ -190,9 +207,10 @@ def _add_dweight(dw, dz, h, first):
         gemm(dz.t(), h, _dweight_program(dw.dtype, True), dw=dw)
 
 
-def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs):
+def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs, fp32_grads=False):
     """lse, target_logit (fp32 [M]) and the gradients (dx, dweight, dbias, dnorm_weight) of
     sum_i scale_i loss_i asked for by ``needs`` (None for the others), chunk by chunk.
+    With ``fp32_grads``, dx, dbias and dnorm_weight stay fp32 (they are scaled afterwards).
 
     Gradients are computed only when one is needed: then each chunk's logits are stored
     (one buffer for all chunks) and turned into dz; see the module docstring.
@@ -203,12 +221,12 @@ def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs
     lse = torch.empty(rows, **fp32)
     target_logit = torch.empty_like(lse)
     store = any(needs)
-    program = _logits_program(bias is not None, store)
+    program = _logits_program(bias is not None, x.dtype if store else None)
     if store:  # rows padded to 16 bytes, so that the GEMMs can read and write it through TMA
         pad = 16 // x.element_size()
         logits = x.new_empty(min(rows, chunk_size), -(-vocab // pad) * pad)[:, :vocab]
     n_chunks = -(-rows // chunk_size)
-    dx = x.new_empty(x.shape) if need_x else None
+    dx = torch.empty(x.shape, device=x.device, dtype=torch.float32 if fp32_grads else x.dtype) if need_x else None
     if need_weight:  # several chunks add into an fp32 accumulator; one writes dW in the weight's dtype
         dw_dtype = weight.dtype if n_chunks <= 1 else torch.float32
         dw = (torch.empty if n_chunks else torch.zeros)(weight.shape, device=x.device, dtype=dw_dtype)
@@ -228,7 +246,7 @@ def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs
         if need_weight:
             _add_dweight(dw, dz, h, first=i == 0)
         if norm_weight is None and need_x:
-            gemm(dz, weight, out={"out": dx[c]})
+            gemm(dz, weight, *((_fp32_program(),) if fp32_grads else ()), out={"out": dx[c]})
         elif need_x or need_norm_weight:
             dx_c, dg_c = _rms_norm_backward(x[c], norm_weight, eps, gemm(dz, weight))
             if need_x:
@@ -238,8 +256,8 @@ def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs
     grads = (
         dx,
         dw.to(weight.dtype) if need_weight else None,
-        db.to(bias.dtype) if need_bias else None,
-        dg.to(norm_weight.dtype) if need_norm_weight else None,
+        db if not need_bias or fp32_grads else db.to(bias.dtype),
+        dg if not need_norm_weight or fp32_grads else dg.to(norm_weight.dtype),
     )
     return lse, target_logit, grads
 
@@ -254,9 +272,10 @@ def _grad_outputs(x, grads):
     return tuple(x.new_empty(0) if g is None else g for g in grads)
 
 
-def _fake_grads(x, weight, bias, norm_weight, needs):
-    return _grad_outputs(x, [t.new_empty(t.shape) if need else None
-                             for t, need in zip((x, weight, bias, norm_weight), needs)])
+def _fake_grads(x, weight, bias, norm_weight, needs, fp32_grads=False):
+    dtypes = (torch.float32 if fp32_grads else x.dtype, weight.dtype) + (torch.float32 if fp32_grads else None,) * 2
+    return _grad_outputs(x, [t.new_empty(t.shape, dtype=dtype) if need else None
+                             for t, need, dtype in zip((x, weight, bias, norm_weight), needs, dtypes)])
 
 
 # --------------------------------------------------------------------------------------
@@ -280,12 +299,14 @@ def _forward(
     need_norm_weight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, dx, dweight, dbias, dnorm_weight): the gradients of the loss itself (grad_output
-    = 1) that ``_in_forward`` selects; the others are empty tensors."""
+    = 1) that ``_in_forward`` selects, dx, dbias and dnorm_weight in fp32 until the backward
+    scales them (one rounding, as eager's); the others are empty tensors."""
     _check_target_values(target, weight.shape[0], ignore_index)
     valid = target != ignore_index
     needs = _in_forward(reduction, (need_x, need_weight, need_bias, need_norm_weight))
     scale = _row_scale(torch.ones((), device=x.device), valid, reduction) if any(needs) else None
-    lse, target_logit, grads = _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs)
+    lse, target_logit, grads = _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs,
+                                        fp32_grads=True)
     losses = torch.where(valid, lse - target_logit, 0.0)
     return (_reduce(losses, valid, reduction), *_grad_outputs(x, grads))
 
@@ -293,21 +314,19 @@ def _forward(
 @_forward.register_fake
 def _forward_fake(x, weight, target, bias, norm_weight, ignore_index, reduction, eps, chunk_size, *needs):
     loss = x.new_empty((x.shape[0],) if reduction == "none" else (), dtype=torch.float32)
-    return (loss, *_fake_grads(x, weight, bias, norm_weight, _in_forward(reduction, needs)))
+    return (loss, *_fake_grads(x, weight, bias, norm_weight, _in_forward(reduction, needs), fp32_grads=True))
 
 
-@torch.library.custom_op("codetta::linear_cross_entropy_scale_",
-                         mutates_args=("dx", "dweight", "dbias", "dnorm_weight"))
-def _scale_(grad: torch.Tensor, dx: torch.Tensor, dweight: torch.Tensor, dbias: torch.Tensor,
-            dnorm_weight: torch.Tensor) -> None:
-    """The gradients computed in the forward times the scalar grad_output, in place (nothing when it is 1)."""
+@torch.library.custom_op("codetta::linear_cross_entropy_scale_", mutates_args=("dweight",))
+def _scale_(grad: torch.Tensor, dweight: torch.Tensor) -> None:
+    """dweight computed in the forward times the scalar grad_output, in place (nothing when it
+    is 1: a host check, which saves a pass over the [V, d] gradient in the usual case)."""
     if bool(grad != 1):
-        for g in (dx, dweight, dbias, dnorm_weight):
-            g.mul_(grad)
+        dweight.mul_(grad)
 
 
 @_scale_.register_fake
-def _scale_fake(grad, dx, dweight, dbias, dnorm_weight):
+def _scale_fake(grad, dweight):
     return None
 
 
@@ -348,6 +367,7 @@ def _setup_context(ctx, inputs, output):
     else:
         ctx.save_for_backward(x, weight, target, bias, norm_weight)
     ctx.options = (ignore_index, reduction, eps, chunk_size)
+    ctx.dtypes = tuple(t.dtype if t is not None else None for t in (x, weight, bias, norm_weight))
     ctx.mark_non_differentiable(*output[1:])
 
 
@@ -357,8 +377,12 @@ def _autograd_backward(ctx, grad_loss, *_grad_gradients):
         if any(n and not f for n, f in zip(needs, ctx.in_forward)):
             raise RuntimeError("codetta::linear_cross_entropy: a gradient is needed that the forward was not asked "
                                "for (need_* arguments); linear_cross_entropy sets them")
-        grads = ctx.saved_tensors
-        _scale_(grad_loss, *grads)
+        dx, dw, db, dg = ctx.saved_tensors
+        _scale_(grad_loss, dw)
+        grads = [dx, dw, db, dg]
+        for i in (0, 2, 3):  # fp32 until here: scaled and rounded once
+            if needs[i]:
+                grads[i] = (grads[i] * grad_loss).to(ctx.dtypes[i])
     else:
         grads = _backward(grad_loss, *ctx.saved_tensors, *ctx.options, *needs)
     dx, dw, db, dg = (g if n else None for g, n in zip(grads, needs))
@@ -418,8 +442,9 @@ def linear_cross_entropy(x, weight, target, *, bias=None, ignore_index=-100, red
 
     Equals ``F.cross_entropy(F.linear(h, weight, bias).float(), target, ignore_index=...,
     reduction=...)`` with h = x, or h = ``F.rms_norm(x, (d,), norm_weight, eps)`` when
-    ``norm_weight`` is given: the loss from the fp32 logits (not rounded to x's dtype), the
-    gradients, as in eager PyTorch, from the logits rounded to x's dtype.
+    ``norm_weight`` is given. When gradients are computed in the forward ("mean", "sum"),
+    loss and gradients come from the logits rounded to x's dtype, as in eager PyTorch;
+    otherwise from the fp32 logits.
 
     Args:
         x: [..., d] fp32, fp16 or bf16; the leading dims are flattened into rows.
