@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (first run) and run codetta's main job or its tests.
-#   ./run.sh demo [args]   the demo: fused GEMM+epilogue programs, checked and (on a GPU) timed
+#   ./run.sh demo [args]   the demo: a fused-program check, then a small Llama trained plain and patched
 #   ./run.sh test [args]   the test suite (on a CPU through Triton's interpreter)
 set -euo pipefail
 cd "$(dirname "$0")"
