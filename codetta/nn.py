@@ -1,0 +1,125 @@
+"""``codetta.nn``: a Llama-family decoder whose every RMSNorm is folded into GEMM epilogues.
+
+A block runs from one layer's O-projection to the next layer's QKV projection, so that the
+GEMM that makes a residual stream also makes the statistics of the norm that reads it
+(DESIGN.md). With x the residual stream [..., d], per layer l:
+
+    q, k, v = RoPE(RMSNorm_l(x) W_qkv^T)          rmsnorm_qkv_rope, reading (u, rstd) of x
+    a       = SDPA(q, k, v), causal               torch.nn.functional.scaled_dot_product_attention
+    x1, s1  = a W_o^T + x, stats of x1            linear_residual: producer of RMSNorm'_l
+    y       = SwiGLU(RMSNorm'_l(x1) W_gu^T)       rmsnorm_swiglu, reading s1
+    x, s    = y W_d^T + x1, stats of x            linear_residual: producer of RMSNorm_{l+1}
+
+Only the first layer's norm computes its statistics by itself (one memory-bound pass over
+the embeddings); the last down projection makes none, and the loss folds the final norm
+into the LM head (:func:`codetta.ops.linear_cross_entropy` with ``norm_weight``). The
+statistics carry no gradient of their own: every norm's gradient flows through its x and
+weight (see :mod:`codetta.ops.rmsnorm`).
+
+Parameters are plain ``nn.Parameter`` tensors laid out as ``nn.Linear`` and Hugging Face
+store them ([out, in] weights), so state dicts map one to one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .kernels.rmsnorm import rmsnorm_stats
+from .ops import linear_residual, rmsnorm_qkv_rope, rmsnorm_swiglu
+from .ops.cross_entropy import linear_cross_entropy
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """The shape of a Llama-family decoder (defaults: a tiny one)."""
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 176
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+
+def _linear_weight(out_features: int, in_features: int, std: float) -> nn.Parameter:
+    return nn.Parameter(torch.randn(out_features, in_features) * std)
+
+
+class DecoderLayer(nn.Module):
+    """One layer's parameters, and its fused forward from QKV to the down projection."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        d, hd, std = cfg.hidden_size, cfg.head_dim, cfg.init_std
+        self.cfg = cfg
+        self.input_norm = nn.Parameter(torch.ones(d))
+        self.q_proj = _linear_weight(cfg.num_heads * hd, d, std)
+        self.k_proj = _linear_weight(cfg.num_kv_heads * hd, d, std)
+        self.v_proj = _linear_weight(cfg.num_kv_heads * hd, d, std)
+        self.o_proj = _linear_weight(d, cfg.num_heads * hd, std)
+        self.post_attention_norm = nn.Parameter(torch.ones(d))
+        self.gate_proj = _linear_weight(cfg.intermediate_size, d, std)
+        self.up_proj = _linear_weight(cfg.intermediate_size, d, std)
+        self.down_proj = _linear_weight(d, cfg.intermediate_size, std)
+
+    def forward(self, x: Tensor, stats, positions: Tensor, inv_freq: Tensor, next_norm: Tensor | None):
+        """(x_out, stats of x_out for ``next_norm``, or None) from x [B, S, d] and (u, rstd) of x."""
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        b, s, _ = x.shape
+        q, k, v = rmsnorm_qkv_rope(x, self.input_norm, self.q_proj, self.k_proj, self.v_proj, positions, inv_freq,
+                                   head_dim=cfg.head_dim, eps=eps, stats=stats)
+        q, k, v = (t.reshape(b, s, -1, cfg.head_dim).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+        a = a.transpose(1, 2).reshape(b, s, -1)
+        x1, stats1 = linear_residual(a, self.o_proj, x, self.post_attention_norm, eps)
+        y = rmsnorm_swiglu(x1, self.post_attention_norm, self.gate_proj, self.up_proj, eps, stats=stats1)
+        if next_norm is None:
+            return linear_residual(y, self.down_proj, x1), None
+        return linear_residual(y, self.down_proj, x1, next_norm, eps)
+
+
+class Decoder(nn.Module):
+    """A causal LM: embeddings, ``num_layers`` :class:`DecoderLayer`, final RMSNorm, LM head."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Parameter(torch.randn(cfg.vocab_size, cfg.hidden_size) * cfg.init_std)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.final_norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = None if cfg.tie_embeddings else _linear_weight(cfg.vocab_size, cfg.hidden_size, cfg.init_std)
+        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    @property
+    def output_weight(self) -> Tensor:
+        return self.embed if self.lm_head is None else self.lm_head
+
+    def hidden_states(self, input_ids: Tensor) -> Tensor:
+        """The residual stream after the last layer (before the final norm), [B, S, d]."""
+        x = F.embedding(input_ids, self.embed)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
+        stats = rmsnorm_stats(x, self.layers[0].input_norm, self.cfg.rms_norm_eps) if len(self.layers) else None
+        for i, layer in enumerate(self.layers):
+            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
+            x, stats = layer(x, stats, positions, self.inv_freq, next_norm)
+        return x
+
+    def forward(self, input_ids: Tensor, targets: Tensor | None = None, *, ignore_index: int = -100):
+        """The mean cross-entropy against ``targets`` (aligned with input_ids: shift them
+        yourself), or the logits [B, S, V] when no targets are given."""
+        x = self.hidden_states(input_ids)
+        if targets is None:
+            h = F.rms_norm(x, (x.shape[-1],), self.final_norm, self.cfg.rms_norm_eps)
+            return F.linear(h, self.output_weight)
+        return linear_cross_entropy(x, self.output_weight, targets, ignore_index=ignore_index,
+                                    norm_weight=self.final_norm, eps=self.cfg.rms_norm_eps)

@@ -1,0 +1,105 @@
+"""codetta.nn.Decoder: loss, logits and every gradient equal the same Llama written unfused.
+
+The reference below is plain PyTorch in float64 (F.rms_norm, F.linear, HF's rotate_half
+RoPE, SDPA, SiLU, F.cross_entropy) over the very same parameters.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import codetta.nn as cnn
+from codetta.kernels import rmsnorm as rmsnorm_kernels
+from conftest import DEVICE
+
+CFG = cnn.DecoderConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
+                        num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=500.0)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def reference_hidden(model, input_ids):
+    """The residual stream after the last layer, unfused, in the parameters' dtype."""
+    cfg = model.cfg
+    b, s = input_ids.shape
+    x = F.embedding(input_ids, model.embed)
+    angles = torch.arange(s, device=x.device, dtype=torch.float64)[:, None] * model.inv_freq.double()
+    emb = torch.cat((angles, angles), -1)
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    for layer in model.layers:
+        h = F.rms_norm(x, (cfg.hidden_size,), layer.input_norm, cfg.rms_norm_eps)
+        q, k, v = (F.linear(h, w).view(b, s, -1, cfg.head_dim).transpose(1, 2)
+                   for w in (layer.q_proj, layer.k_proj, layer.v_proj))
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        rep = cfg.num_heads // cfg.num_kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
+        x = x + F.linear(a, layer.o_proj)
+        h = F.rms_norm(x, (cfg.hidden_size,), layer.post_attention_norm, cfg.rms_norm_eps)
+        x = x + F.linear(F.silu(F.linear(h, layer.gate_proj)) * F.linear(h, layer.up_proj), layer.down_proj)
+    return x
+
+
+def reference_logits(model, input_ids):
+    x = reference_hidden(model, input_ids)
+    return F.linear(F.rms_norm(x, (x.shape[-1],), model.final_norm, model.cfg.rms_norm_eps), model.output_weight)
+
+
+def make_model(tie=False, seed=0):
+    torch.manual_seed(seed)
+    model = cnn.Decoder(cnn.DecoderConfig(**{**CFG.__dict__, "tie_embeddings": tie}))
+    with torch.no_grad():  # non-trivial norm weights, so that a misplaced norm weight shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return model.to(DEVICE)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_loss_and_every_gradient_match_the_unfused_model(tie):
+    model = make_model(tie)
+    ids = torch.randint(0, CFG.vocab_size, (2, 7), device=DEVICE)
+    targets = torch.roll(ids, -1, dims=1)
+    targets[:, -1] = -100
+    loss = model(ids, targets)
+    loss.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    ref = make_model(tie).double()
+    ref_loss = F.cross_entropy(reference_logits(ref, ids).flatten(0, 1), targets.flatten(), ignore_index=-100)
+    ref_loss.backward()
+    assert abs(loss.item() - ref_loss.item()) < 1e-5 * ref_loss.item()
+    for name, p in ref.named_parameters():
+        assert rel(got[name], p.grad) < 1e-4, name
+
+
+def test_logits_without_targets():
+    model = make_model()
+    ids = torch.randint(0, CFG.vocab_size, (1, 9), device=DEVICE)
+    with torch.no_grad():
+        assert rel(model(ids), reference_logits(make_model().double(), ids)) < 1e-5
+
+
+def test_norm_statistics_come_from_the_producers(monkeypatch):
+    """Only the first layer's norm reads its input once by itself; every other norm's statistics
+    come out of the GEMM before it."""
+    calls = []
+    original = rmsnorm_kernels.rmsnorm_stats
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    for module in ("codetta.nn", "codetta.ops.rope", "codetta.ops.swiglu", "codetta.ops.rmsnorm"):
+        monkeypatch.setattr(f"{module}.rmsnorm_stats", counting)
+    model = make_model()
+    ids = torch.randint(0, CFG.vocab_size, (2, 5), device=DEVICE)
+    model(ids, ids).backward()
+    assert len(calls) == 1
