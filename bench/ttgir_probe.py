@@ -26,17 +26,17 @@ from codetta import epilogue as ep  # noqa: E402
 from codetta.epilogue.codegen import kernel_args, load_kernel  # noqa: E402
 from codetta.ops import rope, swiglu  # noqa: E402
 
-_CONSTEXPRS = ("BM", "BN", "BK", "GROUP_M", "STAGES", "EPI_SPLIT", "NUM_B", "B_PARTS", "A_KM", "B_KN", "INTERPRET",
-               "PRECISION")
+_CONSTEXPRS = ("BM", "BN", "BK", "GROUP_M", "STAGES", "EPI_SPLIT", "FLATTEN", "NUM_B", "B_PARTS", "A_KM", "B_KN",
+               "INTERPRET", "PRECISION")
 _COUNTED = {"layout conversions": r"ttg\.convert_layout", "dots": r"ttng\.warp_group_dot ",
             "TMA loads": r"async_tma_copy_global_to_local", "TMA stores": r"async_tma_copy_local_to_global"}
 
 
-def ttgir(program, *, BM=128, BN=256, BK=64, num_b=1, warps=8, stages=3):
+def ttgir(program, *, BM=128, BN=256, BK=64, num_b=1, warps=8, stages=3, split=1, flatten=False):
     """The TTGIR of ``program``'s TMA kernel compiled for sm_90 with one config."""
     kernel = load_kernel(program, "tma")
     kinds = dict(kernel_args(program, "tma"))
-    consts = dict(BM=BM, BN=BN, BK=BK, GROUP_M=8, STAGES=stages, EPI_SPLIT=1, NUM_B=num_b, B_PARTS="n",
+    consts = dict(BM=BM, BN=BN, BK=BK, GROUP_M=8, STAGES=stages, EPI_SPLIT=split, FLATTEN=flatten, NUM_B=num_b, B_PARTS="n",
                   A_KM=False, B_KN=False, INTERPRET=False, PRECISION="tf32", a_s0=0, a_s1=0)
     signature = {}
     for name in kernel.arg_names:
@@ -59,20 +59,38 @@ def ttgir(program, *, BM=128, BN=256, BK=64, num_b=1, warps=8, stages=3):
             if kind.endswith("_desc"):
                 base = name[: -len("_desc")]
                 width = (program.outputs.get(base) or program.operands[base]).width
-                signature[name] = f"tensordesc<bf16[{BM}, {BN if width is ep.FULL else BN // 2}]>"
+                bn = BN // split
+                signature[name] = f"tensordesc<bf16[{BM}, {bn if width is ep.FULL else bn // 2}]>"
     source = ASTSource(kernel, signature, {(kernel.arg_names.index(n),): v for n, v in consts.items()})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=warps, num_stages=stages))
     return compiled.asm["ttgir"]
 
 
 def main():
+    import torch
+
+    from codetta.ops import cross_entropy, rmsnorm
+
     plain = ep.Program("probe_plain")
     plain.store("y", plain.acc)
-    programs = {"plain GEMM": (plain, 1), "RMSNorm + QKV + RoPE (3 parts)": (rope._forward_program(128, False), 3),
-                "RMSNorm + gate/up + SwiGLU": (swiglu._forward_program(), 1)}
+    programs = {
+        "plain GEMM": (plain, 1), "RMSNorm + QKV + RoPE (3 parts)": (rope._forward_program(128, False), 3),
+        "RMSNorm + gate/up + SwiGLU": (swiglu._forward_program(), 1),
+        "residual + norm statistics": (rmsnorm._producer(torch.bfloat16, True, False), 1),
+        "norm backward": (rmsnorm._consumer_backward(), 1),
+        "cross-entropy logits": (cross_entropy._logits_program(False, torch.bfloat16), 1),
+    }
     for name, (program, num_b) in programs.items():
-        text = ttgir(program, num_b=num_b)
-        print(f"{name}: " + ", ".join(f"{k} {len(re.findall(v, text))}" for k, v in _COUNTED.items()))
+        for split, flatten in ((1, False), (2, False), (1, True), (2, True)):
+            if flatten and num_b > 1:
+                continue  # the launcher flattens only a B of one part
+            try:
+                text = ttgir(program, num_b=num_b, split=split, flatten=flatten)
+            except Exception as exc:  # report and go on: this is a probe
+                print(f"{name} split {split} flatten {flatten}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            counts = ", ".join(f"{k} {len(re.findall(v, text))}" for k, v in _COUNTED.items())
+            print(f"{name} split {split} flatten {flatten}: {counts}")
 
 
 if __name__ == "__main__":

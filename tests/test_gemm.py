@@ -110,15 +110,39 @@ def test_b_parts_in_dgrad_layout():
     assert rel_err(out, x.double() @ torch.cat(parts, 1).double()) < 1e-5
 
 
-@pytest.mark.parametrize("split", [1, 2])
-def test_explicit_config_and_epilogue_split(split):
-    """A config given by the caller is used as is; EPI_SPLIT=2 runs the epilogue on tile halves."""
-    cfg = Config(BM=16, BN=32, BK=16, GROUP_M=2, STAGES=1, num_warps=4, EPI_SPLIT=split) if INTERPRET else Config(
-        BM=128, BN=128, BK=64, GROUP_M=8, STAGES=3, num_warps=8, EPI_SPLIT=split
-    )
+@pytest.mark.parametrize("split, flatten", [(1, False), (2, False), (1, True), (2, True)])
+def test_explicit_config_and_epilogue_split(split, flatten):
+    """A config given by the caller is used as is; EPI_SPLIT=2 runs the epilogue on tile halves;
+    FLATTEN compiles one flattened loop (on a GPU; the interpreter runs the same code)."""
+    cfg = Config(BM=16, BN=32, BK=16, GROUP_M=2, STAGES=1, num_warps=4, EPI_SPLIT=split, FLATTEN=flatten) if INTERPRET \
+        else Config(BM=128, BN=128, BK=64, GROUP_M=8, STAGES=3, num_warps=8, EPI_SPLIT=split, FLATTEN=flatten)
     a, b = operands(70, 100, 40, "fwd", torch.float32)
     assert codetta.explain(a, b, config=cfg)["config"] == cfg
     assert rel_err(codetta.gemm(a, b, config=cfg), a.double() @ b.double()) < 1e-5
+
+
+def test_flattened_loop_runs_an_epilogue_program():
+    """FLATTEN with an epilogue that reads an aux tile, stores two outputs and reduces rows and
+    columns: the flattened loop must hand each tile's accumulator to its own epilogue."""
+    from codetta import epilogue as ep
+
+    m, n, k = (70, 100, 40) if INTERPRET else (1000, 768, 1024)
+    cfg = Config(BM=16, BN=32, BK=16, GROUP_M=2, STAGES=1, num_warps=4, FLATTEN=True) if INTERPRET else Config(
+        BM=128, BN=256, BK=64, GROUP_M=8, STAGES=3, num_warps=8, FLATTEN=True)
+    p = ep.Program("flattened_residual")
+    x = p.acc + p.aux("residual")
+    p.store("x", x)
+    p.store("y", ep.silu(x) * p.row("r"))
+    p.row_sumsq("ss", x)
+    p.col_sum("cs", x)
+    a, b = operands(m, n, k, "fwd", torch.bfloat16)
+    res, r = torch.randn(m, n, device=DEVICE, dtype=torch.bfloat16), torch.randn(m, device=DEVICE)
+    out = codetta.gemm(a, b, p, config=cfg, residual=res, r=r)
+    ref = a.double() @ b.double() + res.double()
+    assert rel_err(out["x"], ref) < 8e-3
+    assert rel_err(out["y"], ref * torch.sigmoid(ref) * r.double()[:, None]) < 8e-3
+    assert rel_err(out["ss"], (ref * ref).sum(1)) < 1e-3
+    assert rel_err(out["cs"], ref.sum(0)) < 1e-3
 
 
 def test_linear_matches_torch():

@@ -68,3 +68,12 @@ def test_candidates_respect_program_and_parts():
         assert cfg.epilogue_bn >= 256 and 4096 % cfg.BN == 0 and 1024 % cfg.BN == 0
     assert all(c.BK == 32 for c in candidates(elem_bytes=4, min_bn=1))
     assert candidates(elem_bytes=2, min_bn=1, n_parts_sizes=(100,)) == []
+
+
+def test_flattened_candidates_come_last():
+    """Flattened-loop variants of the first configs are appended: the untuned first choice is unchanged."""
+    plain = candidates(elem_bytes=2, min_bn=2, m=4096, n=4096)
+    both = candidates(elem_bytes=2, min_bn=2, m=4096, n=4096, flatten=True)
+    assert both[: len(plain)] == plain and not any(c.FLATTEN for c in plain)
+    extra = both[len(plain):]
+    assert extra and all(c.FLATTEN for c in extra) and [c.BM for c in extra] == [c.BM for c in plain[: len(extra)]]

@@ -328,11 +328,11 @@ def {kname}(
     a, a_s0, a_s1, b0, b1, b2, b3, b_s0, b_s1, b_starts, b_ends, M, N, K,
 {args}
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    STAGES: tl.constexpr, EPI_SPLIT: tl.constexpr, NUM_B: tl.constexpr, B_PARTS: tl.constexpr,
+    STAGES: tl.constexpr, EPI_SPLIT: tl.constexpr, FLATTEN: tl.constexpr, NUM_B: tl.constexpr, B_PARTS: tl.constexpr,
     A_KM: tl.constexpr, B_KN: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
 ):
     num_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
-    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=FLATTEN):
         pid_m, pid_n = tile_coords(tile, M, N, BM, BN, GROUP_M)
         off_m = pid_m * BM
         off_n = pid_n * BN

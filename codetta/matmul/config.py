@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 
 @dataclass(frozen=True)
 class Config:
-    """One launch configuration: tile sizes, tile-order grouping, pipeline depth, warps."""
+    """One launch configuration: tile sizes, tile-order grouping, pipeline depth, warps.
+
+    FLATTEN: compile the persistent tile loop and the K loop as one flattened loop
+    (``tl.range(..., flatten=True)``), so that the loads of a tile's first K blocks are in
+    flight while the previous tile's epilogue runs. It applies to a B of one part through
+    TMA descriptors (the launcher ignores it otherwise).
+    """
 
     BM: int
     BN: int
@@ -16,6 +22,7 @@ class Config:
     STAGES: int = 3
     num_warps: int = 8
     EPI_SPLIT: int = 1  # run the epilogue on 1 or 2 column slices of the tile
+    FLATTEN: bool = False
 
     @property
     def epilogue_bn(self):
@@ -51,15 +58,18 @@ _HOPPER_32 = [
     (64, 64, 32, 8, 4, 4, 1),
 ]
 _SMEM_LIMIT = 227 * 1024
+_FLATTENED = 4  # how many of the best-guess configs are also tried with a flattened loop
 
 
-def candidates(*, elem_bytes: int, min_bn: int, n_parts_sizes=(), m: int = 0, n: int = 0):
+def candidates(*, elem_bytes: int, min_bn: int, n_parts_sizes=(), m: int = 0, n: int = 0, flatten: bool = False):
     """The configs worth trying on a GPU, best guess first.
 
     ``min_bn``: the smallest tile width the program's epilogue needs (segments fit whole);
     ``n_parts_sizes``: sizes along N of all B parts but the last (on the TMA path a tile
     must not straddle them; the caller passes () for the pointer path). Configs whose
     tiles are far larger than the problem are dropped (all but the smallest, if need be).
+    ``flatten``: also try the first few with a flattened loop (see :class:`Config`), after
+    all the others, so that the first candidate (taken untuned) stays the same.
     """
     fitting, small = [], []
     for bm, bn, bk, group, stages, warps, split in _HOPPER_16 if elem_bytes <= 2 else _HOPPER_32:
@@ -75,7 +85,10 @@ def candidates(*, elem_bytes: int, min_bn: int, n_parts_sizes=(), m: int = 0, n:
         oversized = (m and m <= bm // 2 and bm > 64) or (n and n <= bn // 2 and bn > max(64, min_bn))
         (small if oversized else fitting).append(cfg)
     # A tiny problem keeps the smallest tiles rather than nothing.
-    return fitting or sorted(small, key=lambda c: (c.BM * c.BN, c.STAGES))[:1]
+    chosen = fitting or sorted(small, key=lambda c: (c.BM * c.BN, c.STAGES))[:1]
+    if flatten:
+        chosen = chosen + [replace(cfg, FLATTEN=True) for cfg in chosen[:_FLATTENED]]
+    return chosen
 
 
 def interpreter_config(*, min_bn: int, n_parts_sizes=(), m: int = 0, n: int = 0, k: int = 0):

@@ -338,6 +338,7 @@ class _Launch:
         kernel[(_num_programs(c.device, tiles),)](
             *args,
             BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, STAGES=cfg.STAGES, EPI_SPLIT=cfg.EPI_SPLIT,
+            FLATTEN=cfg.FLATTEN and self.path == "tma" and len(c.parts) == 1,
             NUM_B=len(c.parts), B_PARTS=c.b_parts, A_KM=a_km, B_KN=bool(b_kn), INTERPRET=interp,
             PRECISION="ieee" if (interp or c.a.dtype == torch.float32) else "tf32",
             num_warps=cfg.num_warps, num_stages=cfg.STAGES,
@@ -514,7 +515,8 @@ def _choose_plan(call, config):
             return "tma", cfg, outputs
         return "ptr", interpreter_config(min_bn=min_bn, **size), outputs
     es = call.a.element_size()
-    configs = candidates(elem_bytes=es, min_bn=min_bn, n_parts_sizes=parts, m=call.M, n=call.N) if tma else []
+    configs = candidates(elem_bytes=es, min_bn=min_bn, n_parts_sizes=parts, m=call.M, n=call.N,
+                         flatten=len(call.parts) == 1) if tma else []
     path = "tma" if configs else "ptr"
     configs = configs or candidates(elem_bytes=es, min_bn=min_bn, m=call.M, n=call.N)
 
