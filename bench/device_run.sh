@@ -2,7 +2,7 @@
 # What one device-tool call runs on the H200: environment, compiled-kernel checks, the test
 # suite with compiled kernels, and the benchmarks. Logs go to $OUT. Wheels carried in .whl/
 # (Liger-Kernel) are installed first when present.
-#   OPS=a,b,c,d,e TESTS=tests VARIANTS=hf_liger,hf_codetta bash bench/device_run.sh [smoke] [test] [gemm] [gemm-quick] [breakdown] [ops] [ops-compile] [block] [train] [profile] [demo]
+#   M=16384,4096 OPS=a,b,c,d,e TESTS=tests VARIANTS=hf_liger,hf_codetta bash bench/device_run.sh [smoke] [test] [gemm] [gemm-quick] [breakdown] [ops] [ops-compile] [block] [train] [profile] [demo]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CODETTA_CACHE_DIR=/tmp/codetta-cache
 OUT=${OUT:-/tmp/out}
@@ -21,12 +21,12 @@ for step in "$@"; do
     gemm) python3 bench/gemm_bench.py 2>&1 | tee "$OUT/gemm.log" ;;
     gemm-quick) python3 bench/gemm_bench.py --quick 2>&1 | tee "$OUT/gemm.log" ;;
     breakdown) python3 bench/ops_breakdown.py 2>&1 | tee "$OUT/breakdown.log" ;;
-    ops) python3 bench/ops_bench.py --no-compile --ops "${OPS:-a,b,c,d,e}" 2>&1 | tee "$OUT/ops.log" ;;
-    ops-compile) python3 bench/ops_bench.py --ops "${OPS:-a,b,c,d,e}" 2>&1 | tee "$OUT/ops.log" ;;
+    ops) python3 bench/ops_bench.py --no-compile --m "${M:-16384}" --ops "${OPS:-a,b,c,d,e}" 2>&1 | tee "$OUT/ops.log" ;;
+    ops-compile) python3 bench/ops_bench.py --m "${M:-16384}" --ops "${OPS:-a,b,c,d,e}" 2>&1 | tee "$OUT/ops.log" ;;
     block) python3 bench/block_bench.py 2>&1 | tee "$OUT/block.log" ;;
     train) python3 bench/train_bench.py --variants "${VARIANTS:-hf_eager,hf_compile,hf_liger,hf_codetta}" 2>&1 | tee "$OUT/train.log" ;;
     profile) for v in ${VARIANTS//,/ }; do
-        timeout "${PROFILE_TIMEOUT:-120}" python3 bench/train_profile.py --variant "$v" 2>&1 | tail -45 | tee "$OUT/profile_$v.log"
+        timeout "${PROFILE_TIMEOUT:-240}" python3 bench/train_profile.py --variant "$v" 2>&1 | tee "$OUT/profile_$v.log"
       done ;;
     demo) python3 -m codetta demo 2>&1 | tee "$OUT/demo.log" | tail -30 ;;
   esac

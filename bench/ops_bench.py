@@ -1,6 +1,6 @@
 """Transformer operators, forward and forward+backward, against their speed of light and the peers.
 
-    python bench/ops_bench.py [--m 16384] [--no-compile] [--compile-mode MODE] [--ops a,b,c,d,e]
+    python bench/ops_bench.py [--m 16384,4096] [--no-compile] [--compile-mode MODE] [--ops a,b,c,d,e]
 
 Per op (ANCHORS.md's a-e at Llama-3-8B shapes): codetta, eager PyTorch written the usual
 unfused way (the package's *_reference functions), torch.compile of that eager code
@@ -169,7 +169,7 @@ def measure(fn, inputs, backward):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--m", type=int, default=16384, help="tokens (the loss op uses half of them, as ANCHORS)")
+    parser.add_argument("--m", default="16384", help="tokens, comma-separated (the loss op uses half of them, as ANCHORS)")
     parser.add_argument("--ops", default="a,b,c,d,e")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")
@@ -177,31 +177,32 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("ops_bench needs a CUDA GPU")
     rows = []
-    for name, (make, ours, eager, gemms) in cases(args.m).items():
-        if name[0] not in args.ops.split(","):
-            continue
-        m = args.m // 2 if name.startswith("e") else args.m
-        make, ours, eager, gemms = cases(m)[name]
-        variants = {"codetta": ours, "eager": eager}
-        if not args.no_compile:
-            variants["compile"] = torch.compile(eager, mode=args.compile_mode)
-        if name in liger_variants(m):
-            variants["liger"] = liger_variants(m)[name]
-        for backward in (False, True):
-            sol = sol_ms(gemms, backward)
-            row = {"op": name, "pass": "fwd+bwd" if backward else "fwd", "M": gemms[0][0], "sol_ms": sol}
-            for label, fn in variants.items():
-                try:
-                    ms, peak = measure(fn, make(), backward)
-                except Exception as exc:  # a peer failing must not hide the other rows
-                    print(f"{name} {label}: {type(exc).__name__}: {exc}"[:300], flush=True)
-                    continue
-                row[f"{label}/SOL"] = ms / sol
-                row[f"{label} GiB"] = peak
-            rows.append(row)
-            print(row, flush=True)
-            columns = list(dict.fromkeys(key for r in rows for key in r))
-            write_results("ops", rows, markdown_table(rows, columns))
+    for tokens in (int(v) for v in args.m.split(",")):
+        for name in cases(tokens):
+            if name[0] not in args.ops.split(","):
+                continue
+            m = tokens // 2 if name.startswith("e") else tokens
+            make, ours, eager, gemms = cases(m)[name]
+            variants = {"codetta": ours, "eager": eager}
+            if not args.no_compile:
+                variants["compile"] = torch.compile(eager, mode=args.compile_mode)
+            if name in liger_variants(m):
+                variants["liger"] = liger_variants(m)[name]
+            for backward in (False, True):
+                sol = sol_ms(gemms, backward)
+                row = {"op": name, "pass": "fwd+bwd" if backward else "fwd", "M": m, "sol_ms": sol}
+                for label, fn in variants.items():
+                    try:
+                        ms, peak = measure(fn, make(), backward)
+                    except Exception as exc:  # a peer failing must not hide the other rows
+                        print(f"{name} {label}: {type(exc).__name__}: {exc}"[:300], flush=True)
+                        continue
+                    row[f"{label}/SOL"] = ms / sol
+                    row[f"{label} GiB"] = peak
+                rows.append(row)
+                print(row, flush=True)
+                columns = list(dict.fromkeys(key for r in rows for key in r))
+                write_results("ops", rows, markdown_table(rows, columns))
     print(markdown_table(rows, columns))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -30,7 +31,9 @@ def main():
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--rows", type=int, default=30)
     args = parser.parse_args()
+    start = time.perf_counter()
     model = build(args.variant)
+    print(f"built {args.variant} in {time.perf_counter() - start:.1f} s", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     ids = torch.randint(0, 128256, (args.batch, args.seq), device="cuda")
 
@@ -42,6 +45,7 @@ def main():
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    print(f"warm-up (compilation, tuning) done at {time.perf_counter() - start:.1f} s", flush=True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
             step()
