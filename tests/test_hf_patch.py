@@ -151,6 +151,39 @@ def test_gradient_checkpointing():
     assert_same_training_step(ref, model, input_ids=ids, labels=ids)
 
 
+def count_stats_passes(monkeypatch):
+    """Calls of the standalone RMSNorm statistics kernel (a norm without a producer GEMM)."""
+    from codetta.kernels import rmsnorm as kernels
+
+    calls = []
+    original = kernels.rmsnorm_stats
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    for module in ("codetta.ops.rope", "codetta.ops.rmsnorm", "codetta.ops.swiglu"):
+        monkeypatch.setattr(f"{module}.rmsnorm_stats", counting)
+    return calls
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient_checkpointing"])
+def test_norm_statistics_handed_across_layers(checkpointing, monkeypatch):
+    """Each layer's down projection makes the next layer's input-norm statistics: only the first
+    layer computes its own. Under gradient checkpointing nothing is handed on (and nothing kept)."""
+    ref = tiny("LlamaForCausalLM", num_hidden_layers=3)
+    model = codetta.patch(copy.deepcopy(ref))
+    if checkpointing:
+        for m in (ref, model):
+            m.gradient_checkpointing_enable()
+            m.train()
+    calls = count_stats_passes(monkeypatch)
+    ids = torch.randint(0, VOCAB, (2, 7), device=DEVICE)
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    assert len(calls) == (3 + 3 if checkpointing else 1)  # checkpointing: forward, then recomputation
+    assert all(layer._codetta_plan.incoming.stats is None for layer in model.model.layers)
+
+
 def test_parameters_and_state_dict_unchanged_and_unpatch():
     ref = tiny("LlamaForCausalLM")
     model = copy.deepcopy(ref)

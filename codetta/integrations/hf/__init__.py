@@ -35,8 +35,12 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
     check_model(model, arch)
     unpatch(model)
     if rms_norm:
-        for layer in model.model.layers:
-            layer._codetta_plan = LayerPlan(arch, model.model.rotary_emb, rope, swiglu)
+        layers = list(model.model.layers)
+        plans = [LayerPlan(arch, model.model.rotary_emb, rope, swiglu) for _ in layers]
+        for i, (layer, plan) in enumerate(zip(layers, plans)):
+            if i + 1 < len(layers):  # this layer's last GEMM makes the next layer's norm statistics
+                plan.next_norm, plan.outgoing = layers[i + 1].input_layernorm, plans[i + 1].incoming
+            layer._codetta_plan = plan
             layer.forward = MethodType(fused_decoder_forward, layer)
     if cross_entropy:
         model.forward = MethodType(fused_causal_lm_forward, model)

@@ -5,7 +5,14 @@
     a       = attention(q, k, v)                       the model's own attention function (sdpa, flash, eager)
     x1, s   = a W_o^T + x, with RMSNorm stats of x1    linear_residual (the next norm's producer)
     y       = silu(RMSNorm(x1) W_g^T) * (... W_u^T)    rmsnorm_swiglu (norm folded, gate/up side by side)
-    x2      = y W_d^T + x1                             linear_residual
+    x2, s'  = y W_d^T + x1, with the next layer's      linear_residual (the next layer's norm producer)
+              input-norm stats of x2
+
+The next layer's input norm reads s' (a :class:`StatsHandoff` between the two layers)
+when it is given exactly x2, as in the model's own layer loop; otherwise (the first
+layer, gradient checkpointing's recomputation, a caller passing another tensor) it
+computes its statistics itself. Under gradient checkpointing no statistics are handed on
+at all, so that recomputed layers leave nothing behind.
 
 Attention, its mask, the KV cache and sliding windows are the model's own: codetta calls
 the attention interface the model is configured with, exactly as its attention module
@@ -16,12 +23,34 @@ the model's own PyTorch code on the output of a norm-folded GEMM.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
 from ...ops import linear_residual, rmsnorm_linear, rmsnorm_qkv_rope, rmsnorm_swiglu
 from .architectures import Architecture
+
+
+@dataclass
+class StatsHandoff:
+    """The RMSNorm statistics (u, rstd) of one residual stream tensor, from the GEMM that made
+    it, for the next layer's input norm: one slot between two consecutive layers.
+
+    ``take`` returns them only for that very tensor (anything else: None, and the norm computes
+    its own), and empties the slot, so nothing is kept past the next layer's start.
+    """
+
+    tensor: Optional[torch.Tensor] = None
+    stats: Optional[tuple] = None
+
+    def put(self, tensor, stats):
+        self.tensor, self.stats = tensor, stats
+
+    def take(self, tensor):
+        stats = self.stats if self.tensor is tensor else None
+        self.tensor = self.stats = None
+        return stats
 
 
 @dataclass
@@ -32,6 +61,9 @@ class LayerPlan:
     rotary: torch.nn.Module  # the model's rotary embedding: inv_freq, attention_scaling
     fuse_rope: bool
     fuse_swiglu: bool
+    incoming: StatsHandoff = field(default_factory=StatsHandoff)  # stats of this layer's input
+    next_norm: Optional[torch.nn.Module] = None  # the next layer's input norm, if any
+    outgoing: Optional[StatsHandoff] = None  # the next layer's incoming slot
 
 
 def _modeling(module):
@@ -46,7 +78,7 @@ def _positions(position_ids, lead_shape, device, kwargs):
     return position_ids.expand(lead_shape)
 
 
-def _qkv(layer, plan: LayerPlan, x, position_ids, position_embeddings, kwargs):
+def _qkv(layer, plan: LayerPlan, x, stats, position_ids, position_embeddings, kwargs):
     """q, k, v as [..., heads * head_dim] each, RoPE applied (and QK-norm where the model has it)."""
     attn, ln = layer.self_attn, layer.input_layernorm
     weights = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
@@ -60,9 +92,9 @@ def _qkv(layer, plan: LayerPlan, x, position_ids, position_embeddings, kwargs):
         return rmsnorm_qkv_rope(
             x, ln.weight, *weights, _positions(position_ids, x.shape[:-1], x.device, kwargs), plan.rotary.inv_freq,
             head_dim=attn.head_dim, attention_scaling=plan.rotary.attention_scaling,
-            bias=biases if has_bias else None, eps=ln.variance_epsilon, **qk_norm,
+            bias=biases if has_bias else None, eps=ln.variance_epsilon, stats=stats, **qk_norm,
         )
-    qkv = rmsnorm_linear(x, ln.weight, list(weights), ln.variance_epsilon)
+    qkv = rmsnorm_linear(x, ln.weight, list(weights), ln.variance_epsilon, stats=stats)
     if has_bias:
         qkv = qkv + torch.cat(biases)
     q, k, v = torch.split(qkv, [w.shape[0] for w in weights], dim=-1)
@@ -95,7 +127,7 @@ def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_id
     plan: LayerPlan = layer._codetta_plan
     attn, mlp, ln2 = layer.self_attn, layer.mlp, layer.post_attention_layernorm
     x = hidden_states
-    q, k, v = _qkv(layer, plan, x, position_ids, position_embeddings, kwargs)
+    q, k, v = _qkv(layer, plan, x, plan.incoming.take(x), position_ids, position_embeddings, kwargs)
     a = _attention(attn, q, k, v, attention_mask, past_key_values, kwargs)
     x1, stats = linear_residual(a, attn.o_proj.weight, x, ln2.weight, ln2.variance_epsilon, bias=attn.o_proj.bias)
     if plan.fuse_swiglu:
@@ -104,4 +136,10 @@ def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_id
         gate, up = torch.chunk(rmsnorm_linear(x1, ln2.weight, [mlp.gate_proj.weight, mlp.up_proj.weight],
                                               ln2.variance_epsilon, stats=stats), 2, dim=-1)
         y = mlp.act_fn(gate) * up
-    return linear_residual(y, mlp.down_proj.weight, x1)
+    hand_on = plan.outgoing is not None and not (layer.training and getattr(layer, "gradient_checkpointing", False))
+    if not hand_on:
+        return linear_residual(y, mlp.down_proj.weight, x1)
+    ln_next = plan.next_norm
+    x2, stats2 = linear_residual(y, mlp.down_proj.weight, x1, ln_next.weight, ln_next.variance_epsilon)
+    plan.outgoing.put(x2, stats2)
+    return x2
