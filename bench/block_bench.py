@@ -29,7 +29,7 @@ from codetta.ops import linear_residual, rmsnorm_qkv_rope, rmsnorm_swiglu  # noq
 from codetta.ops.rope import rmsnorm_qkv_rope_reference  # noqa: E402
 
 from common import markdown_table, write_results  # noqa: E402
-from ops_bench import measure, sol_ms  # noqa: E402
+from ops_bench import compare, sol_ms  # noqa: E402
 
 HD, EPS = 128, 1e-5
 
@@ -97,10 +97,7 @@ def main():
             for backward in (False, True):
                 sol = sol_ms(gemms(m, d), backward)
                 row = {"M": m, "d": d, "pass": "fwd+bwd" if backward else "fwd", "sol_ms": sol}
-                for label, fn in variants.items():
-                    ms, peak = measure(fn, make_inputs(m, d), backward)
-                    row[f"{label}/SOL"], row[f"{label} GiB"] = ms / sol, peak
-                rows.append(row)
+                rows.append(compare(row, variants, lambda: make_inputs(m, d), backward))
                 print(row, flush=True)
                 columns = list(dict.fromkeys(key for r in rows for key in r))
                 write_results("block", rows, markdown_table(rows, columns))

@@ -167,6 +167,19 @@ def measure(fn, inputs, backward):
     return ms, torch.cuda.max_memory_allocated() / 2**30
 
 
+def compare(row, variants, make, backward):
+    """Adds each variant's time / SOL (row["sol_ms"]) and peak GiB to ``row``, inputs from ``make()``;
+    a variant that fails is reported and left out, so that it cannot hide the others."""
+    for label, fn in variants.items():
+        try:
+            ms, peak = measure(fn, make(), backward)
+        except Exception as exc:
+            print(f"{row} {label}: {type(exc).__name__}: {exc}"[:300], flush=True)
+            continue
+        row[f"{label}/SOL"], row[f"{label} GiB"] = ms / row["sol_ms"], peak
+    return row
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--m", default="16384", help="tokens, comma-separated (the loss op uses half of them, as ANCHORS)")
@@ -191,15 +204,7 @@ def main():
             for backward in (False, True):
                 sol = sol_ms(gemms, backward)
                 row = {"op": name, "pass": "fwd+bwd" if backward else "fwd", "M": m, "sol_ms": sol}
-                for label, fn in variants.items():
-                    try:
-                        ms, peak = measure(fn, make(), backward)
-                    except Exception as exc:  # a peer failing must not hide the other rows
-                        print(f"{name} {label}: {type(exc).__name__}: {exc}"[:300], flush=True)
-                        continue
-                    row[f"{label}/SOL"] = ms / sol
-                    row[f"{label} GiB"] = peak
-                rows.append(row)
+                rows.append(compare(row, variants, make, backward))
                 print(row, flush=True)
                 columns = list(dict.fromkeys(key for r in rows for key in r))
                 write_results("ops", rows, markdown_table(rows, columns))
