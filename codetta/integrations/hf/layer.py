@@ -12,7 +12,8 @@ The next layer's input norm reads s' (a :class:`StatsHandoff` between the two la
 when it is given exactly x2, as in the model's own layer loop; otherwise (the first
 layer, gradient checkpointing's recomputation, a caller passing another tensor) it
 computes its statistics itself. Under gradient checkpointing no statistics are handed on
-at all, so that recomputed layers leave nothing behind.
+at all, so that recomputed layers leave nothing behind; nor when the next norm's weight is
+not a plain tensor (FSDP2 shards it until the next layer's own forward).
 
 Attention, its mask, the KV cache and sliding windows are the model's own: codetta calls
 the attention interface the model is configured with, exactly as its attention module
@@ -136,10 +137,15 @@ def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_id
         gate, up = torch.chunk(rmsnorm_linear(x1, ln2.weight, [mlp.gate_proj.weight, mlp.up_proj.weight],
                                               ln2.variance_epsilon, stats=stats), 2, dim=-1)
         y = mlp.act_fn(gate) * up
-    hand_on = plan.outgoing is not None and not (layer.training and getattr(layer, "gradient_checkpointing", False))
+    ln_next = plan.next_norm
+    hand_on = (
+        plan.outgoing is not None
+        and not (layer.training and getattr(layer, "gradient_checkpointing", False))
+        # a plain tensor: under FSDP2 the next layer's weights are sharded (DTensor) until its own forward
+        and type(ln_next.weight) in (torch.Tensor, torch.nn.Parameter)
+    )
     if not hand_on:
         return linear_residual(y, mlp.down_proj.weight, x1)
-    ln_next = plan.next_norm
     x2, stats2 = linear_residual(y, mlp.down_proj.weight, x1, ln_next.weight, ln_next.variance_epsilon)
     plan.outgoing.put(x2, stats2)
     return x2
