@@ -29,8 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .kernels.rmsnorm import rmsnorm_stats
-from .ops import linear_residual, rmsnorm_qkv_rope, rmsnorm_swiglu
-from .ops.cross_entropy import linear_cross_entropy
+from .ops import linear_cross_entropy, linear_residual, rmsnorm_qkv_rope, rmsnorm_swiglu
 
 
 @dataclass(frozen=True)

@@ -166,15 +166,16 @@ def _rstd(x, eps):
 
 
 def _hidden(x, norm_weight, eps):
-    """h = x, or RMSNorm(x) computed in fp32 and rounded once to x's dtype."""
+    """(h, rstd): h = x (rstd None), or RMSNorm(x) computed in fp32 and rounded once to x's
+    dtype, with its fp32 [C, 1] rstd for the backward."""
     if norm_weight is None:
-        return x
-    return (x.float() * _rstd(x, eps) * norm_weight.float()).to(x.dtype)
-
-
-def _rms_norm_backward(x, norm_weight, eps, dh):
-    """(fp32 dx, fp32 dg) of h = x ⊙row r ⊙col g, given dh."""
+        return x, None
     rstd = _rstd(x, eps)
+    return (x.float() * rstd * norm_weight.float()).to(x.dtype), rstd
+
+
+def _rms_norm_backward(x, norm_weight, rstd, dh):
+    """(fp32 dx, fp32 dg) of h = x ⊙row r ⊙col g, given dh and r."""
     xhat = x.float() * rstd
     dh = dh.float()
     dxhat = dh * norm_weight.float()
@@ -245,7 +246,7 @@ def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs
     db = torch.zeros(vocab, **fp32) if need_bias else None
     dg = torch.zeros(d, **fp32) if need_norm_weight else None
     for i, c in enumerate(_chunks(rows, chunk_size)):
-        h = _hidden(x[c], norm_weight, eps)
+        h, rstd = _hidden(x[c], norm_weight, eps)
         out = {"lse": lse[c], "target_logit": target_logit[c]}
         if store:
             out["logits"] = dz = logits[: c.stop - c.start]
@@ -260,7 +261,7 @@ def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs
         if norm_weight is None and need_x:
             gemm(dz, weight, *((_fp32_program(),) if fp32_grads else ()), out={"out": dx[c]})
         elif need_x or need_norm_weight:
-            dx_c, dg_c = _rms_norm_backward(x[c], norm_weight, eps, gemm(dz, weight))
+            dx_c, dg_c = _rms_norm_backward(x[c], norm_weight, rstd, gemm(dz, weight))
             if need_x:
                 dx[c] = dx_c
             if need_norm_weight:
@@ -490,7 +491,7 @@ def linear_cross_entropy_reference(x, weight, target, *, bias=None, ignore_index
     """
     _check_inputs(x, weight, target, bias, norm_weight, reduction, None)
     _check_target_values(target.reshape(-1), weight.shape[0], ignore_index)
-    h = _hidden(x, norm_weight, eps).float()
+    h = _hidden(x, norm_weight, eps)[0].float()
     z = F.linear(h, weight.float(), None if bias is None else bias.float())
     valid = target != ignore_index
     picked = z.gather(-1, torch.where(valid, target, 0).long().unsqueeze(-1)).squeeze(-1)

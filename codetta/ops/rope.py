@@ -222,7 +222,7 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
 
     Args:
         x: [..., d]; norm_weight: [d]; w_q: [H_q D, d]; w_k, w_v: [H_kv D, d].
-        positions: the position of every token, [...] like x's leading dims (integers < 2^24).
+        positions: the position of every token (integers), [...] like x's leading dims.
         inv_freq: [rotary_dim / 2] fp32: the model's own rotary frequencies (HF's ``inv_freq``).
         head_dim: D; rotary_dim: R (default D) with D a multiple of R (partial rotary), R a
             power of two. attention_scaling: HF's factor on cos and sin (rope scaling types).
