@@ -128,7 +128,7 @@ def test_flattened_loop_runs_an_epilogue_program():
 
     m, n, k = (70, 100, 40) if INTERPRET else (1000, 768, 1024)
     cfg = Config(BM=16, BN=32, BK=16, GROUP_M=2, STAGES=1, num_warps=4, FLATTEN=True) if INTERPRET else Config(
-        BM=128, BN=256, BK=64, GROUP_M=8, STAGES=3, num_warps=8, FLATTEN=True)
+        BM=128, BN=256, BK=64, GROUP_M=8, STAGES=3, num_warps=8, EPI_SPLIT=2, FLATTEN=True)
     p = ep.Program("flattened_residual")
     x = p.acc + p.aux("residual")
     p.store("x", x)
