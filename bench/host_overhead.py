@@ -1,50 +1,161 @@
-"""Where the host time of one codetta.gemm call goes (GPU machine): per-call µs and a profile.
+"""Host (CPU) time per call: what a training step costs before the GPU does any work.
 
-    python bench/host_overhead.py
+    python bench/host_overhead.py [--layers 2] [--seq 256] [--calls 200]
+
+Shapes are small, so the GPU finishes each kernel long before the host issues the next
+one: the wall time of a loop of calls without a synchronization is then the host's time
+to issue them (Python, checks, planning, Triton's and PyTorch's launchers). Measured:
+
+- one plain GEMM through ``torch.mm`` and through ``codetta.gemm``, and the Triton launch
+  of the same codetta kernel alone (its recorded arguments replayed);
+- a training step (forward + backward) of a small Llama-shape model per layer: HF eager,
+  HF + codetta, HF + Liger-Kernel (when importable; patched last, as it replaces
+  transformers' classes for the whole process).
+
+Without a GPU the kernels run as no-ops under Triton's interpreter, so the numbers are
+codetta's own Python only. Writes bench/results/host_overhead.{md,json}.
 """
-import cProfile
-import pstats
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import codetta  # noqa: E402
 from codetta import epilogue as ep  # noqa: E402
+from codetta.matmul import launch  # noqa: E402
+
+from common import markdown_table, write_results  # noqa: E402
+
+DEVICE = "cuda" if ON_GPU else "cpu"
 
 
-def per_call_us(fn, n=200):
+def host_us(fn, calls: int) -> float:
+    """Median over 5 rounds of the wall time per call of ``calls`` calls issued back to back."""
     fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return host
+    rounds = []
+    for _ in range(5):
+        if ON_GPU:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        rounds.append((time.perf_counter() - start) / calls * 1e6)
+    if ON_GPU:
+        torch.cuda.synchronize()
+    return statistics.median(rounds)
+
+
+def stub_kernels():
+    """Without a GPU: make every Triton launch a no-op (only the host's own work is left)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    InterpretedFunction.run = lambda self, *args, **kwargs: None
+
+
+def recorded_launch():
+    """A function that replays the last Triton launch ``codetta.gemm`` made, exactly."""
+    seen = {}
+    original = launch.load_kernel
+
+    def recording(program, path):
+        kernel = original(program, path)
+
+        class Recorder:
+            def __getitem__(self, grid):
+                def go(*args, **kwargs):
+                    seen.update(kernel=kernel, grid=grid, args=args, kwargs=kwargs)
+                    return kernel[grid](*args, **kwargs)
+                return go
+        return Recorder()
+
+    return seen, recording
+
+
+def gemm_rows(calls):
+    a = torch.randn(256, 512, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(512, 512, device=DEVICE, dtype=torch.bfloat16)
+    seen, recording = recorded_launch()
+    launch.load_kernel, original = recording, launch.load_kernel
+    codetta.gemm(a, w.t())
+    launch.load_kernel = original
+    replay = seen["kernel"][seen["grid"]]
+    args, kwargs = seen["args"], seen["kwargs"]
+    residual = torch.randn(256, 512, device=DEVICE, dtype=torch.bfloat16)
+    program = ep.Program("host_residual_sumsq")
+    x = program.acc + program.aux("residual")
+    program.store("x", x)
+    program.row_sumsq("ss", x)
+    return [
+        {"what": "torch.mm", "host_us": host_us(lambda: torch.mm(a, w.t()), calls)},
+        {"what": "codetta.gemm (plain)", "host_us": host_us(lambda: codetta.gemm(a, w.t()), calls)},
+        {"what": "its Triton launch alone", "host_us": host_us(lambda: replay(*args, **kwargs), calls)},
+        {"what": "codetta.gemm (residual + row sum of squares)",
+         "host_us": host_us(lambda: codetta.gemm(a, w.t(), program, residual=residual), calls)},
+    ]
+
+
+def build_model(layers, patch):
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
+                                      num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
+                                      max_position_embeddings=8192, tie_word_embeddings=True,
+                                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    model = transformers.LlamaForCausalLM(config).to(device=DEVICE, dtype=dtype)
+    if patch:
+        codetta.patch(model)
+    return model
+
+
+def step_row(name, model, ids, calls):
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    return {"what": f"train step, {name}", "host_us": host_us(step, calls)}
 
 
 def main():
-    m = n = k = 512  # small: the GPU never holds the host back
-    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    r = torch.rand(m, device="cuda")
-    p = ep.Program("host_swiglu")
-    z = p.acc * p.row("r")
-    g, u = ep.pairs(z)
-    p.store("y", ep.silu(g) * u)
-    p.row_sumsq("ss", z)
-    print(f"torch.matmul           {per_call_us(lambda: torch.matmul(a, w.t())):8.1f} us/call")
-    print(f"codetta.gemm plain     {per_call_us(lambda: codetta.gemm(a, w.t())):8.1f} us/call")
-    print(f"codetta.gemm swiglu+ss {per_call_us(lambda: codetta.gemm(a, w.t(), p, r=r)):8.1f} us/call")
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(200):
-        codetta.gemm(a, w.t(), p, r=r)
-    prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--calls", type=int, default=200)
+    args = parser.parse_args()
+    os.environ.setdefault("CODETTA_AUTOTUNE", "0")  # tuning is not host overhead of a step
+    if not ON_GPU:
+        stub_kernels()
+    rows = gemm_rows(args.calls)
+    ids = torch.randint(0, 32000, (1, args.seq), device=DEVICE)
+    step_calls = max(args.calls // 20, 3)
+    rows.append(step_row("HF eager", build_model(args.layers, False), ids, step_calls))
+    rows.append(step_row("HF + codetta", build_model(args.layers, True), ids, step_calls))
+    try:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+    except ImportError:
+        pass
+    else:
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
+        rows.append(step_row("HF + Liger", build_model(args.layers, False), ids, step_calls))
+    for row in rows:
+        if row["what"].startswith("train step"):
+            row["per_layer_us"] = row["host_us"] / args.layers
+    table = markdown_table(rows, ["what", "host_us", "per_layer_us"])
+    print(table)
+    write_results("host_overhead", rows, table + ("" if ON_GPU else "\n(no GPU: kernels stubbed, codetta's Python only)"))
 
 
 if __name__ == "__main__":
