@@ -32,12 +32,19 @@ class Config:
     def as_dict(self):
         return asdict(self)
 
-    def smem_bytes(self, elem_bytes: int) -> int:
-        """Shared memory of the operand ring, plus the epilogue's staging of output slices:
-        one, or two with a flattened loop (Triton pipelines the epilogue's stores there;
-        measured on the H200 with Triton 3.6: 128x256x64, 3 stages, flattened, needs 272 KiB)."""
-        staged = 2 if self.FLATTEN else 1
-        return (self.STAGES * (self.BM + self.BN) * self.BK + staged * self.BM * self.epilogue_bn) * elem_bytes
+    def smem_bytes(self, elem_bytes: int, staged_bytes: int | None = None, aux_bytes: int = 0) -> int:
+        """Shared memory of the operand ring plus the epilogue's staging.
+
+        ``elem_bytes``: the size of an A/B element. The epilogue stages one output slice
+        [BM, epilogue_bn] of its widest stored or loaded tile (``staged_bytes`` per element;
+        default: ``elem_bytes``); a flattened loop also prefetches each aux tile
+        (``aux_bytes``: their summed element sizes). Measured with Triton 3.6 on the H200:
+        128x256x64, 3 stages needs 272 KiB with an fp32 output, or flattened with a bf16
+        aux tile (over the 227 KiB there), 208 KiB otherwise.
+        """
+        slice_ = self.BM * self.epilogue_bn
+        staging = slice_ * (staged_bytes or elem_bytes) + (slice_ * aux_bytes if self.FLATTEN else 0)
+        return self.STAGES * (self.BM + self.BN) * self.BK * elem_bytes + staging
 
 
 # Hopper candidates for 16-bit inputs (BM, BN, BK, GROUP_M, STAGES, num_warps, EPI_SPLIT).
@@ -64,7 +71,8 @@ _SMEM_LIMIT = 227 * 1024
 _FLATTENED = 4  # how many of the best-guess configs are also tried with a flattened loop
 
 
-def candidates(*, elem_bytes: int, min_bn: int, n_parts_sizes=(), m: int = 0, n: int = 0, flatten: bool = False):
+def candidates(*, elem_bytes: int, min_bn: int, n_parts_sizes=(), m: int = 0, n: int = 0, flatten: bool = False,
+               staged_bytes: int | None = None, aux_bytes: int = 0):
     """The configs worth trying on a GPU, best guess first.
 
     ``min_bn``: the smallest tile width the program's epilogue needs (segments fit whole);
@@ -73,7 +81,11 @@ def candidates(*, elem_bytes: int, min_bn: int, n_parts_sizes=(), m: int = 0, n:
     tiles are far larger than the problem are dropped (all but the smallest, if need be).
     ``flatten``: also try the first few with a flattened loop (see :class:`Config`), after
     all the others, so that the first candidate (taken untuned) stays the same.
+    ``staged_bytes``, ``aux_bytes``: the epilogue's shared memory (see :meth:`Config.smem_bytes`).
     """
+    def fits(cfg):
+        return cfg.smem_bytes(elem_bytes, staged_bytes, aux_bytes) <= _SMEM_LIMIT
+
     fitting, small = [], []
     for bm, bn, bk, group, stages, warps, split in _HOPPER_16 if elem_bytes <= 2 else _HOPPER_32:
         if bn // split < min_bn:
@@ -81,7 +93,7 @@ def candidates(*, elem_bytes: int, min_bn: int, n_parts_sizes=(), m: int = 0, n:
                 continue
             bn = min_bn
         cfg = Config(bm, bn, bk, group, stages, warps, split)
-        if cfg in fitting + small or cfg.smem_bytes(elem_bytes) > _SMEM_LIMIT:
+        if cfg in fitting + small or not fits(cfg):
             continue
         if any(size % cfg.BN for size in n_parts_sizes):
             continue
@@ -91,7 +103,7 @@ def candidates(*, elem_bytes: int, min_bn: int, n_parts_sizes=(), m: int = 0, n:
     chosen = fitting or sorted(small, key=lambda c: (c.BM * c.BN, c.STAGES))[:1]
     if flatten:
         flattened = [replace(cfg, FLATTEN=True) for cfg in chosen[:_FLATTENED]]
-        chosen = chosen + [cfg for cfg in flattened if cfg.smem_bytes(elem_bytes) <= _SMEM_LIMIT]
+        chosen = chosen + [cfg for cfg in flattened if fits(cfg)]
     return chosen
 
 

@@ -514,11 +514,10 @@ def _choose_plan(call, config):
         if tma and cfg is not None:
             return "tma", cfg, outputs
         return "ptr", interpreter_config(min_bn=min_bn, **size), outputs
-    es = call.a.element_size()
-    configs = candidates(elem_bytes=es, min_bn=min_bn, n_parts_sizes=parts, m=call.M, n=call.N,
-                         flatten=len(call.parts) == 1) if tma else []
+    size = dict(elem_bytes=call.a.element_size(), min_bn=min_bn, m=call.M, n=call.N, **_epilogue_smem(call))
+    configs = candidates(n_parts_sizes=parts, flatten=len(call.parts) == 1, **size) if tma else []
     path = "tma" if configs else "ptr"
-    configs = configs or candidates(elem_bytes=es, min_bn=min_bn, m=call.M, n=call.N)
+    configs = configs or candidates(**size)
 
     def bench(cfg):
         scratch = {k: ((v[0], v[1].clone()) if k in call.operands else v) for k, v in outputs.items()}
@@ -527,6 +526,14 @@ def _choose_plan(call, config):
         return triton.testing.do_bench(lambda: launch.run(partials), warmup=5, rep=20)
 
     return path, tuning.choose(_tuning_key(call, path), configs, bench), outputs
+
+
+def _epilogue_smem(call):
+    """The element sizes the epilogue stages through shared memory (see Config.smem_bytes)."""
+    p = call.program
+    aux = [call.operands[o.name].element_size() for o in p.operands.values() if o.kind == "aux"]
+    stored = [call.output_dtype(o).itemsize for o in p.outputs.values() if o.kind == "store"]
+    return dict(staged_bytes=max(aux + stored, default=None), aux_bytes=sum(aux))
 
 
 def _run(call, config):
