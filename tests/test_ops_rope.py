@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from codetta.ops import rmsnorm_qkv_rope
+from codetta.ops.rope import rope_tables
 from conftest import DEVICE, INTERPRET
 
 EPS = 1e-6
@@ -144,6 +145,20 @@ def test_angles_beat_fp32_tables_at_long_positions():
     fp32_tables = pos.float()[:, None] * inv_freq[None, :]  # HF: inv_freq @ position_ids in fp32
     assert (fp32_tables.double() - pos.double()[:, None] * inv_freq.double()).abs().max() > 1e-3
     assert rel(q, q64) < 1e-5
+
+
+def test_rope_tables_reused_only_for_unchanged_inputs():
+    """The layers share one pair of tables; positions changed in place, or new ones, get new tables."""
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 16, 2, device=DEVICE, dtype=torch.float32) / 16)
+    pos = torch.arange(8, device=DEVICE)
+    first = rope_tables(pos.expand(2, 8), inv_freq, 1.0)
+    assert rope_tables(pos.expand(2, 8), inv_freq, 1.0) is first  # another view of the same memory
+    pos.add_(100)  # in place: the version counter moves
+    moved = rope_tables(pos.expand(2, 8), inv_freq, 1.0)
+    theta = pos.double().repeat(2).reshape(-1, 1) * inv_freq.double()  # [2 * 8, 8], rows of both sequences
+    assert moved is not first and torch.equal(moved[0], torch.cos(theta).float())
+    assert not torch.equal(rope_tables(pos.expand(2, 8), inv_freq, 0.5)[1], moved[1])  # another scale
+    assert torch.equal(rope_tables(pos.clone().expand(2, 8), inv_freq, 1.0)[1], torch.sin(theta).float())
 
 
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])

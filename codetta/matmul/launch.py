@@ -16,6 +16,7 @@ import os
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..epilogue.codegen import kernel_args, load_kernel
 from ..epilogue.ir import FULL, EpilogueError, Program
@@ -288,122 +289,176 @@ def _sm_count(index):
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-class _Launch:
-    """Buffers and arguments of one launch with one config."""
+class _Plan:
+    """How every call with one signature (:func:`_signature`) is launched.
 
-    def __init__(self, call, path, cfg, outputs):
-        self.call, self.path, self.cfg, self.outputs = call, path, cfg, outputs
+    The signature fixes the shapes, strides, dtypes, devices and alignment of all tensors,
+    the program and the config; so the checks, the layout, the path, the tuned config, the
+    strides and sizes passed to the kernel are settled once, here. A call then only
+    reshapes its operands, allocates its outputs, makes its TMA descriptors and launches:
+    after the first launch through Triton's JIT, straight through the compiled kernel (its
+    specialization depends only on what the signature fixes).
+    """
 
-    def partial_buffers(self):
-        c, cfg = self.call, self.cfg
-        bufs = {}
-        n_tiles_n = triton.cdiv(c.N, cfg.epilogue_bn)
-        n_tiles_m = triton.cdiv(c.M, cfg.BM)
-        for o in c.program.outputs.values():
-            if o.kind == "col_sum":
-                bufs[o.name] = (torch.empty(n_tiles_m, c.width(o.width), device=c.device, dtype=torch.float32),)
-            elif o.kind in ("row_sum", "row_max") and not o.segment:
-                bufs[o.name] = (torch.empty(c.M, n_tiles_n, device=c.device, dtype=torch.float32),)
-            elif o.kind == "row_logsumexp" and not o.segment:
-                bufs[o.name] = tuple(torch.empty(c.M, n_tiles_n, device=c.device, dtype=torch.float32) for _ in range(2))
-        return bufs
+    def __init__(self, call, path, cfg):
+        p, c = call.program, call
+        self.program, self.path, self.cfg, self.device = p, path, cfg, c.device
+        self.lead, self.M, self.K = c.lead, c.M, c.K
+        self.a_km, self.b_kn, _ = c.layout
+        self.kernel, self.compiled = load_kernel(p, path), None
+        self.describe = TensorDescriptor.from_tensor  # checked, until the first launch has compiled
+        self.grid = (_num_programs(c.device, triton.cdiv(c.M, cfg.BM) * triton.cdiv(c.N, cfg.BN)),)
+        self.options = dict(num_warps=cfg.num_warps, num_stages=cfg.STAGES)
+        self.interpret = interpreting()
+        # per operand: how the value passed becomes the kernel's view (see _Call._check_operands)
+        accum = [o for o in p.outputs.values() if o.kind == "store" and o.accumulate]
+        self.prepare = {name: _preparation(value, c.given[name], name in {o.name for o in accum})
+                        for name, value in c.operands.items()}
+        self.accumulate = [(o.name, tuple(c.operands[o.name].shape)) for o in accum]
+        written = [o for o in p.outputs.values() if (o.kind == "store" and not o.accumulate) or o.segment]
+        self.user_written = [(o.name, (c.M, c.output_shape(o)[-1])) for o in written if o.name in c.user_out]
+        self.allocated = [(o.name, c.output_shape(o), c.output_dtype(o), (c.M, c.output_shape(o)[-1]))
+                          for o in written if o.name not in c.user_out]
+        self.partials = _partial_shapes(c, cfg)
+        self.finished = [(o.name, _FINISH[o.kind], c.output_shape(o)) for o in p.outputs.values()
+                         if not (o.kind == "store" or o.segment)]
+        self.template, self.filled = self._arguments(c)
 
-    def run(self, partials):
-        c, cfg = self.call, self.cfg
-        interp = interpreting()
-        a_km, b_kn, _ = c.layout
-        if self.path == "tma":
-            a_store = _operand_layout(c.a)[1]
-            b_store = [_operand_layout(t)[1] for t in c.parts]
-            from triton.tools.tensor_descriptor import TensorDescriptor
-
-            a_arg = TensorDescriptor.from_tensor(a_store, [cfg.BK, cfg.BM] if a_km else [cfg.BM, cfg.BK])
+    def _arguments(self, c):
+        """(the kernel's arguments in order, with the per-call ones left None; [(index, fill)]):
+        ``fill(a2, parts, operands, outputs, partials)`` gives argument ``index`` of a call."""
+        cfg, tma = self.cfg, self.path == "tma"
+        values, fills = {}, {}
+        if tma:
+            a_block = [cfg.BK, cfg.BM] if self.a_km else [cfg.BM, cfg.BK]
             bn = cfg.BN // 2 if c.b_parts == "interleave" else cfg.BN
-            b_arg = tuple(TensorDescriptor.from_tensor(t, [cfg.BK, bn] if b_kn else [bn, cfg.BK]) for t in b_store)
-            a_s = (0, 0)
-            b_s0 = b_s1 = tuple(0 for _ in b_store)
+            b_block = [cfg.BK, bn] if self.b_kn else [bn, cfg.BK]
+            a_t = _operand_layout(c.a)[0]
+            fills["a"] = lambda a, b, o, w, q: self.describe(a.t() if a_t else a, a_block)
+            for i, part in enumerate(c.parts):
+                b_t = _operand_layout(part)[0]  # the row-major store TMA reads
+                fills[f"b{i}"] = lambda a, b, o, w, q, i=i, b_t=b_t: self.describe(b[i].t() if b_t else b[i], b_block)
+            values.update(a_s0=0, a_s1=0, b_s0=tuple(0 for _ in c.parts), b_s1=tuple(0 for _ in c.parts))
         else:
-            a_arg, a_s = c.a, c.a.stride()
-            b_arg = tuple(c.parts)
-            b_s0 = tuple(t.stride(0) for t in c.parts)
-            b_s1 = tuple(t.stride(1) for t in c.parts)
-        # Triton's launcher takes no descriptors inside tuples: B's parts go as four arguments.
-        b_args = [*b_arg, *([None] * (_MAX_B_PARTS - len(b_arg)))]
-        args = [a_arg, *a_s, *b_args, b_s0, b_s1, c.starts, c.ends, c.M, c.N, c.K]
+            fills["a"] = lambda a, b, o, w, q: a
+            for i in range(len(c.parts)):
+                fills[f"b{i}"] = lambda a, b, o, w, q, i=i: b[i]
+            values.update(a_s0=c.a.stride(0), a_s1=c.a.stride(1), b_s0=tuple(t.stride(0) for t in c.parts),
+                          b_s1=tuple(t.stride(1) for t in c.parts))
+        values.update({f"b{i}": None for i in range(len(c.parts), _MAX_B_PARTS)})
+        values.update(b_starts=c.starts, b_ends=c.ends, M=c.M, N=c.N, K=c.K)
+        partial_strides = {name: shape[1] for name, _, shape in self.partials}
         for name, kind in kernel_args(c.program, self.path):
-            args.append(self._arg(name, kind, partials))
-        tiles = triton.cdiv(c.M, cfg.BM) * triton.cdiv(c.N, cfg.BN)
-        # the interpreter multiplies bf16 as raw bits and truncates to bf16: fp32 operands, emulated rounding
-        kernel = load_kernel(c.program, self.path)
-        kernel[(_num_programs(c.device, tiles),)](
-            *args,
-            BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, STAGES=cfg.STAGES, EPI_SPLIT=cfg.EPI_SPLIT,
-            FLATTEN=cfg.FLATTEN and self.path == "tma" and len(c.parts) == 1,
-            NUM_B=len(c.parts), B_PARTS=c.b_parts, A_KM=a_km, B_KN=bool(b_kn), INTERPRET=interp,
-            PRECISION="ieee" if (interp or c.a.dtype == torch.float32) else "tf32",
-            num_warps=cfg.num_warps, num_stages=cfg.STAGES,
-        )
+            base, _, suffix = name.rpartition("_")
+            if kind == "scalar":
+                fills[name] = lambda a, b, o, w, q, name=name: o[name]
+            elif kind in ("row", "col", "aux", "table"):
+                fills[name] = lambda a, b, o, w, q, base=base: o[base]
+            elif kind == "out":
+                fills[name] = lambda a, b, o, w, q, base=base: w[base][1]
+            elif kind in ("aux_desc", "out_desc"):
+                width = (c.program.outputs.get(base) if kind == "out_desc" else c.program.operands[base]).width
+                block = [cfg.BM, cfg.epilogue_bn if width is FULL else cfg.epilogue_bn // 2]
+                if kind == "out_desc":
+                    fills[name] = lambda a, b, o, w, q, base=base, block=block: self.describe(w[base][1], block)
+                else:
+                    fills[name] = lambda a, b, o, w, q, base=base, block=block: self.describe(o[base], block)
+            elif kind == "partial":
+                fills[name] = lambda a, b, o, w, q, base=base, i=int(suffix == "psum"): q[base][i]
+            elif suffix == "pstride":
+                values[name] = partial_strides[base]
+            elif suffix == "stride":
+                values[name] = c.operands[base].stride(0)
+            else:  # s0 / s1 of a tile: an operand's view or an output's [M, cols] view (contiguous unless given)
+                values[name] = self._tile_stride(c, base, 0 if suffix == "s0" else 1)
+        values.update(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, STAGES=cfg.STAGES, EPI_SPLIT=cfg.EPI_SPLIT,
+                      FLATTEN=cfg.FLATTEN and self.path == "tma" and len(c.parts) == 1, NUM_B=len(c.parts),
+                      B_PARTS=c.b_parts, A_KM=self.a_km, B_KN=bool(self.b_kn), INTERPRET=interpreting(),
+                      PRECISION="ieee" if (interpreting() or c.a.dtype == torch.float32) else "tf32")
+        names = self.kernel.arg_names
+        template = [values.get(n) for n in names]
+        return template, [(names.index(n), f) for n, f in fills.items()]
 
-    def _arg(self, name, kind, partials):
-        c = self.call
-        base, _, suffix = name.rpartition("_")
-        if kind == "scalar":
-            return c.operands[name]
-        if kind in ("row", "col"):
-            return c.operands[base]
-        if kind in ("aux", "table"):
-            return c.operands[base]
-        if kind == "out":
-            return self.outputs[base][1]
-        if kind in ("aux_desc", "out_desc"):
-            from triton.tools.tensor_descriptor import TensorDescriptor
+    def _tile_stride(self, c, base, dim):
+        if base in c.operands:
+            return c.operands[base].stride(dim)
+        user = c.user_out.get(base)
+        if user is not None:
+            return _rows_view(user, user.shape[-1], base).stride(dim)
+        return (c.output_shape(c.program.outputs[base])[-1], 1)[dim]
 
-            if kind == "out_desc":
-                t, width = self.outputs[base][1], c.program.outputs[base].width
-            else:
-                t, width = c.operands[base], c.program.operands[base].width
-            bn = self.cfg.epilogue_bn
-            return TensorDescriptor.from_tensor(t, [self.cfg.BM, bn if width is FULL else bn // 2])
-        if kind == "partial":
-            bufs = partials[base]
-            return bufs[1] if suffix == "psum" else bufs[0]
-        # strides
-        if suffix == "stride":
-            return c.operands[base].stride(0)
-        if suffix == "pstride":
-            return partials[base][0].stride(0)
-        tensor = self.outputs[base][1] if base in self.outputs else c.operands[base]
-        return tensor.stride(0 if suffix == "s0" else 1)
+    def launch(self, a, b, operands, out):
+        """Launch the kernel on one call's tensors: (outputs, partials), not yet finished."""
+        a2 = a if a.dim() == 2 else a.reshape(self.M, self.K)
+        parts = b if isinstance(b, (list, tuple)) else (b,)
+        ops = {name: prep(operands[name]) for name, prep in self.prepare.items()}
+        outs = {name: (operands[name], ops[name]) for name, _ in self.accumulate}
+        for name, shape, dtype, rows in self.allocated:
+            t = torch.empty(shape, device=self.device, dtype=dtype)
+            outs[name] = (t, t.view(rows))
+        for name, rows in self.user_written:
+            outs[name] = (out[name], out[name].view(rows))
+        bufs = {name: tuple(torch.empty(shape, device=self.device, dtype=torch.float32) for _ in range(count))
+                for name, count, shape in self.partials}
+        args = list(self.template)
+        for i, fill in self.filled:
+            args[i] = fill(a2, parts, ops, outs, bufs)
+        if self.compiled is not None:
+            self.compiled[self.grid](*args)
+        else:
+            compiled = self.kernel[self.grid](*args, **self.options)
+            if not self.interpret:
+                self.compiled, self.describe = compiled, _UncheckedDescriptor.of
+        return outs, bufs
+
+    def execute(self, a, b, operands, out):
+        """The results of one call: the tensors the kernel wrote, the reductions finished."""
+        outs, bufs = self.launch(a, b, operands, out)
+        results = {name: pair[0] for name, pair in outs.items()}
+        for name, finish_fn, shape in self.finished:
+            val = finish_fn(*bufs[name]).view(shape)
+            results[name] = val if name not in out else out[name].copy_(val)
+        return results
 
 
-def _allocate_outputs(call):
-    """name -> (the result tensor in its final shape, its [M, cols] view the kernel writes)."""
-    outs = {}
-    for o in call.program.outputs.values():
-        if o.kind == "store" and o.accumulate:
-            outs[o.name] = (call.given[o.name], call.operands[o.name])
-        elif o.kind == "store" or o.segment:
-            t = call.user_out.get(o.name)
-            if t is None:
-                t = torch.empty(call.output_shape(o), device=call.device, dtype=call.output_dtype(o))
-            outs[o.name] = (t, _rows_view(t, call.output_shape(o)[-1], f"out[{o.name!r}]"))
-    return outs
+def _preparation(view, given, in_place):
+    """How an operand as passed becomes the view the kernel reads or, ``in_place``, writes
+    (the plan checked that it is a view); a scalar becomes a float."""
+    if not isinstance(view, torch.Tensor):
+        return float
+    shape = tuple(view.shape)
+    if tuple(given.shape) == shape:
+        return lambda v: v
+    return (lambda v: v.view(shape)) if in_place else (lambda v: v.reshape(shape))
+
+
+class _UncheckedDescriptor(TensorDescriptor):
+    """A TMA descriptor whose checks (alignment, strides, block shape) are skipped: a plan's
+    first launch made the same ones, with tensors of the same metadata, through the checked class."""
+
+    def __post_init__(self):
+        pass
+
+    @classmethod
+    def of(cls, t, block):
+        return cls(t, t.shape, t.stride(), block)
+
+
+def _partial_shapes(c, cfg):
+    """[(name, buffers, shape)] of the fp32 partials of the program's non-segment reductions."""
+    n_tiles_n, n_tiles_m = triton.cdiv(c.N, cfg.epilogue_bn), triton.cdiv(c.M, cfg.BM)
+    shapes = []
+    for o in c.program.outputs.values():
+        if o.kind == "col_sum":
+            shapes.append((o.name, 1, (n_tiles_m, c.width(o.width))))
+        elif o.kind in ("row_sum", "row_max") and not o.segment:
+            shapes.append((o.name, 1, (c.M, n_tiles_n)))
+        elif o.kind == "row_logsumexp" and not o.segment:
+            shapes.append((o.name, 2, (c.M, n_tiles_n)))
+    return shapes
 
 
 _FINISH = {"col_sum": finish.col_sum, "row_sum": finish.row_sum, "row_max": finish.row_max, "row_logsumexp": finish.row_logsumexp}
-
-
-def _finish(call, outputs, partials):
-    """The results: tensors the kernel wrote, and reductions finished from their partials."""
-    results = {}
-    for o in call.program.outputs.values():
-        if o.name in outputs:
-            results[o.name] = outputs[o.name][0]
-            continue
-        val = _FINISH[o.kind](*partials[o.name]).view(call.output_shape(o))
-        user = call.user_out.get(o.name)
-        results[o.name] = val if user is None else user.copy_(val)
-    return results
 
 
 def gemm(a, b, epilogue: Program | None = None, *, out=None, config=None, **operands):
@@ -426,11 +481,9 @@ def gemm(a, b, epilogue: Program | None = None, *, out=None, config=None, **oper
         [..., M, width / segment]); column reductions fp32 [width].
     """
     program = epilogue if epilogue is not None else _plain_program()
-    call = _Call(a, b, program, operands, out)
-    if call.M == 0 or call.N == 0:
-        results = _trivial(call)
-    else:
-        results = _run(call, config)
+    out = out or {}
+    plan = _plan(a, b, program, operands, out, config)
+    results = _trivial(_Call(a, b, program, operands, out)) if plan is None else plan.execute(a, b, operands, out)
     return results["out"] if epilogue is None else results
 
 
@@ -468,64 +521,72 @@ def _tuning_key(call, path):
     )
 
 
-def _meta(t):
-    return (tuple(t.shape), t.stride(), t.dtype, t.data_ptr() % 16 == 0)
+def _meta(v):
+    if isinstance(v, torch.Tensor):
+        return (v.shape, v.stride(), v.dtype, v.device, v.data_ptr() % 16 == 0)
+    return type(v)
 
 
 _PLANS = {}
+_MAX_PLANS = 4096
 
 
-def _plan(call, config):
-    """(path, config, outputs), remembered per signature of the call (shapes, strides, dtypes,
-    alignment), so that repeated calls skip the choice."""
+def _plan(a, b, program, operands, out, config):
+    """The plan of a call (None when it has no rows or columns), made and checked on the first
+    call with its signature: the program, the type and metadata of every argument, the
+    config, and the environment that steers the choice."""
+    if not isinstance(program, Program):
+        raise GemmError(f"epilogue must be a codetta Program, got {type(program).__name__}")
+    parts = b if isinstance(b, (list, tuple)) else (b,)
     sig = (
-        call.program.fingerprint(), call.program.name, call.device, _meta(call.a),
-        tuple(_meta(t) for t in call.parts),
-        tuple((k, _meta(v) if isinstance(v, torch.Tensor) else None) for k, v in sorted(call.operands.items())),
-        tuple((k, _meta(v)) for k, v in sorted(call.user_out.items())),
+        program.fingerprint(), program.name, type(b), _meta(a), tuple(map(_meta, parts)),
+        tuple((k, _meta(v)) for k, v in operands.items()), tuple((k, _meta(v)) for k, v in out.items()),
         config, interpreting(), os.environ.get("CODETTA_PATH"),
     )
-    hit = _PLANS.get(sig)
-    if hit is not None:
-        call.layout = hit[0]
-        return hit[1], hit[2], _allocate_outputs(call)
-    path, cfg, outputs = _choose_plan(call, config)
-    _PLANS[sig] = (call.layout, path, cfg)
-    return path, cfg, outputs
+    plan = _PLANS.get(sig)
+    if plan is None:
+        call = _Call(a, b, program, operands, out)
+        if call.M == 0 or call.N == 0:
+            return None
+        plan = _Plan(call, *_choose(call, config))
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[sig] = plan
+    return plan
 
 
-def _choose_plan(call, config):
-    """(path, config, outputs): TMA when every operand allows it; the config given, or tuned."""
+def _choose(call, config):
+    """(path, config): TMA when every operand allows it; the config given, or tuned."""
     call.layout = _layouts(call)
-    outputs = _allocate_outputs(call)
     min_bn = call.program.min_block_n()
     parts = tuple(call.part_sizes)
-    tma = call.layout[2] and _tiles_tma_ok(call, outputs)
+    tma = call.layout[2] and _tiles_tma_ok(call)
     if config is not None:
         if config.epilogue_bn < min_bn:
             raise EpilogueError(
                 f"config {config} gives the epilogue tiles {config.epilogue_bn} wide; program "
                 f"{call.program.name!r} needs {min_bn}"
             )
-        return ("tma" if tma and _fits(config, parts) else "ptr"), config, outputs
+        return ("tma" if tma and _fits(config, parts) else "ptr"), config
     if interpreting():
         size = dict(m=call.M, n=call.N, k=call.K)
         cfg = interpreter_config(min_bn=min_bn, n_parts_sizes=parts, **size)
         if tma and cfg is not None:
-            return "tma", cfg, outputs
-        return "ptr", interpreter_config(min_bn=min_bn, **size), outputs
+            return "tma", cfg
+        return "ptr", interpreter_config(min_bn=min_bn, **size)
     size = dict(elem_bytes=call.a.element_size(), min_bn=min_bn, m=call.M, n=call.N, **_epilogue_smem(call))
     configs = candidates(n_parts_sizes=parts, flatten=len(call.parts) == 1, **size) if tma else []
     path = "tma" if configs else "ptr"
     configs = configs or candidates(**size)
+    accumulated = {o.name for o in call.program.outputs.values() if o.kind == "store" and o.accumulate}
+    scratch = {k: (v.clone() if k in accumulated else v) for k, v in call.given.items()}
 
     def bench(cfg):
-        scratch = {k: ((v[0], v[1].clone()) if k in call.operands else v) for k, v in outputs.items()}
-        launch = _Launch(call, path, cfg, scratch)
-        partials = launch.partial_buffers()
-        return triton.testing.do_bench(lambda: launch.run(partials), warmup=5, rep=20)
+        plan = _Plan(call, path, cfg)
+        return triton.testing.do_bench(lambda: plan.launch(call.a, call.parts, scratch, call.user_out),
+                                       warmup=5, rep=20)
 
-    return path, tuning.choose(_tuning_key(call, path), configs, bench), outputs
+    return path, tuning.choose(_tuning_key(call, path), configs, bench)
 
 
 def _epilogue_smem(call):
@@ -536,29 +597,25 @@ def _epilogue_smem(call):
     return dict(staged_bytes=max(aux + stored, default=None), aux_bytes=sum(aux))
 
 
-def _run(call, config):
-    path, cfg, outputs = _plan(call, config)
-    launch = _Launch(call, path, cfg, outputs)
-    partials = launch.partial_buffers()
-    launch.run(partials)
-    return _finish(call, outputs, partials)
-
-
 def explain(a, b, epilogue: Program | None = None, *, out=None, config=None, **operands):
     """The path ('tma' or 'ptr') and config ``gemm`` would launch with these arguments (tunes if needed)."""
-    program = epilogue if epilogue is not None else _plain_program()
-    call = _Call(a, b, program, operands, out)
-    if call.M == 0 or call.N == 0:
-        return {"path": None, "config": None}
-    path, cfg, _ = _plan(call, config)
-    return {"path": path, "config": cfg}
+    plan = _plan(a, b, epilogue if epilogue is not None else _plain_program(), operands, out or {}, config)
+    return {"path": None, "config": None} if plan is None else {"path": plan.path, "config": plan.cfg}
 
 
-def _tiles_tma_ok(call, outputs):
-    """Whether every tile the epilogue reads or stores can go through a TMA descriptor."""
+def _tiles_tma_ok(call):
+    """Whether every tile the epilogue reads or stores can go through a TMA descriptor (the
+    outputs codetta allocates are contiguous: their rows must be 16-byte multiples)."""
     p = call.program
     tiles = [call.operands[o.name] for o in p.operands.values() if o.kind == "aux"]
-    tiles += [outputs[o.name][1] for o in p.outputs.values() if o.kind == "store"]
+    for o in p.outputs.values():
+        if o.kind != "store":
+            continue
+        user = call.operands.get(o.name) if o.accumulate else call.user_out.get(o.name)
+        if user is not None:
+            tiles.append(call.operands[o.name] if o.accumulate else _rows_view(user, user.shape[-1], o.name))
+        elif call.output_shape(o)[-1] * call.output_dtype(o).itemsize % 16:
+            return False
     return all(_tma_ok(t) for t in tiles)
 
 

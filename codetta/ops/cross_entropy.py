@@ -80,6 +80,7 @@ from .. import epilogue as ep
 from ..kernels.softmax_grad import softmax_grad_
 from ..matmul import gemm
 from .rmsnorm import rms_rstd
+from .autograd import only_first_output_differentiable
 
 _REDUCTIONS = ("mean", "sum", "none")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -381,7 +382,7 @@ def _setup_context(ctx, inputs, output):
         ctx.save_for_backward(x, weight, target, bias, norm_weight)
     ctx.options = (ignore_index, reduction, eps, chunk_size)
     ctx.dtypes = tuple(t.dtype if t is not None else None for t in (x, weight, bias, norm_weight))
-    ctx.mark_non_differentiable(*output[1:])
+    only_first_output_differentiable(ctx, output)
 
 
 def _autograd_backward(ctx, grad_loss, *_grad_gradients):

@@ -45,6 +45,7 @@ from torch import Tensor
 from .. import epilogue as ep
 from ..kernels.rmsnorm import rmsnorm_stats
 from ..matmul import gemm
+from .autograd import only_first_output_differentiable
 
 # ---------------------------------------------------------------------------------------
 # Programs
@@ -181,6 +182,7 @@ def _(dz, z, x, norm_weight, weights, rstd):
 
 
 def _rmsnorm_linear_setup(ctx, inputs, output):
+    only_first_output_differentiable(ctx, output)
     x, norm_weight, weights, eps, u, rstd = inputs
     z, rstd_used = output
     ctx.save_for_backward(z, x, norm_weight, rstd_used, *weights)
@@ -258,6 +260,7 @@ def _(dx, a, weights):
 
 
 def _linear_residual_setup(ctx, inputs, output):
+    only_first_output_differentiable(ctx, output)
     a, weights, residual, bias, norm_weight, eps = inputs
     ctx.has_bias = bias is not None
     ctx.save_for_backward(a, *weights)

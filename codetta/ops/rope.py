@@ -65,6 +65,7 @@ from ..kernels.qk_norm import qk_norm_backward
 from ..kernels.rope import rope_backward
 from ..kernels.rmsnorm import rmsnorm_stats
 from .rmsnorm import _check_norm_inputs, _weight_t, rmsnorm_linear_backward
+from .autograd import only_first_output_differentiable
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,10 +104,28 @@ def _qk_weight_columns(q_norm_weight: Tensor, k_norm_weight: Tensor, n_q: int, n
     return torch.cat([w_q.repeat(n_q), w_k.repeat(n_kv), w_k.new_ones(n_kv * w_k.shape[0])])
 
 
+def _identity(t: Tensor):
+    """What makes a tensor's values the same as before, while a reference keeps its memory."""
+    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version
+
+
+_LAST_TABLES = {}  # the last tables made, with references to their inputs (so their memory is not reused)
+
+
 def rope_tables(positions: Tensor, inv_freq: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """(scale cos(theta), scale sin(theta)), [M, R/2] fp32 each, theta = position x inv_freq in fp64."""
+    """(scale cos(theta), scale sin(theta)), [M, R/2] fp32 each, theta = position x inv_freq in fp64.
+
+    The last result is reused while the same positions and inv_freq come back unchanged (same
+    memory, shape, strides and version counter): a model's layers all ask for the same tables,
+    forward and backward.
+    """
+    key = (_identity(positions), _identity(inv_freq), float(scale))
+    if _LAST_TABLES.get("key") == key:
+        return _LAST_TABLES["tables"]
     theta = positions.reshape(-1, 1).double() * inv_freq.double().reshape(1, -1)
-    return (torch.cos(theta) * scale).float(), (torch.sin(theta) * scale).float()
+    tables = (torch.cos(theta) * scale).float(), (torch.sin(theta) * scale).float()
+    _LAST_TABLES.update(key=key, inputs=(positions, inv_freq), tables=tables)
+    return tables
 
 
 @torch.library.custom_op("codetta::rmsnorm_qkv_rope", mutates_args=())
@@ -184,6 +203,7 @@ def _(dqkv, qkv, x, norm_weight, weights, bias, positions, inv_freq, n_q, n_kv, 
 
 
 def _setup(ctx, inputs, output):
+    only_first_output_differentiable(ctx, output)
     (x, norm_weight, weights, bias, positions, inv_freq, n_q, n_kv, head_dim, rotary_dim, scale, eps, u, rstd,
      q_norm_weight, k_norm_weight, qk_norm_eps) = inputs
     qkv, rstd_used, z = output

@@ -42,6 +42,7 @@ from ..matmul import gemm
 from ..kernels.swiglu import swiglu_backward
 from ..kernels.rmsnorm import rmsnorm_stats
 from .rmsnorm import _check_norm_inputs, rmsnorm_linear_backward
+from .autograd import only_first_output_differentiable
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,6 +93,7 @@ def _(dy, z, x, norm_weight, w_gate, w_up, rstd):
 
 
 def _setup(ctx, inputs, output):
+    only_first_output_differentiable(ctx, output)
     x, norm_weight, w_gate, w_up, eps, u, rstd = inputs
     _, z, rstd_used = output
     ctx.save_for_backward(z, x, norm_weight, w_gate, w_up, rstd_used)
