@@ -145,6 +145,40 @@ def test_flattened_loop_runs_an_epilogue_program():
     assert rel_err(out["cs"], ref.sum(0)) < 1e-3
 
 
+@pytest.mark.parametrize("path", ["tma", "ptr"])
+def test_repeated_calls_reuse_the_plan_with_new_tensors(path, monkeypatch):
+    """A second call with the same signature but other tensors and scalars (the plan's path, and on
+    a GPU the compiled-kernel launch) writes its own results: every operand kind and output kind."""
+    from codetta import epilogue as ep
+    from codetta.matmul import launch
+
+    if path == "ptr":
+        monkeypatch.setenv("CODETTA_PATH", "ptr")
+    m, n, k = (37, 48, 40) if INTERPRET else (700, 512, 320)
+    p = ep.Program("repeated_call")
+    x = p.acc * p.row("r") + p.col("c") + p.aux("res") * p.scalar("s")
+    p.store("x", x)
+    p.store("acc_into", x, accumulate=True)
+    p.row_sumsq("ss", x)
+    p.col_sum("cs", x)
+    p.row_logsumexp("lse", x)
+    for call in range(3):
+        a, b = operands(m, n, k, "fwd", torch.float32)
+        r, c = torch.randn(m, device=DEVICE), torch.randn(n, device=DEVICE)
+        res, into, s = torch.randn(m, n, device=DEVICE), torch.randn(m, n, device=DEVICE), float(call + 0.5)
+        before = into.double()
+        out = codetta.gemm(a, b, p, r=r, c=c, res=res, s=s, acc_into=into)
+        if call == 0:
+            plans = len(launch._PLANS)
+        ref = (a.double() @ b.double()) * r.double()[:, None] + c.double() + res.double() * s
+        assert out["acc_into"] is into and rel_err(into, before + ref) < 1e-5
+        assert rel_err(out["x"], ref) < 1e-5
+        assert rel_err(out["ss"], (ref * ref).sum(1)) < 1e-5
+        assert rel_err(out["cs"], ref.sum(0)) < 1e-5
+        assert rel_err(out["lse"], torch.logsumexp(ref, 1)) < 1e-5
+    assert len(launch._PLANS) == plans
+
+
 def test_linear_matches_torch():
     x = torch.randn(3, 7, 40, device=DEVICE)
     w = torch.randn(56, 40, device=DEVICE)

@@ -179,3 +179,20 @@ def test_kernel_empty_and_bad_inputs():
         swiglu_backward(dy.double(), z)
     with pytest.raises(ValueError, match="out must be"):
         swiglu_backward(dy, z, out=torch.empty(16, 4, device=DEVICE).t())
+
+
+def test_kernel_relaunch_with_other_alignment_and_sizes():
+    """The kernel launched again after a first launch (on a GPU: the compiled kernel kept by
+    codetta.kernels.launch): 16-byte aligned tensors, then views 1 element off alignment with odd
+    strides, then other sizes; each result against fp64 autograd."""
+    m, f = 19, 40
+    for shift, extra in ((0, 0), (1, 3), (0, 16)):
+        dy_c, z_c = swiglu_inputs(m + extra, f + extra, torch.float32)
+        dy = torch.empty(m + extra, f + extra + 5, device=DEVICE)[:, shift:shift + f + extra]
+        z = torch.empty(m + extra, 2 * (f + extra) + 3, device=DEVICE)[:, shift:shift + 2 * (f + extra)]
+        dy.copy_(dy_c)
+        z.copy_(z_c)
+        assert (dy.data_ptr() % 16 == 0) == (shift == 0)
+        dz, zdz = swiglu_backward(dy, z)
+        dz_ref, zdz_ref = autograd_swiglu(dy_c.double(), z_c.double())
+        assert rel(dz, dz_ref) < 1e-6 and rel(zdz, zdz_ref) < 1e-6

@@ -35,6 +35,7 @@ from torch import Tensor
 from ..matmul.launch import interpreting
 from ..matmul.mainloop import cast
 from .finish import row_sum
+from .launch import launch
 
 
 @triton.jit
@@ -118,7 +119,7 @@ def qk_norm_backward(dzn: Tensor, z: Tensor, q_weight: Tensor, k_weight: Tensor,
     zdz_part = torch.empty(m, n_heads, device=z.device, dtype=torch.float32)
     dw_part = torch.zeros(grid[0], n_normed, head_dim, device=z.device, dtype=torch.float32)
     if m:
-        _qk_norm_backward_kernel[grid](
+        launch(_qk_norm_backward_kernel, grid,
             dzn, z, w, out, zdz_part, dw_part, m, n_q, n_normed, float(eps),
             dzn.stride(0), z.stride(0), out.stride(0), zdz_part.stride(0), dw_part.stride(0), dw_part.stride(1),
             D=head_dim, BLOCK_M=block_m, ITERS=iters, STORE_ALL=not in_place, EMULATE_RNE=interpreting(),

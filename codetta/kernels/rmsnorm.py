@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..matmul.launch import interpreting
 from ..matmul.mainloop import cast
+from .launch import launch
 
 GPU_BLOCK = (8, 512, 4)  # (rows, columns per step, warps)
 INTERPRET_BLOCK = (16, 32, 1)
@@ -51,7 +52,7 @@ def rmsnorm_stats(x: Tensor, norm_weight: Tensor, eps: float) -> tuple[Tensor, T
     rstd = torch.empty(m, device=x.device, dtype=torch.float32)
     if m and d:
         bm, bd, warps = INTERPRET_BLOCK if interpreting() else GPU_BLOCK
-        _rmsnorm_stats_kernel[(triton.cdiv(m, bm),)](
+        launch(_rmsnorm_stats_kernel, (triton.cdiv(m, bm),),
             x2, norm_weight, u, rstd, m, d, x2.stride(0), u.stride(0), float(eps),
             BM=bm, BD=bd, EMULATE_RNE=interpreting(), num_warps=warps,
         )

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from ..matmul.launch import interpreting
 from ..matmul.mainloop import cast
+from .launch import launch
 
 
 @triton.jit
@@ -85,7 +86,7 @@ def rope_backward(dqkv: torch.Tensor, qkv: Optional[torch.Tensor], cos: torch.Te
     dz = torch.empty(m, n, device=dqkv.device, dtype=dqkv.dtype)
     part = torch.empty(m, grid[1], device=dqkv.device, dtype=torch.float32) if with_zdz else cos  # cos: unused
     if m and n:
-        _rope_backward_kernel[grid](
+        launch(_rope_backward_kernel, grid,
             dqkv, qkv, cos, sin, dz, part, m, n, n_rotated, head_dim,
             dqkv.stride(0), qkv.stride(0), cos.stride(0), dz.stride(0), part.stride(0),
             HALF_R=half_r, BLOCK_M=block_m, BLOCK_P=block_p, WITH_ZDZ=with_zdz, EMULATE_RNE=interpreting(),

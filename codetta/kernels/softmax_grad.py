@@ -13,6 +13,7 @@ import triton.language as tl
 
 from ..matmul.launch import interpreting
 from ..matmul.mainloop import cast
+from .launch import launch
 
 
 @triton.jit
@@ -49,6 +50,6 @@ def softmax_grad_(z: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scal
         raise ValueError(f"softmax_grad_: target must be integer [{m}], got {target.dtype} {tuple(target.shape)}")
     if m and n:
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-        _softmax_grad_kernel[grid](z, z.stride(0), lse.contiguous(), target.contiguous(), scale.contiguous(), m, n,
+        launch(_softmax_grad_kernel, grid, z, z.stride(0), lse.contiguous(), target.contiguous(), scale.contiguous(), m, n,
                                    BLOCK_M=block_m, BLOCK_N=block_n, EMULATE_RNE=interpreting(), num_warps=4)
     return z

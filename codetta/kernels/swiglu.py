@@ -31,6 +31,7 @@ from torch import Tensor
 from ..matmul.launch import interpreting
 from ..matmul.mainloop import cast
 from .finish import row_sum
+from .launch import launch
 
 # [rows, columns of F] per program and warps: on a GPU about 8K elements of each of the five
 # tiles per program (memory bound); in the interpreter, which pays per operation and per
@@ -107,7 +108,7 @@ def swiglu_backward(dy: Tensor, z: Tensor, *, out: Optional[Tensor] = None,
     dy, z = _rows_contiguous(dy), _rows_contiguous(z)
     grid = (triton.cdiv(m, bm), triton.cdiv(f, bf))
     part = torch.empty(m, grid[1], device=z.device, dtype=torch.float32)
-    _swiglu_backward_kernel[grid](
+    launch(_swiglu_backward_kernel, grid,
         dy, z, out, part, m, f, dy.stride(0), z.stride(0), out.stride(0), part.stride(0),
         BM=bm, BF=bf, EMULATE_RNE=interpreting(), num_warps=warps,
     )
