@@ -41,6 +41,6 @@ def launch(kernel, grid, *args, num_warps: int = 4, **constexprs):
     key = (kernel, num_warps, tuple(map(_spec, args)), tuple(full[len(args):]))
     compiled = _COMPILED.get(key)
     if compiled is not None:
-        compiled[grid](*full)
+        compiled[(*grid, 1, 1)[:3]](*full)  # a compiled kernel takes a 3-d grid
     else:
         _COMPILED[key] = kernel[grid](*full, num_warps=num_warps)

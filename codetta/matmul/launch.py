@@ -307,7 +307,7 @@ class _Plan:
         self.a_km, self.b_kn, _ = c.layout
         self.kernel, self.compiled = load_kernel(p, path), None
         self.describe = TensorDescriptor.from_tensor  # checked, until the first launch has compiled
-        self.grid = (_num_programs(c.device, triton.cdiv(c.M, cfg.BM) * triton.cdiv(c.N, cfg.BN)),)
+        self.grid = (_num_programs(c.device, triton.cdiv(c.M, cfg.BM) * triton.cdiv(c.N, cfg.BN)), 1, 1)
         self.options = dict(num_warps=cfg.num_warps, num_stages=cfg.STAGES)
         self.interpret = interpreting()
         # per operand: how the value passed becomes the kernel's view (see _Call._check_operands)
