@@ -58,6 +58,7 @@ def _worker(rank, world, mode, init_file, out_file):
         if rank == 0:
             torch.save({"loss": torch.stack(losses).mean(), "grads": grads}, out_file)
     finally:
+        dist.barrier()  # no rank tears gloo down while the other still has collectives in flight
         dist.destroy_process_group()
 
 
