@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -40,7 +41,10 @@ def environment() -> dict:
 
 
 def _commit() -> str:
-    """The git commit of the code measured, or 'unknown' (the device copy has no .git)."""
+    """The git commit of the code measured: $CODETTA_CODE_COMMIT when set (the device copy's
+    .git may be older than its files: pass it from the machine that sent them), else git's."""
+    if os.environ.get("CODETTA_CODE_COMMIT"):
+        return os.environ["CODETTA_CODE_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).parent, timeout=10)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -56,7 +57,8 @@ def main():
             step()
         torch.cuda.synchronize()
     events = prof.key_averages()
-    gpu_ms = sum(e.self_device_time_total for e in events) / 1e3 / args.steps
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+    gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / args.steps
     table = events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=70)
     text = (f"{environment()}\nvariant {args.variant}: GPU kernel time per step {gpu_ms:.1f} ms, "
             f"wall time per step {wall_ms:.1f} ms (unprofiled)\n{table}\n")
