@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # What one device-tool call runs on the H200: environment, compiled-kernel checks, the test
 # suite with compiled kernels, and the benchmarks. Logs go to $OUT. Wheels carried in .whl/
-# (Liger-Kernel) are installed first when present.
-#   M=16384,4096 OPS=a,b,c,d,e TESTS=tests VARIANTS=hf_liger,hf_codetta bash bench/device_run.sh [smoke] [test] [host] [gemm] [gemm-quick] [breakdown] [ops] [ops-compile] [block] [train] [profile] [demo]
+# (Liger-Kernel) are installed first when present. The device copy's .git may be older than
+# its files: pass CODETTA_CODE_COMMIT=<the sending machine's HEAD> so results name the code.
+#   M=16384,4096 OPS=a,b,c,d,e TESTS=tests VARIANTS=hf_liger,hf_codetta bash bench/device_run.sh [smoke] [test] [host] [gemm] [gemm-quick] [gemm-1b] [breakdown] [ops] [ops-compile] [block] [train] [profile] [demo]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CODETTA_CACHE_DIR=/tmp/codetta-cache
 OUT=${OUT:-/tmp/out}
@@ -20,7 +21,8 @@ for step in "$@"; do
     test) CODETTA_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q ${TESTS:-tests} 2>&1 | tee "$OUT/test.log" | tail -40 ;;
     host) python3 bench/host_overhead.py 2>&1 | tee "$OUT/host.log" ;;
     gemm) python3 bench/gemm_bench.py 2>&1 | tee "$OUT/gemm.log" ;;
-    gemm-quick) python3 bench/gemm_bench.py --quick 2>&1 | tee "$OUT/gemm.log" ;;
+    gemm-quick) python3 bench/gemm_bench.py --shapes quick 2>&1 | tee "$OUT/gemm.log" ;;
+    gemm-1b) python3 bench/gemm_bench.py --shapes llama1b 2>&1 | tee "$OUT/gemm.log" ;;
     breakdown) python3 bench/ops_breakdown.py 2>&1 | tee "$OUT/breakdown.log" ;;
     ops) python3 bench/ops_bench.py --no-compile --m "${M:-16384}" --ops "${OPS:-a,b,c,d,e}" 2>&1 | tee "$OUT/ops.log" ;;
     ops-compile) python3 bench/ops_bench.py --m "${M:-16384}" --ops "${OPS:-a,b,c,d,e}" 2>&1 | tee "$OUT/ops.log" ;;

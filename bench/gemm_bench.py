@@ -1,6 +1,6 @@
 """Plain GEMM and fused GEMM+epilogue programs against cuBLAS and eager PyTorch (H200).
 
-    python bench/gemm_bench.py [--quick]
+    python bench/gemm_bench.py [--shapes all|quick|llama1b]
 
 Per shape and layout: cuBLAS (torch.matmul), codetta's plain GEMM, and three fused
 programs in the forward layout (row scale; row scale + SwiGLU; residual add + row
@@ -26,6 +26,9 @@ from common import markdown_table, median_graph_ms, median_ms, write_results  # 
 
 SQUARE = [(s, s, s) for s in (2048, 4096, 8192)]
 LLAMA8B = [(16384, 6144, 4096), (16384, 4096, 4096), (16384, 28672, 4096), (16384, 4096, 14336)]
+# the layer GEMMs of bench/train_bench.py's Llama-3-1B shape at batch 2 x 4096: QKV, O, gate/up, down
+LLAMA1B = [(8192, 3072, 2048), (8192, 2048, 2048), (8192, 16384, 2048), (8192, 2048, 8192)]
+SHAPES = {"all": SQUARE + LLAMA8B, "quick": [SQUARE[1], LLAMA8B[2]], "llama1b": LLAMA1B}
 
 
 def _programs():
@@ -84,10 +87,11 @@ def layouts(m, n, k, dtype):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="one square shape and one Llama shape")
+    parser.add_argument("--shapes", choices=SHAPES, default="all",
+                        help="all: square and Llama-3-8B; quick: one of each; llama1b: the training benchmark's layers")
     args = parser.parse_args()
     dtype = torch.bfloat16
-    shapes = [SQUARE[1], LLAMA8B[2]] if args.quick else SQUARE + LLAMA8B
+    shapes = SHAPES[args.shapes]
     programs = dict(zip(("rowscale", "swiglu", "residual_sumsq"), _programs()))
     rows = []
     for m, n, k in shapes:
@@ -103,7 +107,7 @@ def main():
                              rel_err=err.item(),
                              **_plan(a, b)))
             print(rows[-1], flush=True)
-            _save(rows, args.quick)
+            _save(rows, args.shapes)
         a = torch.randn(m, k, device="cuda", dtype=dtype)
         w = torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5
         ops = {"r": torch.rand(m, device="cuda") + 0.5, "res": torch.randn(m, n, device="cuda", dtype=dtype),
@@ -120,8 +124,8 @@ def main():
                              tflops=flops / t_fused / 1e9, vs_plain=t_fused / t_plain, graph_vs_plain=g_fused / g_plain, eager_ms=t_eager,
                              eager_vs_fused=t_eager / t_fused, **_plan(a, w.t(), prog, **needed)))
             print(rows[-1], flush=True)
-            _save(rows, args.quick)
-    print(_save(rows, args.quick))
+            _save(rows, args.shapes)
+    print(_save(rows, args.shapes))
 
 
 COLUMNS = ["shape", "layout", "op", "ms", "cublas_ms", "tflops", "vs_cublas", "graph_vs_cublas", "vs_plain",
@@ -143,10 +147,10 @@ def _summary(rows):
     return "\n".join(lines)
 
 
-def _save(rows, quick):
+def _save(rows, shapes):
     """Write what is measured so far (a run cut short still leaves its rows)."""
     table = markdown_table(rows, COLUMNS) + "\n" + _summary(rows)
-    write_results("gemm" + ("_quick" if quick else ""), rows, table)
+    write_results("gemm" + ("" if shapes == "all" else f"_{shapes}"), rows, table)
     return table
 
 

@@ -1,6 +1,21 @@
-"""Autograd plumbing shared by the custom ops."""
+"""Autograd plumbing shared by the custom ops: a direct eager path, and outputs without gradients.
+
+Each operator is a ``torch.library`` custom op with a fake implementation and autograd, so
+that torch.compile traces models that use it without graph breaks. Through the dispatcher,
+a call of such an op (argument binding, pytree handling of list arguments, a generated
+autograd.Function, a redispatch) costs several times the op's own Python on the H200
+machine's CPU, and a training step of a small model is then bound by the host. So
+:func:`direct_op` makes ops that, in eager PyTorch with plain tensors, run the same
+implementation, setup_context and backward through an autograd.Function of their own; under
+torch.compile, or with any tensor subclass (fake, functional, distributed tensors), they go
+through the registered op.
+"""
 
 from __future__ import annotations
+
+import torch
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def only_first_output_differentiable(ctx, outputs):
@@ -10,3 +25,97 @@ def only_first_output_differentiable(ctx, outputs):
     gradient for each such output (on the host ~20 µs each, on the GPU a memset)."""
     ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(*outputs[1:])
+
+
+def _runs_directly(args) -> bool:
+    """Not under torch.compile, and every tensor argument (also in lists) a plain Tensor or Parameter."""
+    if torch.compiler.is_compiling():
+        return False
+    for a in args:
+        if isinstance(a, list):
+            if any(type(t) not in _PLAIN for t in a):
+                return False
+        elif isinstance(a, torch.Tensor) and type(a) not in _PLAIN:
+            return False
+    return True
+
+
+def _flatten(args):
+    """(the arguments with each list spread out, the list lengths per argument or None)."""
+    flat, layout = [], []
+    for a in args:
+        if isinstance(a, list):
+            flat += a
+            layout.append(len(a))
+        else:
+            flat.append(a)
+            layout.append(None)
+    return flat, tuple(layout)
+
+
+def _unflatten(flat, layout):
+    args, i = [], 0
+    for n in layout:
+        if n is None:
+            args.append(flat[i])
+            i += 1
+        else:
+            args.append(list(flat[i:i + n]))
+            i += n
+    return args
+
+
+class _Direct(torch.autograd.Function):
+    """An op's implementation with its own setup_context and backward, lists flattened."""
+
+    @staticmethod
+    def forward(ctx, op, layout, *flat):
+        inputs = _unflatten(flat, layout)
+        output = op.impl(*inputs)
+        op.setup_context(ctx, inputs, output)
+        ctx.direct = (op, layout)
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op, layout = ctx.direct
+        result = op.backward(ctx, *grads)
+        flat = []
+        for g, n in zip(result, layout):
+            if n is None:
+                flat.append(g)
+            else:
+                flat += g if g is not None else [None] * n
+        return (None, None, *flat)
+
+
+class DirectOp:
+    """A custom op (``.op``, registered with torch.library) that eager calls with plain tensors
+    run without the dispatcher. ``register_fake`` and ``register_autograd`` as on the op."""
+
+    def __init__(self, name: str, impl):
+        self.impl = impl
+        self.op = torch.library.custom_op(name, impl, mutates_args=())
+        self.setup_context = self.backward = None
+
+    def register_fake(self, fake):
+        self.op.register_fake(fake)
+        return fake
+
+    def register_autograd(self, backward, *, setup_context):
+        self.op.register_autograd(backward, setup_context=setup_context)
+        self.backward, self.setup_context = backward, setup_context
+
+    def __call__(self, *args):
+        if not _runs_directly(args):
+            return self.op(*args)
+        flat, layout = _flatten(args)
+        if self.backward is None or not torch.is_grad_enabled() or not any(
+                isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
+            return self.impl(*args)
+        return _Direct.apply(self, layout, *flat)
+
+
+def direct_op(name: str):
+    """Decorator: ``@direct_op("codetta::name")`` on the implementation makes a :class:`DirectOp`."""
+    return lambda impl: DirectOp(name, impl)

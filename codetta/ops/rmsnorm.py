@@ -45,7 +45,7 @@ from torch import Tensor
 from .. import epilogue as ep
 from ..kernels.rmsnorm import rmsnorm_stats
 from ..matmul import gemm
-from .autograd import only_first_output_differentiable
+from .autograd import direct_op, only_first_output_differentiable
 
 # ---------------------------------------------------------------------------------------
 # Programs
@@ -131,7 +131,7 @@ def rms_rstd(x: Tensor, eps: float) -> Tensor:
 # Consumer: z = RMSNorm(x) W^T
 
 
-@torch.library.custom_op("codetta::rmsnorm_linear", mutates_args=())
+@direct_op("codetta::rmsnorm_linear")
 def _rmsnorm_linear_op(
     x: Tensor, norm_weight: Tensor, weights: list[Tensor], eps: float, u: Optional[Tensor], rstd: Optional[Tensor]
 ) -> tuple[Tensor, Tensor]:
@@ -169,7 +169,7 @@ def rmsnorm_linear_backward(dz: Tensor, zdz: Tensor, x: Tensor, norm_weight: Ten
     return out["dx"].reshape(x.shape), out["dnorm_weight"].to(norm_weight.dtype), dweights
 
 
-@torch.library.custom_op("codetta::rmsnorm_linear_backward", mutates_args=())
+@direct_op("codetta::rmsnorm_linear_backward")
 def _rmsnorm_linear_backward_op(
     dz: Tensor, z: Tensor, x: Tensor, norm_weight: Tensor, weights: list[Tensor], rstd: Tensor
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
@@ -218,7 +218,7 @@ def rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight, eps: float = 1e-6, *,
 # Producer: x = a W^T + residual, with the next norm's u and rstd
 
 
-@torch.library.custom_op("codetta::linear_residual", mutates_args=())
+@direct_op("codetta::linear_residual")
 def _linear_residual_op(
     a: Tensor, weights: list[Tensor], residual: Tensor, bias: Optional[Tensor], norm_weight: Optional[Tensor], eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -245,7 +245,7 @@ def _(a, weights, residual, bias, norm_weight, eps):
             residual.new_empty(m, dtype=torch.float32))
 
 
-@torch.library.custom_op("codetta::linear_residual_backward", mutates_args=())
+@direct_op("codetta::linear_residual_backward")
 def _linear_residual_backward_op(dx: Tensor, a: Tensor, weights: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
     dx2 = dx.reshape(-1, dx.shape[-1]).contiguous()
     a2 = a.reshape(-1, a.shape[-1])

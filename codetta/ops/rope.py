@@ -65,7 +65,7 @@ from ..kernels.qk_norm import qk_norm_backward
 from ..kernels.rope import rope_backward
 from ..kernels.rmsnorm import rmsnorm_stats
 from .rmsnorm import _check_norm_inputs, _weight_t, rmsnorm_linear_backward
-from .autograd import only_first_output_differentiable
+from .autograd import direct_op, only_first_output_differentiable
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,7 +128,7 @@ def rope_tables(positions: Tensor, inv_freq: Tensor, scale: float) -> tuple[Tens
     return tables
 
 
-@torch.library.custom_op("codetta::rmsnorm_qkv_rope", mutates_args=())
+@direct_op("codetta::rmsnorm_qkv_rope")
 def _qkv_rope_op(
     x: Tensor, norm_weight: Tensor, weights: list[Tensor], bias: Optional[Tensor], positions: Tensor,
     inv_freq: Tensor, n_q: int, n_kv: int, head_dim: int, rotary_dim: int, attention_scaling: float, eps: float,
@@ -166,7 +166,7 @@ def _(x, norm_weight, weights, bias, positions, inv_freq, n_q, n_kv, head_dim, r
     return x.new_empty(*x.shape[:-1], n), x.new_empty(m, dtype=torch.float32), z
 
 
-@torch.library.custom_op("codetta::rmsnorm_qkv_rope_backward", mutates_args=())
+@direct_op("codetta::rmsnorm_qkv_rope_backward")
 def _qkv_rope_backward_op(
     dqkv: Tensor, qkv: Optional[Tensor], x: Tensor, norm_weight: Tensor, weights: list[Tensor], bias: Optional[Tensor],
     positions: Tensor, inv_freq: Tensor, n_q: int, n_kv: int, head_dim: int, rotary_dim: int,

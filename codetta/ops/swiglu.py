@@ -42,7 +42,7 @@ from ..matmul import gemm
 from ..kernels.swiglu import swiglu_backward
 from ..kernels.rmsnorm import rmsnorm_stats
 from .rmsnorm import _check_norm_inputs, rmsnorm_linear_backward
-from .autograd import only_first_output_differentiable
+from .autograd import direct_op, only_first_output_differentiable
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,7 +55,7 @@ def _forward_program() -> ep.Program:
     return p
 
 
-@torch.library.custom_op("codetta::rmsnorm_swiglu", mutates_args=())
+@direct_op("codetta::rmsnorm_swiglu")
 def _rmsnorm_swiglu_op(
     x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, eps: float, u: Optional[Tensor], rstd: Optional[Tensor]
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -78,7 +78,7 @@ def _(x, norm_weight, w_gate, w_up, eps, u, rstd):
     return x.new_empty(*x.shape[:-1], f), x.new_empty(m, 2 * f), x.new_empty(m, dtype=torch.float32)
 
 
-@torch.library.custom_op("codetta::rmsnorm_swiglu_backward", mutates_args=())
+@direct_op("codetta::rmsnorm_swiglu_backward")
 def _rmsnorm_swiglu_backward_op(
     dy: Tensor, z: Tensor, x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, rstd: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
