@@ -34,5 +34,7 @@ for step in "$@"; do
     demo) python3 -m codetta demo 2>&1 | tee "$OUT/demo.log" | tail -30 ;;
   esac
 done
-# Only the result files this call wrote come back (the tool returns at most 8 files).
+# Only the result files this call wrote come back (the tool returns at most 8 files), and
+# the tuner's choices (which configs win where: for pruning the candidate list).
 find bench/results -newer /tmp/device_run.start -type f -exec cp {} "$OUT/" \;
+if [ -f "$CODETTA_CACHE_DIR/tuning.json" ]; then cp "$CODETTA_CACHE_DIR/tuning.json" "$OUT/"; fi
