@@ -45,8 +45,10 @@ def interleave(b0, b1) -> Interleaved:
     return Interleaved((b0, b1))
 
 
+@functools.lru_cache(maxsize=None)
 def interpreting() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1). Triton decides
+    that when it decorates the kernels, at import; so it is read once."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -312,8 +314,9 @@ class _Plan:
         self.interpret = interpreting()
         # per operand: how the value passed becomes the kernel's view (see _Call._check_operands)
         accum = [o for o in p.outputs.values() if o.kind == "store" and o.accumulate]
-        self.prepare = {name: _preparation(value, c.given[name], name in {o.name for o in accum})
-                        for name, value in c.operands.items()}
+        prepare = {name: _preparation(value, c.given[name], name in {o.name for o in accum})
+                   for name, value in c.operands.items()}
+        self.prepare = [(name, prep) for name, prep in prepare.items() if prep is not None]  # the others as given
         self.accumulate = [(o.name, tuple(c.operands[o.name].shape)) for o in accum]
         written = [o for o in p.outputs.values() if (o.kind == "store" and not o.accumulate) or o.segment]
         self.user_written = [(o.name, (c.M, c.output_shape(o)[-1])) for o in written if o.name in c.user_out]
@@ -391,7 +394,9 @@ class _Plan:
         """Launch the kernel on one call's tensors: (outputs, partials), not yet finished."""
         a2 = a if a.dim() == 2 else a.reshape(self.M, self.K)
         parts = b if isinstance(b, (list, tuple)) else (b,)
-        ops = {name: prep(operands[name]) for name, prep in self.prepare.items()}
+        ops = dict(operands)
+        for name, prep in self.prepare:
+            ops[name] = prep(ops[name])
         outs = {name: (operands[name], ops[name]) for name, _ in self.accumulate}
         for name, shape, dtype, rows in self.allocated:
             t = torch.empty(shape, device=self.device, dtype=dtype)
@@ -423,12 +428,12 @@ class _Plan:
 
 def _preparation(view, given, in_place):
     """How an operand as passed becomes the view the kernel reads or, ``in_place``, writes
-    (the plan checked that it is a view); a scalar becomes a float."""
+    (the plan checked that it is a view); a scalar becomes a float; None: as it is."""
     if not isinstance(view, torch.Tensor):
         return float
     shape = tuple(view.shape)
     if tuple(given.shape) == shape:
-        return lambda v: v
+        return None
     return (lambda v: v.view(shape)) if in_place else (lambda v: v.reshape(shape))
 
 
