@@ -75,7 +75,7 @@ def _consumer() -> ep.Program:
 def _consumer_backward() -> ep.Program:
     p = ep.Program("rmsnorm_linear_backward")
     acc, r, g, x = p.acc, p.row("rstd"), p.col("norm_weight"), p.aux("x")
-    p.store("dx", r * g * acc - p.row("correction") * x)
+    p.store("dx", r * g * acc - p.row("zdz") * r * r * p.scalar("inv_d") * x)
     p.col_sum("dnorm_weight", acc * r * x)
     p.store("h", x * r * g)
     return p
@@ -163,8 +163,8 @@ def rmsnorm_linear_backward(dz: Tensor, zdz: Tensor, x: Tensor, norm_weight: Ten
     """
     d = x.shape[-1]
     x2, dz2 = x.reshape(-1, d), dz.reshape(-1, dz.shape[-1]).contiguous()
-    out = gemm(dz2, _weight_k(weights), _consumer_backward(), rstd=rstd, norm_weight=norm_weight, x=x2,
-               correction=zdz * rstd * rstd / d)
+    out = gemm(dz2, _weight_k(weights), _consumer_backward(), rstd=rstd, norm_weight=norm_weight, x=x2, zdz=zdz,
+               inv_d=1.0 / d)
     dweights = [gemm(part.t(), out["h"]) for part in _split_columns(dz2, weights)]
     return out["dx"].reshape(x.shape), out["dnorm_weight"].to(norm_weight.dtype), dweights
 
