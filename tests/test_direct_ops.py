@@ -1,0 +1,80 @@
+"""The layer ops' two routes give the same results: direct (eager, plain tensors: their own
+autograd.Function) and through the torch.library dispatcher (torch.compile, tensor subclasses).
+
+Both run the same implementation, so outputs and every gradient (weights given as lists
+included) must be identical, bit for bit; statistics outputs get no gradient either way.
+"""
+
+import torch
+
+from codetta.ops import autograd, linear_residual, rmsnorm_linear, rmsnorm_qkv_rope, rmsnorm_swiglu
+from conftest import DEVICE
+
+EPS = 1e-6
+M, D, HD = 12, 32, 16
+
+
+def leaf(*shape, scale=1.0, shift=0.0):
+    return (torch.randn(*shape, device=DEVICE) * scale + shift).requires_grad_()
+
+
+def inputs():
+    torch.manual_seed(0)
+    return dict(
+        x=leaf(M, D), a=leaf(M, 24), g=leaf(D, scale=0.2, shift=1.0), wo=leaf(D, 24, scale=0.2),
+        wq=leaf(2 * HD, D, scale=0.2), wk=leaf(HD, D, scale=0.2), wv=leaf(HD, D, scale=0.2),
+        bq=leaf(2 * HD, scale=0.1), bk=leaf(HD, scale=0.1), bv=leaf(HD, scale=0.1),
+        qn=leaf(HD, scale=0.2, shift=1.0), kn=leaf(HD, scale=0.2, shift=1.0),
+        wg=leaf(40, D, scale=0.2), wu=leaf(40, D, scale=0.2),
+    )
+
+
+def block(t):
+    """Every layer op once, fed by a producer's statistics, with list weights, bias and QK-norm."""
+    pos = torch.arange(M, device=DEVICE)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, HD, 2, device=DEVICE).float() / HD))
+    x1, stats = linear_residual(t["a"], t["wo"], t["x"], t["g"], EPS)
+    q, k, v = rmsnorm_qkv_rope(x1, t["g"], t["wq"], t["wk"], t["wv"], pos, inv_freq, head_dim=HD,
+                               bias=(t["bq"], t["bk"], t["bv"]), eps=EPS, stats=stats,
+                               q_norm_weight=t["qn"], k_norm_weight=t["kn"])
+    y = rmsnorm_swiglu(x1, t["g"], t["wg"], t["wu"], EPS, stats=stats)
+    z = rmsnorm_linear(x1, t["g"], [t["wq"], t["wk"]], EPS)
+    return [q, k, v, y, z, stats[0], stats[1]]
+
+
+def run(route_direct: bool, monkeypatch):
+    if not route_direct:
+        monkeypatch.setattr(autograd, "_runs_directly", lambda args: False)
+    t = inputs()
+    outs = block(t)
+    torch.manual_seed(1)
+    loss = sum((o * torch.randn_like(o)).sum() for o in outs[:5])
+    loss.backward()
+    monkeypatch.undo()
+    return outs, {name: p.grad for name, p in t.items()}
+
+
+def test_direct_and_dispatched_routes_agree(monkeypatch):
+    direct, grads_direct = run(True, monkeypatch)
+    dispatched, grads_dispatched = run(False, monkeypatch)
+    assert type(direct[3].grad_fn).__name__ == "_DirectBackward"
+    assert type(dispatched[3].grad_fn).__name__.startswith("GeneratedBackwardFor_codetta_rmsnorm_swiglu")
+    for a, b in zip(direct, dispatched):
+        assert torch.equal(a, b)
+    assert not direct[5].requires_grad and not direct[6].requires_grad  # statistics: no gradient
+    for name, grad in grads_direct.items():
+        assert grad is not None, name
+        assert torch.equal(grad, grads_dispatched[name]), name
+
+
+def test_direct_route_is_taken_for_plain_tensors_only():
+    assert autograd._runs_directly((torch.zeros(1), [torch.zeros(1)], 1.0, None))
+    param = torch.nn.Parameter(torch.zeros(1))
+    assert autograd._runs_directly((param, [param]))
+
+    class Sub(torch.Tensor):
+        pass
+
+    sub = torch.zeros(1).as_subclass(Sub)
+    assert not autograd._runs_directly((sub,))
+    assert not autograd._runs_directly(([torch.zeros(1), sub],))
