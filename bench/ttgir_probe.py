@@ -1,18 +1,24 @@
-"""Compile an op's generated kernel for Hopper (sm_90) without a GPU and count what its TTGIR does.
+"""Compile an op's generated kernel for Hopper (sm_90) without a GPU and report its costs.
 
     python bench/ttgir_probe.py
 
-Layout conversions (``ttg.convert_layout``) in an epilogue go through shared memory once
-per tile; this counts them, and the dots and TMA copies, per program, so that an epilogue
-can be checked for such costs on a CPU-only machine. Configs: 128 x 256 x 64 tiles, 8 warps,
-3 stages, bf16 operands, all epilogue tiles through TMA descriptors.
+Per program and config: layout conversions (``ttg.convert_layout``: an epilogue's go
+through shared memory once per tile), dots and TMA copies counted in the TTGIR; and from the
+cubin (``cuobjdump -res-usage``) the registers per thread and the stack frame, which is
+where registers spill to (local memory: L1, then L2). Shared memory from Triton's metadata.
+So an epilogue's register pressure can be checked on a CPU-only machine, before a GPU
+measures it. bf16 operands, all epilogue tiles through TMA descriptors. The local Triton
+may differ from the GPU machine's in its register allocation: compare programs and configs
+with each other, not with absolute limits.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "0"  # compile, do not interpret (before codetta is imported)
@@ -32,8 +38,8 @@ _COUNTED = {"layout conversions": r"ttg\.convert_layout", "dots": r"ttng\.warp_g
             "TMA loads": r"async_tma_copy_global_to_local", "TMA stores": r"async_tma_copy_local_to_global"}
 
 
-def ttgir(program, *, BM=128, BN=256, BK=64, num_b=1, warps=8, stages=3, split=1, flatten=False):
-    """The TTGIR of ``program``'s TMA kernel compiled for sm_90 with one config."""
+def compile_sm90(program, *, BM=128, BN=256, BK=64, num_b=1, warps=8, stages=3, split=1, flatten=False):
+    """``program``'s TMA kernel compiled for sm_90 with one config (a triton CompiledKernel)."""
     kernel = load_kernel(program, "tma")
     kinds = dict(kernel_args(program, "tma"))
     consts = dict(BM=BM, BN=BN, BK=BK, GROUP_M=8, STAGES=stages, EPI_SPLIT=split, FLATTEN=flatten, NUM_B=num_b, B_PARTS="n",
@@ -62,8 +68,25 @@ def ttgir(program, *, BM=128, BN=256, BK=64, num_b=1, warps=8, stages=3, split=1
                 bn = BN // split
                 signature[name] = f"tensordesc<bf16[{BM}, {bn if width is ep.FULL else bn // 2}]>"
     source = ASTSource(kernel, signature, {(kernel.arg_names.index(n),): v for n, v in consts.items()})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=warps, num_stages=stages))
-    return compiled.asm["ttgir"]
+    return triton.compile(source, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=warps, num_stages=stages))
+
+
+def resources(compiled) -> dict:
+    """Registers per thread and stack (spill) bytes per thread of the cubin, shared memory in KiB."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        text = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", text)
+    regs, stack = found.groups() if found else ("?", "?")
+    return {"registers": regs, "stack bytes": stack, "shared KiB": compiled.metadata.shared // 1024}
+
+
+CONFIGS = {  # name -> compile_sm90 keyword arguments
+    "128x256 split 1": dict(), "128x256 split 2": dict(split=2), "128x256 flattened": dict(flatten=True),
+    "128x256 split 2 flattened": dict(split=2, flatten=True), "128x128 8 warps": dict(BN=128, stages=4),
+}
 
 
 def main():
@@ -74,23 +97,25 @@ def main():
     plain = ep.Program("probe_plain")
     plain.store("y", plain.acc)
     programs = {
-        "plain GEMM": (plain, 1), "RMSNorm + QKV + RoPE (3 parts)": (rope._forward_program(128, False), 3),
+        "plain GEMM": (plain, 1), "RMSNorm + QKV + RoPE (3 parts)": (rope._forward_program(128, False, 0), 3),
         "RMSNorm + gate/up + SwiGLU": (swiglu._forward_program(), 1),
         "residual + norm statistics": (rmsnorm._producer(torch.bfloat16, True, False), 1),
         "norm backward": (rmsnorm._consumer_backward(), 1),
         "cross-entropy logits": (cross_entropy._logits_program(False, torch.bfloat16), 1),
     }
     for name, (program, num_b) in programs.items():
-        for split, flatten in ((1, False), (2, False), (1, True), (2, True)):
-            if flatten and num_b > 1:
+        for config, kwargs in CONFIGS.items():
+            if kwargs.get("flatten") and num_b > 1:
                 continue  # the launcher flattens only a B of one part
             try:
-                text = ttgir(program, num_b=num_b, split=split, flatten=flatten)
+                compiled = compile_sm90(program, num_b=num_b, **kwargs)
             except Exception as exc:  # report and go on: this is a probe
-                print(f"{name} split {split} flatten {flatten}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
+                print(f"{name}, {config}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
                 continue
-            counts = ", ".join(f"{k} {len(re.findall(v, text))}" for k, v in _COUNTED.items())
-            print(f"{name} split {split} flatten {flatten}: {counts}")
+            text = compiled.asm["ttgir"]
+            counts = {k: len(re.findall(v, text)) for k, v in _COUNTED.items()}
+            print(f"{name}, {config}: " + ", ".join(f"{k} {v}" for k, v in {**counts, **resources(compiled)}.items()),
+                  flush=True)
 
 
 if __name__ == "__main__":
