@@ -52,6 +52,38 @@ def test_second_process_does_not_retune(cache_dir):
     assert out.stdout.strip() == repr(CONFIGS[2])
 
 
+def test_candidates_are_prepared_once_before_timing(cache_dir):
+    """prepare (the parallel compile) sees every candidate before the first timing, and not at all
+    when the choice is cached."""
+    events = []
+
+    def bench(cfg):
+        events.append(("time", cfg))
+        return {CONFIGS[0]: 2.0, CONFIGS[1]: 1.0, CONFIGS[2]: 3.0}[cfg]
+
+    def prepare(cfgs):
+        events.append(("prepare", tuple(cfgs)))
+
+    assert tuning.choose("k5", CONFIGS, bench, prepare=prepare) == CONFIGS[1]
+    assert events[0] == ("prepare", tuple(CONFIGS)) and len(events) == 1 + len(CONFIGS)
+    events.clear()
+    assert tuning.choose("k5", CONFIGS, bench, prepare=prepare) == CONFIGS[1]
+    assert events == []
+
+
+def test_compile_in_parallel_runs_every_compile_and_survives_failures():
+    seen = []
+
+    def compile_one(i):
+        if i == 2:
+            raise RuntimeError("does not compile")
+        seen.append(i)
+
+    tuning.compile_in_parallel([lambda i=i: compile_one(i) for i in range(5)])
+    assert sorted(seen) == [0, 1, 3, 4]
+    tuning.compile_in_parallel([])  # nothing to do
+
+
 def test_new_candidate_list_retunes(cache_dir):
     tuning.choose("k3", CONFIGS, {CONFIGS[0]: 2.0, CONFIGS[1]: 3.0, CONFIGS[2]: 1.0}.__getitem__)
     fewer = CONFIGS[:2]

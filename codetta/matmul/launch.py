@@ -390,8 +390,14 @@ class _Plan:
             return _rows_view(user, user.shape[-1], base).stride(dim)
         return (c.output_shape(c.program.outputs[base])[-1], 1)[dim]
 
-    def launch(self, a, b, operands, out):
-        """Launch the kernel on one call's tensors: (outputs, partials), not yet finished."""
+    def compile(self, a, b, operands, out):
+        """Compile the kernel for these arguments without launching it (Triton's warmup: under
+        an AsyncCompileMode, in the background)."""
+        *_, args = self._arguments_for(a, b, operands, out)
+        self.kernel.warmup(*args, grid=self.grid, **self.options)
+
+    def _arguments_for(self, a, b, operands, out):
+        """(outputs, partials, the kernel's arguments) of one call."""
         a2 = a if a.dim() == 2 else a.reshape(self.M, self.K)
         parts = b if isinstance(b, (list, tuple)) else (b,)
         ops = dict(operands)
@@ -408,6 +414,11 @@ class _Plan:
         args = list(self.template)
         for i, fill in self.filled:
             args[i] = fill(a2, parts, ops, outs, bufs)
+        return outs, bufs, args
+
+    def launch(self, a, b, operands, out):
+        """Launch the kernel on one call's tensors: (outputs, partials), not yet finished."""
+        outs, bufs, args = self._arguments_for(a, b, operands, out)
         if self.compiled is not None:
             self.compiled[self.grid](*args)
         else:
@@ -586,12 +597,23 @@ def _choose(call, config):
     accumulated = {o.name for o in call.program.outputs.values() if o.kind == "store" and o.accumulate}
     scratch = {k: (v.clone() if k in accumulated else v) for k, v in call.given.items()}
 
+    plans = {}
+
+    def plan_for(cfg):
+        if cfg not in plans:
+            plans[cfg] = _Plan(call, path, cfg)
+        return plans[cfg]
+
+    def compile_all(cfgs):
+        tuning.compile_in_parallel([lambda cfg=cfg: plan_for(cfg).compile(call.a, call.parts, scratch, call.user_out)
+                                    for cfg in cfgs])
+
     def bench(cfg):
-        plan = _Plan(call, path, cfg)
+        plan = plan_for(cfg)
         return triton.testing.do_bench(lambda: plan.launch(call.a, call.parts, scratch, call.user_out),
                                        warmup=5, rep=20)
 
-    return path, tuning.choose(_tuning_key(call, path), configs, bench)
+    return path, tuning.choose(_tuning_key(call, path), configs, bench, prepare=compile_all)
 
 
 def _epilogue_smem(call):

@@ -14,6 +14,7 @@ import json
 import os
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .config import Config
@@ -46,12 +47,38 @@ def _save(table: dict):
     os.replace(tmp, path)
 
 
+def compile_in_parallel(compiles):
+    """Run ``compiles`` (functions that each compile a kernel through Triton's warmup) in a
+    thread pool under Triton's AsyncCompileMode, and wait for them. Triton's compiler
+    releases the GIL, so the candidates of a tuning compile side by side instead of one
+    after the other (the tuning of a new shape is mostly compilation). A compile that fails
+    here is left to fail again, and be skipped, when the tuner times it; where Triton has
+    no AsyncCompileMode the kernels compile when first timed, as before."""
+    try:
+        from triton.runtime import _async_compile
+    except ImportError:
+        return
+    if _async_compile.active_mode.get() is not None:  # the caller's own: leave it alone
+        return
+    workers = max(1, min(len(compiles), os.cpu_count() or 1, 16))
+    with ThreadPoolExecutor(workers) as pool, _async_compile.AsyncCompileMode(pool, ignore_errors=True):
+        for compile_one in compiles:
+            try:
+                compile_one()
+            except Exception:  # noqa: BLE001 - as the tuner: a config that does not compile is not a candidate
+                continue
+
+
 def autotune_enabled() -> bool:
     return os.environ.get("CODETTA_AUTOTUNE", "1") != "0"
 
 
-def choose(key: str, configs: list[Config], bench) -> Config:
-    """The best of ``configs`` for ``key``; ``bench(cfg)`` returns its time in ms (or raises)."""
+def choose(key: str, configs: list[Config], bench, prepare=None) -> Config:
+    """The best of ``configs`` for ``key``; ``bench(cfg)`` returns its time in ms (or raises).
+
+    ``prepare(configs)``, if given, runs before the timings when they are needed (e.g. to
+    compile every candidate at once).
+    """
     if len(configs) == 1 or not autotune_enabled():
         return configs[0]
     key = f"{key}|{hashlib.sha256(repr(configs).encode()).hexdigest()[:8]}"  # a new candidate list re-tunes
@@ -61,6 +88,8 @@ def choose(key: str, configs: list[Config], bench) -> Config:
             cfg = Config(**hit)
             if cfg in configs:
                 return cfg
+        if prepare is not None:
+            prepare(configs)
         timings = {}
         for cfg in configs:
             try:
