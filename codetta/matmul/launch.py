@@ -292,7 +292,7 @@ def _sm_count(index):
 
 
 class _Plan:
-    """How every call with one signature (:func:`_signature`) is launched.
+    """How every call with one signature (see :func:`_plan`) is launched.
 
     The signature fixes the shapes, strides, dtypes, devices and alignment of all tensors,
     the program and the config; so the checks, the layout, the path, the tuned config, the
@@ -304,8 +304,8 @@ class _Plan:
 
     def __init__(self, call, path, cfg):
         p, c = call.program, call
-        self.program, self.path, self.cfg, self.device = p, path, cfg, c.device
-        self.lead, self.M, self.K = c.lead, c.M, c.K
+        self.path, self.cfg, self.device = path, cfg, c.device
+        self.M, self.K = c.M, c.K
         self.a_km, self.b_kn, _ = c.layout
         self.kernel, self.compiled = load_kernel(p, path), None
         self.describe = TensorDescriptor.from_tensor  # checked, until the first launch has compiled
@@ -313,11 +313,10 @@ class _Plan:
         self.options = dict(num_warps=cfg.num_warps, num_stages=cfg.STAGES)
         self.interpret = interpreting()
         # per operand: how the value passed becomes the kernel's view (see _Call._check_operands)
-        accum = [o for o in p.outputs.values() if o.kind == "store" and o.accumulate]
-        prepare = {name: _preparation(value, c.given[name], name in {o.name for o in accum})
-                   for name, value in c.operands.items()}
+        accum = [o.name for o in p.outputs.values() if o.kind == "store" and o.accumulate]
+        prepare = {name: _preparation(value, c.given[name], name in accum) for name, value in c.operands.items()}
         self.prepare = [(name, prep) for name, prep in prepare.items() if prep is not None]  # the others as given
-        self.accumulate = [(o.name, tuple(c.operands[o.name].shape)) for o in accum]
+        self.accumulate = accum
         written = [o for o in p.outputs.values() if (o.kind == "store" and not o.accumulate) or o.segment]
         self.user_written = [(o.name, (c.M, c.output_shape(o)[-1])) for o in written if o.name in c.user_out]
         self.allocated = [(o.name, c.output_shape(o), c.output_dtype(o), (c.M, c.output_shape(o)[-1]))
@@ -403,7 +402,7 @@ class _Plan:
         ops = dict(operands)
         for name, prep in self.prepare:
             ops[name] = prep(ops[name])
-        outs = {name: (operands[name], ops[name]) for name, _ in self.accumulate}
+        outs = {name: (operands[name], ops[name]) for name in self.accumulate}
         for name, shape, dtype, rows in self.allocated:
             t = torch.empty(shape, device=self.device, dtype=dtype)
             outs[name] = (t, t.view(rows))
