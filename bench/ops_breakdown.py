@@ -6,7 +6,7 @@ Llama-3-8B shapes (M = 16384 tokens, d = 4096). GPU time of each piece replayed 
 CUDA graph (no host overhead), against the cuBLAS GEMM of the same shape (the speed of
 light). Pieces: the plain codetta GEMM with one B and with B in parts; each op's fused
 epilogue GEMM; and the memory-bound kernels and torch passes around the GEMMs (RMSNorm
-statistics, RoPE tables and backward, the gate/up weight interleave copy, SwiGLU backward,
+statistics, RoPE tables and backward, the weight stacking copies, SwiGLU backward,
 the cross-entropy softmax gradient). Writes bench/results/ops_breakdown.{md,json}.
 """
 
@@ -23,7 +23,7 @@ import codetta  # noqa: E402
 from codetta.kernels.rope import rope_backward  # noqa: E402
 from codetta.kernels.softmax_grad import softmax_grad_  # noqa: E402
 from codetta.kernels.swiglu import swiglu_backward  # noqa: E402
-from codetta.ops import rope, swiglu  # noqa: E402
+from codetta.ops import rmsnorm, rope, swiglu  # noqa: E402
 from codetta.kernels.rmsnorm import rmsnorm_stats  # noqa: E402
 
 from common import markdown_table, median_graph_ms, write_results  # noqa: E402
@@ -55,11 +55,16 @@ def pieces():
     target = torch.randint(0, VOCAB, (CE_ROWS,), device="cuda")
     scale = torch.full((CE_ROWS,), 1.0 / CE_ROWS, device="cuda")
     rope_prog, swiglu_prog = rope._forward_program(HD, False), swiglu._forward_program()
+    norm_bwd = rmsnorm._consumer_backward()
     z_out = torch.empty(M, 2 * F, device="cuda", dtype=torch.bfloat16)
 
     def cublas(n, k):
         a, w = _bf16(M, k), _bf16(n, k)
         return lambda: a @ w.t()
+
+    def cublas_dgrad(n, k):  # dx [M, k] = dz [M, n] W [n, k]
+        dz, w = _bf16(M, n), _bf16(n, k)
+        return lambda: dz @ w
 
     return {
         "qkv: codetta plain GEMM, one B": (lambda: codetta.gemm(u, wqkv.t()), cublas(qkv_n, D), None),
@@ -67,6 +72,16 @@ def pieces():
         "qkv: RoPE epilogue GEMM, 3 parts": (
             lambda: codetta.gemm(u, [wq.t(), wk.t(), wv.t()], rope_prog, rstd=rstd, cos=cos, sin=sin, rotated=rotated),
             cublas(qkv_n, D), None),
+        "qkv: RoPE epilogue GEMM, one B (W_qkv stacked)": (
+            lambda: codetta.gemm(u, wqkv.t(), rope_prog, rstd=rstd, cos=cos, sin=sin, rotated=rotated),
+            cublas(qkv_n, D), None),
+        "qkv: W_q, W_k, W_v stacking copy": (lambda: torch.cat([wq, wk, wv]), None, 2 * qkv_n * D * 2),
+        "qkv dgrad: norm-backward epilogue GEMM, W in 3 parts": (
+            lambda: codetta.gemm(dqkv, [wq, wk, wv], norm_bwd, rstd=rstd, norm_weight=g, x=x, zdz=rstd, inv_d=1.0 / D),
+            cublas_dgrad(qkv_n, D), None),
+        "gate/up dgrad: norm-backward epilogue GEMM, W in 2 parts": (
+            lambda: codetta.gemm(z, [wg, wu], norm_bwd, rstd=rstd, norm_weight=g, x=x, zdz=rstd, inv_d=1.0 / D),
+            cublas_dgrad(2 * F, D), None),
         "rmsnorm stats (u, rstd)": (lambda: rmsnorm_stats(x, g, 1e-5), None, 2 * M * D * 2),
         "rope tables (fp64 angles)": (lambda: rope.rope_tables(pos, inv_freq, 1.0), None, 2 * M * HD // 2 * 4),
         "rope backward kernel": (lambda: rope_backward(dqkv, qkv, cos, sin, n_rotated=(HQ + HKV) * HD, head_dim=HD),
