@@ -7,6 +7,7 @@ state_dict, unpatch, and clear errors for what is not supported.
 """
 
 import copy
+import shutil
 
 import pytest
 import torch
@@ -212,11 +213,17 @@ def test_unsupported_models_and_options_are_refused_untouched():
         codetta.patch(tiny("LlamaForCausalLM"), rms_norm=False)
 
 
-def test_torch_compile_whole_patched_model_without_graph_break():
-    """fullgraph=True: one graph through the patched layers, codetta's custom ops and the fused loss."""
+_NO_CXX = DEVICE == "cpu" and not (shutil.which("c++") or shutil.which("g++"))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.skipif(
+    _NO_CXX, reason="inductor on a CPU needs a C++ compiler"))])
+def test_torch_compile_whole_patched_model_without_graph_break(backend):
+    """fullgraph=True: one graph through the patched layers, codetta's custom ops and the fused loss;
+    with inductor, the code around the ops is generated (C++ on a CPU, Triton on a GPU)."""
     ref = tiny("LlamaForCausalLM")
     model = codetta.patch(copy.deepcopy(ref))
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
     ids = torch.randint(0, VOCAB, (2, 10), device=DEVICE)
     loss = compiled(input_ids=ids, labels=ids).loss
     loss.backward()
