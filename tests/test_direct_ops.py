@@ -5,6 +5,7 @@ Both run the same implementation, so outputs and every gradient (weights given a
 included) must be identical, bit for bit; statistics outputs get no gradient either way.
 """
 
+import pytest
 import torch
 
 from codetta.ops import autograd, linear_residual, rmsnorm_linear, rmsnorm_qkv_rope, rmsnorm_swiglu
@@ -78,3 +79,13 @@ def test_direct_route_is_taken_for_plain_tensors_only():
     sub = torch.zeros(1).as_subclass(Sub)
     assert not autograd._runs_directly((sub,))
     assert not autograd._runs_directly(([torch.zeros(1), sub],))
+
+
+def test_second_derivatives_are_refused_not_dropped():
+    """Backward under create_graph=True goes through the dispatcher, whose backward ops say they
+    have no derivative: a second derivative fails loudly instead of coming out as zero."""
+    a, w, r = leaf(8, 12), leaf(16, 12), leaf(8, 16)
+    x = linear_residual(a, w, r)
+    (grad_a,) = torch.autograd.grad((x * x).sum(), a, create_graph=True)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        grad_a.sum().backward()

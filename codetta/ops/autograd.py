@@ -110,9 +110,10 @@ class DirectOp:
         if not _runs_directly(args):
             return self.op(*args)
         flat, layout = _flatten(args)
-        if self.backward is None or not torch.is_grad_enabled() or not any(
-                isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
+        if not torch.is_grad_enabled() or not any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
             return self.impl(*args)
+        if self.backward is None:  # e.g. a backward op under create_graph=True: the op says it has no derivative
+            return self.op(*args)
         return _Direct.apply(self, layout, *flat)
 
 
