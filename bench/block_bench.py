@@ -28,8 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from codetta.ops import linear_residual, rmsnorm_qkv_rope, rmsnorm_swiglu  # noqa: E402
 from codetta.ops.rope import rmsnorm_qkv_rope_reference  # noqa: E402
 
-from common import markdown_table, write_results  # noqa: E402
-from ops_bench import compare, sol_ms  # noqa: E402
+from ops_bench import compare_passes, table  # noqa: E402
 
 HD, EPS = 128, 1e-5
 
@@ -94,14 +93,8 @@ def main():
             variants = {"codetta": codetta_block(pos, inv_freq), "eager": eager_block(pos, inv_freq)}
             if not args.no_compile:
                 variants["compile"] = torch.compile(eager_block(pos, inv_freq), mode="max-autotune-no-cudagraphs")
-            for backward in (False, True):
-                sol = sol_ms(gemms(m, d), backward)
-                row = {"M": m, "d": d, "pass": "fwd+bwd" if backward else "fwd", "sol_ms": sol}
-                rows.append(compare(row, variants, lambda: make_inputs(m, d), backward))
-                print(row, flush=True)
-                columns = list(dict.fromkeys(key for r in rows for key in r))
-                write_results("block", rows, markdown_table(rows, columns))
-    print(markdown_table(rows, columns))
+            compare_passes(rows, {"M": m, "d": d}, variants, lambda: make_inputs(m, d), gemms(m, d), "block")
+    print(table(rows))
 
 
 if __name__ == "__main__":

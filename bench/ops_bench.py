@@ -180,6 +180,20 @@ def compare(row, variants, make, backward):
     return row
 
 
+def compare_passes(rows, head, variants, make, gemms, results):
+    """The forward, then the forward+backward: a row each (``head``, the pass, its SOL, the
+    variants' ratios), appended to ``rows`` and written to bench/results/``results`` at once."""
+    for backward in (False, True):
+        row = {**head, "pass": "fwd+bwd" if backward else "fwd", "sol_ms": sol_ms(gemms, backward)}
+        rows.append(compare(row, variants, make, backward))
+        print(row, flush=True)
+        write_results(results, rows, table(rows))
+
+
+def table(rows):
+    return markdown_table(rows, list(dict.fromkeys(key for r in rows for key in r)))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--m", default="16384", help="tokens, comma-separated (the loss op uses half of them, as ANCHORS)")
@@ -201,14 +215,8 @@ def main():
                 variants["compile"] = torch.compile(eager, mode=args.compile_mode)
             if name in liger_variants(m):
                 variants["liger"] = liger_variants(m)[name]
-            for backward in (False, True):
-                sol = sol_ms(gemms, backward)
-                row = {"op": name, "pass": "fwd+bwd" if backward else "fwd", "M": m, "sol_ms": sol}
-                rows.append(compare(row, variants, make, backward))
-                print(row, flush=True)
-                columns = list(dict.fromkeys(key for r in rows for key in r))
-                write_results("ops", rows, markdown_table(rows, columns))
-    print(markdown_table(rows, columns))
+            compare_passes(rows, {"op": name, "M": m}, variants, make, gemms, "ops")
+    print(table(rows))
 
 
 if __name__ == "__main__":
