@@ -31,7 +31,8 @@ along the output features, without a copy: the forward GEMM reads them as parts 
 N, the dgrad GEMM as parts along K, and each weight gradient is its own GEMM.
 
 Each operator is a ``torch.library`` custom op with a fake (shape) implementation and
-its backward registered, so torch.compile traces models that use it without graph breaks.
+its backward registered, so torch.compile traces models that use it without graph breaks;
+eager calls with plain tensors skip the dispatcher (:mod:`codetta.ops.autograd`).
 """
 
 from __future__ import annotations
