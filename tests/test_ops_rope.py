@@ -161,6 +161,22 @@ def test_rope_tables_reused_only_for_unchanged_inputs():
     assert torch.equal(rope_tables(pos.clone().expand(2, 8), inv_freq, 1.0)[1], torch.sin(theta).float())
 
 
+def test_layers_share_one_pair_of_tables_with_a_bf16_inv_freq(monkeypatch):
+    """A model cast to bf16 holds inv_freq in bf16: two layers' forward and backward still make
+    the tables once, from the bf16 values as they are (what the model's own rotary uses)."""
+    tensors, _, pos, inv_freq = make(24, 32, 8, 2, 1, 8, False, max_pos=4096)
+    inv_freq = inv_freq.bfloat16()
+    calls = []
+    cos = torch.cos
+    monkeypatch.setattr(torch, "cos", lambda t: calls.append(t.shape) or cos(t))
+    x = tensors[0].requires_grad_()
+    outs = [rmsnorm_qkv_rope(x, *tensors[1:], pos, inv_freq, head_dim=8, eps=EPS) for _ in range(2)]
+    sum(t.sum() for q_k_v in outs for t in q_k_v).backward()
+    assert len(calls) == 1
+    q_ref = hf_style(tensors[0].detach(), *tensors[1:], pos, inv_freq, 8, 8, 1.0, None)[0]
+    assert rel(outs[0][0], q_ref) < 1e-5
+
+
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
 def test_bf16_within_twice_eager_error(qk_norm):
     head_dim, hq, hkv = (16, 4, 2) if INTERPRET else (128, 8, 2)

@@ -243,7 +243,8 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
     Args:
         x: [..., d]; norm_weight: [d]; w_q: [H_q D, d]; w_k, w_v: [H_kv D, d].
         positions: the position of every token (integers), [...] like x's leading dims.
-        inv_freq: [rotary_dim / 2] fp32: the model's own rotary frequencies (HF's ``inv_freq``).
+        inv_freq: [rotary_dim / 2], any float dtype: the model's own rotary frequencies (HF's
+            ``inv_freq``, in bf16 when the model was cast to bf16; its values are used as they are).
         head_dim: D; rotary_dim: R (default D) with D a multiple of R (partial rotary), R a
             power of two. attention_scaling: HF's factor on cos and sin (rope scaling types).
         bias: optional (b_q, b_k, b_v) (Qwen2). stats: optional (u, rstd) from linear_residual.
@@ -260,8 +261,8 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
         raise ValueError(f"q/k/v weights {[tuple(w.shape) for w in weights]} are not whole heads of {head_dim}")
     if rotary_dim < 2 or rotary_dim & (rotary_dim - 1) or head_dim % rotary_dim:
         raise ValueError(f"rotary_dim {rotary_dim} must be a power of two dividing head_dim {head_dim}")
-    if inv_freq.shape != (rotary_dim // 2,):
-        raise ValueError(f"inv_freq must be [{rotary_dim // 2}], got {tuple(inv_freq.shape)}")
+    if inv_freq.shape != (rotary_dim // 2,) or not inv_freq.is_floating_point():
+        raise ValueError(f"inv_freq must be floating point [{rotary_dim // 2}], got {inv_freq.dtype} {tuple(inv_freq.shape)}")
     if positions.numel() != x.numel() // x.shape[-1] or positions.is_floating_point():
         raise ValueError(f"positions must be integers, one per token of x {tuple(x.shape[:-1])}, got {tuple(positions.shape)}")
     b = None
@@ -279,7 +280,9 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
             if w.device != x.device:
                 raise ValueError(f"{name} is on {w.device} but x is on {x.device}")
     u, rstd = stats if stats is not None else (None, None)
-    qkv = _qkv_rope_op(x, norm_weight, weights, b, positions, inv_freq.float(), nq[0], nk[0], head_dim, rotary_dim,
+    # inv_freq as given (a bf16 model holds it in bf16): the tables are made from it in fp64, and
+    # the same tensor in every layer lets them all share one pair of tables (rope_tables).
+    qkv = _qkv_rope_op(x, norm_weight, weights, b, positions, inv_freq, nq[0], nk[0], head_dim, rotary_dim,
                        float(attention_scaling), float(eps), u, rstd, q_norm_weight, k_norm_weight,
                        float(qk_norm_eps))[0]
     return tuple(torch.split(qkv, [w.shape[0] for w in weights], dim=-1))
