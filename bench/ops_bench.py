@@ -8,7 +8,7 @@ unfused way (the package's *_reference functions), torch.compile of that eager c
 and the SOL: the sum of the op's plain GEMMs timed
 alone with torch.matmul (forward GEMMs for "fwd"; plus the dX and dW GEMMs for "fwd+bwd").
 Ratios are time / SOL. Peak memory of each forward+backward too. Writes
-bench/results/ops.{md,json}."""
+bench/results/ops_m<M>.{md,json} (e.g. ops_m16384; the M list joined by "_")."""
 
 from __future__ import annotations
 
@@ -203,7 +203,7 @@ def main():
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("ops_bench needs a CUDA GPU")
-    rows = []
+    rows, results = [], "ops_m" + args.m.replace(",", "_")
     for tokens in (int(v) for v in args.m.split(",")):
         for name in cases(tokens):
             if name[0] not in args.ops.split(","):
@@ -215,7 +215,7 @@ def main():
                 variants["compile"] = torch.compile(eager, mode=args.compile_mode)
             if name in liger_variants(m):
                 variants["liger"] = liger_variants(m)[name]
-            compare_passes(rows, {"op": name, "M": m}, variants, make, gemms, "ops")
+            compare_passes(rows, {"op": name, "M": m}, variants, make, gemms, results)
     print(table(rows))
 
 

@@ -2,7 +2,7 @@
 
     python bench/plot.py
 
-ops.json: time / SOL per op and pass, one bar per variant (codetta, eager, Liger, compile),
+ops_m*.json: time / SOL per op and pass, one bar per variant (codetta, eager, Liger, compile),
 with the 1.03 target drawn; train.json: tokens/s and peak memory per variant; block.json
 (when present): time / SOL per width d and pass.
 """
@@ -70,8 +70,8 @@ def plot_train():
 
 
 def main():
-    if (RESULTS / "ops.json").exists():
-        _ratio_plot("ops", lambda r: f"{r['op']} {r['pass']}", "operators, Llama-3-8B shapes", 1.03)
+    for ops in sorted(RESULTS.glob("ops_m*.json")):
+        _ratio_plot(ops.stem, lambda r: f"{r['op']} M={r['M']} {r['pass']}", "operators, Llama-3-8B shapes", 1.03)
     if (RESULTS / "block.json").exists():
         _ratio_plot("block", lambda r: f"d={r['d']} M={r['M']} {r['pass']}", "non-attention block", 1.02)
     if (RESULTS / "train.json").exists():

@@ -218,7 +218,7 @@ def test_three_gemms_per_chunk_in_the_forward(monkeypatch):
                                 norm_weight=inputs["norm_weight"], eps=EPS, chunk_size=6)
     expected = []
     for i, rows in enumerate([6, 6, 6, 5]):  # logits; dW = dz^T h (written, then added); dh = dz W
-        expected += [("lce_logits_bias_float32", rows, 37), ("lce_dweight_add" if i else "lce_dweight", 37, 20),
+        expected += [("lce_logits_bias_float32", rows, 37), ("weight_grad_add" if i else "weight_grad", 37, 20),
                      ("plain", rows, 20)]
     assert [s[:3] for s in seen] == expected
     assert len({s[3] for s in seen if s[3] is not None}) == 1  # one logits buffer for every chunk

@@ -5,5 +5,9 @@ from .linear import linear
 from .rmsnorm import linear_residual, rmsnorm_linear
 from .rope import rmsnorm_qkv_rope
 from .swiglu import rmsnorm_swiglu
+from .weight_grads import accumulate_weight_grads
 
-__all__ = ["linear_cross_entropy", "linear", "linear_residual", "rmsnorm_linear", "rmsnorm_qkv_rope", "rmsnorm_swiglu"]
+__all__ = [
+    "accumulate_weight_grads", "linear_cross_entropy", "linear", "linear_residual", "rmsnorm_linear", "rmsnorm_qkv_rope",
+    "rmsnorm_swiglu",
+]

@@ -81,6 +81,7 @@ from ..kernels.softmax_grad import softmax_grad_
 from ..matmul import gemm
 from .rmsnorm import rms_rstd
 from .autograd import only_first_output_differentiable
+from .weight_grads import weight_grad_program
 
 _REDUCTIONS = ("mean", "sum", "none")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -142,13 +143,6 @@ def _logits_program(bias: bool, store: Optional[torch.dtype]) -> ep.Program:
 def _fp32_program() -> ep.Program:
     p = ep.Program("lce_fp32_out")
     p.store("out", p.acc, dtype=torch.float32)
-    return p
-
-
-@functools.lru_cache(maxsize=None)
-def _dweight_program(dtype: torch.dtype, accumulate: bool) -> ep.Program:
-    p = ep.Program("lce_dweight_add" if accumulate else "lce_dweight")
-    p.store("dw", p.acc, dtype=dtype, accumulate=accumulate)
     return p
 
 
@@ -216,9 +210,9 @@ def _row_scale(grad, valid, reduction):
 def _add_dweight(dw, dz, h, first):
     """dw = dz^T h (first chunk) or dw += dz^T h (later chunks, an accumulating store in dw's dtype)."""
     if first:
-        gemm(dz.t(), h, _dweight_program(dw.dtype, False), out={"dw": dw})
+        gemm(dz.t(), h, weight_grad_program(dw.dtype, False), out={"dw": dw})
     else:
-        gemm(dz.t(), h, _dweight_program(dw.dtype, True), dw=dw)
+        gemm(dz.t(), h, weight_grad_program(dw.dtype, True), dw=dw)
 
 
 def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs, fp32_grads=False):

@@ -47,6 +47,7 @@ from .. import epilogue as ep
 from ..kernels.rmsnorm import rmsnorm_stats
 from ..matmul import gemm
 from .autograd import direct_op, only_first_output_differentiable
+from .weight_grads import for_autograd, run_backward, weight_grads
 
 # ---------------------------------------------------------------------------------------
 # Programs
@@ -113,10 +114,6 @@ def _weight_k(weights: list[Tensor]):
     return weights[0] if len(weights) == 1 else list(weights)
 
 
-def _split_columns(t: Tensor, weights: list[Tensor]) -> list[Tensor]:
-    return list(torch.split(t, [w.shape[0] for w in weights], dim=-1))
-
-
 def rstd_from_sumsq(sumsq: Tensor, d: int, eps: float) -> Tensor:
     """r = rsqrt(sum_j x_j^2 / d + eps), fp32."""
     return torch.rsqrt(sumsq / d + eps)
@@ -157,24 +154,30 @@ def row_dot(a: Tensor, b: Tensor) -> Tensor:
     return (a.reshape(-1, a.shape[-1]).float() * b.reshape(-1, b.shape[-1]).float()).sum(-1)
 
 
-def rmsnorm_linear_backward(dz: Tensor, zdz: Tensor, x: Tensor, norm_weight: Tensor, weights: list[Tensor], rstd: Tensor):
+def rmsnorm_linear_backward(dz: Tensor, zdz: Tensor, x: Tensor, norm_weight: Tensor, weights: list[Tensor], rstd: Tensor,
+                            dweights_into=()):
     """(dx, dnorm_weight, [dW_i]) of z = RMSNorm(x) W^T given dz and zdz_i = sum_k z_ik dz_ik.
 
     z here is the GEMM's own output r ⊙row (u W^T), before any bias (see the module doc).
+    ``dweights_into``: see :func:`codetta.ops.weight_grads.weight_grads`.
     """
     d = x.shape[-1]
     x2, dz2 = x.reshape(-1, d), dz.reshape(-1, dz.shape[-1]).contiguous()
     out = gemm(dz2, _weight_k(weights), _consumer_backward(), rstd=rstd, norm_weight=norm_weight, x=x2, zdz=zdz,
                inv_d=1.0 / d)
-    dweights = [gemm(part.t(), out["h"]) for part in _split_columns(dz2, weights)]
+    dweights = weight_grads(dz2, out["h"], weights, dweights_into)
     return out["dx"].reshape(x.shape), out["dnorm_weight"].to(norm_weight.dtype), dweights
+
+
+def _rmsnorm_linear_backward_from_z(dz, z, x, norm_weight, weights, rstd, dweights_into=()):
+    return rmsnorm_linear_backward(dz, row_dot(z, dz), x, norm_weight, weights, rstd, dweights_into)
 
 
 @direct_op("codetta::rmsnorm_linear_backward")
 def _rmsnorm_linear_backward_op(
     dz: Tensor, z: Tensor, x: Tensor, norm_weight: Tensor, weights: list[Tensor], rstd: Tensor
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
-    return rmsnorm_linear_backward(dz, row_dot(z, dz), x, norm_weight, weights, rstd)
+    return _rmsnorm_linear_backward_from_z(dz, z, x, norm_weight, weights, rstd)
 
 
 @_rmsnorm_linear_backward_op.register_fake
@@ -191,8 +194,9 @@ def _rmsnorm_linear_setup(ctx, inputs, output):
 
 def _rmsnorm_linear_backward(ctx, dz, _drstd):
     z, x, norm_weight, rstd, *weights = ctx.saved_tensors
-    dx, dg, dws = _rmsnorm_linear_backward_op(dz, z, x, norm_weight, weights, rstd)
-    return dx, dg, dws, None, None, None
+    dx, dg, dws = run_backward(ctx, weights, _rmsnorm_linear_backward_op, _rmsnorm_linear_backward_from_z,
+                               dz, z, x, norm_weight, weights, rstd)
+    return dx, dg, for_autograd(dws), None, None, None
 
 
 _rmsnorm_linear_op.register_autograd(_rmsnorm_linear_backward, setup_context=_rmsnorm_linear_setup)
@@ -246,13 +250,17 @@ def _(a, weights, residual, bias, norm_weight, eps):
             residual.new_empty(m, dtype=torch.float32))
 
 
-@direct_op("codetta::linear_residual_backward")
-def _linear_residual_backward_op(dx: Tensor, a: Tensor, weights: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+def linear_residual_backward(dx: Tensor, a: Tensor, weights: list[Tensor], dweights_into=()):
+    """(da, [dW_i]) of x = a W^T + residual given dx (the residual's gradient is dx itself)."""
     dx2 = dx.reshape(-1, dx.shape[-1]).contiguous()
     a2 = a.reshape(-1, a.shape[-1])
     da = gemm(dx2, _weight_k(weights))
-    dweights = [gemm(part.t(), a2) for part in _split_columns(dx2, weights)]
-    return da.reshape(a.shape), dweights
+    return da.reshape(a.shape), weight_grads(dx2, a2, weights, dweights_into)
+
+
+@direct_op("codetta::linear_residual_backward")
+def _linear_residual_backward_op(dx: Tensor, a: Tensor, weights: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+    return linear_residual_backward(dx, a, weights)
 
 
 @_linear_residual_backward_op.register_fake
@@ -269,9 +277,9 @@ def _linear_residual_setup(ctx, inputs, output):
 
 def _linear_residual_backward(ctx, dx, _du, _drstd):
     a, *weights = ctx.saved_tensors
-    da, dws = _linear_residual_backward_op(dx, a, weights)
+    da, dws = run_backward(ctx, weights, _linear_residual_backward_op, linear_residual_backward, dx, a, weights)
     dbias = dx.reshape(-1, dx.shape[-1]).sum(0) if ctx.has_bias else None
-    return da, dws, dx, dbias, None, None
+    return da, for_autograd(dws), dx, dbias, None, None
 
 
 _linear_residual_op.register_autograd(_linear_residual_backward, setup_context=_linear_residual_setup)

@@ -66,6 +66,7 @@ from ..kernels.rope import rope_backward
 from ..kernels.rmsnorm import rmsnorm_stats
 from .rmsnorm import _check_norm_inputs, _weight_t, rmsnorm_linear_backward
 from .autograd import direct_op, only_first_output_differentiable
+from .weight_grads import for_autograd, run_backward
 
 
 @functools.lru_cache(maxsize=None)
@@ -166,14 +167,12 @@ def _(x, norm_weight, weights, bias, positions, inv_freq, n_q, n_kv, head_dim, r
     return x.new_empty(*x.shape[:-1], n), x.new_empty(m, dtype=torch.float32), z
 
 
-@direct_op("codetta::rmsnorm_qkv_rope_backward")
-def _qkv_rope_backward_op(
-    dqkv: Tensor, qkv: Optional[Tensor], x: Tensor, norm_weight: Tensor, weights: list[Tensor], bias: Optional[Tensor],
-    positions: Tensor, inv_freq: Tensor, n_q: int, n_kv: int, head_dim: int, rotary_dim: int,
-    attention_scaling: float, rstd: Tensor, z: Optional[Tensor], q_norm_weight: Optional[Tensor],
-    k_norm_weight: Optional[Tensor], qk_norm_eps: float,
-) -> tuple[Tensor, Tensor, list[Tensor], Tensor, Tensor, Tensor]:
-    """Without QK-norm it reads the output qkv; with QK-norm the pre-norm z instead (qkv unused)."""
+def rmsnorm_qkv_rope_backward(dqkv, qkv, x, norm_weight, weights, bias, positions, inv_freq, n_q, n_kv, head_dim,
+                              rotary_dim, attention_scaling, rstd, z, q_norm_weight, k_norm_weight, qk_norm_eps,
+                              dweights_into=()):
+    """(dx, dnorm_weight, [dW_q, dW_k, dW_v], dbias, dq_norm_weight, dk_norm_weight) given dqkv (the
+    module doc's backward). Without QK-norm it reads the output qkv; with QK-norm the pre-norm z
+    instead (qkv unused)."""
     n = dqkv.shape[-1]
     dqkv2 = dqkv.reshape(-1, n)
     cos, sin = rope_tables(positions, inv_freq, attention_scaling)
@@ -187,9 +186,20 @@ def _qkv_rope_backward_op(
         dqw, dkw = dqkv.new_empty(0, dtype=torch.float32), dqkv.new_empty(0, dtype=torch.float32)
     if bias is not None:
         zdz = zdz - dz.float() @ bias.float()
-    dx, dg, dws = rmsnorm_linear_backward(dz, zdz, x, norm_weight, weights, rstd)
+    dx, dg, dws = rmsnorm_linear_backward(dz, zdz, x, norm_weight, weights, rstd, dweights_into)
     dbias = dz.float().sum(0).to(bias.dtype) if bias is not None else dqkv.new_empty(0, dtype=torch.float32)
     return dx, dg, dws, dbias, dqw, dkw
+
+
+@direct_op("codetta::rmsnorm_qkv_rope_backward")
+def _qkv_rope_backward_op(
+    dqkv: Tensor, qkv: Optional[Tensor], x: Tensor, norm_weight: Tensor, weights: list[Tensor], bias: Optional[Tensor],
+    positions: Tensor, inv_freq: Tensor, n_q: int, n_kv: int, head_dim: int, rotary_dim: int,
+    attention_scaling: float, rstd: Tensor, z: Optional[Tensor], q_norm_weight: Optional[Tensor],
+    k_norm_weight: Optional[Tensor], qk_norm_eps: float,
+) -> tuple[Tensor, Tensor, list[Tensor], Tensor, Tensor, Tensor]:
+    return rmsnorm_qkv_rope_backward(dqkv, qkv, x, norm_weight, weights, bias, positions, inv_freq, n_q, n_kv, head_dim,
+                                     rotary_dim, attention_scaling, rstd, z, q_norm_weight, k_norm_weight, qk_norm_eps)
 
 
 @_qkv_rope_backward_op.register_fake
@@ -219,11 +229,12 @@ def _backward(ctx, dqkv, _drstd, _dz):
     saved, x, norm_weight, positions, inv_freq, rstd, bias, q_norm_weight, k_norm_weight, *weights = ctx.saved_tensors
     n_q, n_kv, head_dim, rotary_dim, scale, has_bias, qk_norm, qk_norm_eps = ctx.meta
     qk = (saved, q_norm_weight, k_norm_weight) if qk_norm else (None, None, None)
-    dx, dg, dws, dbias, dqw, dkw = _qkv_rope_backward_op(
+    dx, dg, dws, dbias, dqw, dkw = run_backward(
+        ctx, weights, _qkv_rope_backward_op, rmsnorm_qkv_rope_backward,
         dqkv, None if qk_norm else saved, x, norm_weight, weights, bias if has_bias else None, positions, inv_freq,
         n_q, n_kv, head_dim, rotary_dim, scale, rstd, *qk, qk_norm_eps)
     none10 = (None,) * 10
-    return (dx, dg, dws, dbias if has_bias else None, *none10, dqw if qk_norm else None, dkw if qk_norm else None, None)
+    return (dx, dg, for_autograd(dws), dbias if has_bias else None, *none10, dqw if qk_norm else None, dkw if qk_norm else None, None)
 
 
 _qkv_rope_op.register_autograd(_backward, setup_context=_setup)

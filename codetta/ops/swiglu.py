@@ -43,6 +43,7 @@ from ..kernels.swiglu import swiglu_backward
 from ..kernels.rmsnorm import rmsnorm_stats
 from .rmsnorm import _check_norm_inputs, rmsnorm_linear_backward
 from .autograd import direct_op, only_first_output_differentiable
+from .weight_grads import for_autograd, run_backward
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,13 +79,18 @@ def _(x, norm_weight, w_gate, w_up, eps, u, rstd):
     return x.new_empty(*x.shape[:-1], f), x.new_empty(m, 2 * f), x.new_empty(m, dtype=torch.float32)
 
 
+def rmsnorm_swiglu_backward(dy, z, x, norm_weight, w_gate, w_up, rstd, dweights_into=()):
+    """(dx, dnorm_weight, dW_gate, dW_up) given dy (the module doc's steps 1 and 2)."""
+    dz, zdz = swiglu_backward(dy.reshape(z.shape[0], -1).to(z.dtype), z)
+    dx, dg, (dwg, dwu) = rmsnorm_linear_backward(dz, zdz, x, norm_weight, [w_gate, w_up], rstd, dweights_into)
+    return dx, dg, dwg, dwu
+
+
 @direct_op("codetta::rmsnorm_swiglu_backward")
 def _rmsnorm_swiglu_backward_op(
     dy: Tensor, z: Tensor, x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, rstd: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    dz, zdz = swiglu_backward(dy.reshape(z.shape[0], -1).to(z.dtype), z)
-    dx, dg, (dwg, dwu) = rmsnorm_linear_backward(dz, zdz, x, norm_weight, [w_gate, w_up], rstd)
-    return dx, dg, dwg, dwu
+    return rmsnorm_swiglu_backward(dy, z, x, norm_weight, w_gate, w_up, rstd)
 
 
 @_rmsnorm_swiglu_backward_op.register_fake
@@ -101,8 +107,9 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dy, _dz, _drstd):
     z, x, norm_weight, w_gate, w_up, rstd = ctx.saved_tensors
-    dx, dg, dwg, dwu = _rmsnorm_swiglu_backward_op(dy, z, x, norm_weight, w_gate, w_up, rstd)
-    return dx, dg, dwg, dwu, None, None, None
+    dx, dg, dwg, dwu = run_backward(ctx, [w_gate, w_up], _rmsnorm_swiglu_backward_op, rmsnorm_swiglu_backward,
+                                    dy, z, x, norm_weight, w_gate, w_up, rstd)
+    return dx, dg, *for_autograd([dwg, dwu]), None, None, None
 
 
 _rmsnorm_swiglu_op.register_autograd(_backward, setup_context=_setup)

@@ -1,0 +1,108 @@
+"""Weight gradients dW = dz^T h (the wgrad GEMM), optionally added into an existing ``.grad``.
+
+With gradient accumulation over micro-batches, every backward after the first normally
+costs one more pass per weight: the GEMM writes dW, then autograd's ``W.grad += dW`` reads
+W.grad and dW and writes W.grad again. Inside :func:`accumulate_weight_grads`, codetta's
+operators instead run the wgrad GEMM with an accumulating store into the existing W.grad:
+
+    W.grad = round(W.grad + dz^T h)      (fp32 sum in the epilogue, one rounding)
+
+and give autograd no gradient for that weight (it would add it a second time). So what
+autograd does after accumulating a gradient does not happen for such a weight: a Python
+``register_post_accumulate_grad_hook`` on it turns the fusion off for it, but hooks that
+autograd's C++ side keeps, as DistributedDataParallel's reducer does, cannot be seen:
+**do not use it with DDP.** Weights that are not plain tensors (FSDP2's DTensors), weights
+without a .grad yet (the first micro-batch), torch.compile and create_graph backward passes
+take the usual path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import epilogue as ep
+from ..matmul import gemm
+
+_ENABLED = [0]  # nesting depth of accumulate_weight_grads(); read by autograd's worker threads too
+
+
+@contextlib.contextmanager
+def accumulate_weight_grads():
+    """Within this context, backward passes through codetta's layer operators add each weight
+    gradient into the weight's existing ``.grad`` in the wgrad GEMM's epilogue (see the
+    module doc, and do not use it with DDP)::
+
+        for i, batch in enumerate(micro_batches):
+            loss = model(**batch).loss / len(micro_batches)
+            with codetta.ops.accumulate_weight_grads():
+                loss.backward()
+    """
+    _ENABLED[0] += 1
+    try:
+        yield
+    finally:
+        _ENABLED[0] -= 1
+
+
+def _existing_grad(w: Tensor) -> Optional[Tensor]:
+    g = w.grad
+    if (type(w) is not torch.nn.Parameter and type(w) is not torch.Tensor) or type(g) is not torch.Tensor:
+        return None
+    if not w.is_leaf or getattr(w, "_post_accumulate_grad_hooks", None):
+        return None
+    if g.shape != w.shape or g.dtype != w.dtype or g.device != w.device:
+        return None
+    return g
+
+
+def run_backward(ctx, weights: list[Tensor], op, math, *args):
+    """An operator's backward: ``op(*args)``, its registered backward op; or, inside
+    :func:`accumulate_weight_grads` and when some weight has a .grad to add into,
+    ``math(*args, dweights_into=[that .grad or None per weight])``, the same computation as
+    a plain function, whose weight gradients for those weights come back empty.
+
+    Only on the direct eager route (``ctx.direct``, see :mod:`codetta.ops.autograd`) with
+    grad mode off: the registered ops stay pure, so torch.compile and tensor subclasses
+    keep autograd's own accumulation.
+    """
+    if _ENABLED[0] and getattr(ctx, "direct", None) is not None and not torch.is_grad_enabled():
+        into = [_existing_grad(w) for w in weights]
+        if any(t is not None for t in into):
+            return math(*args, dweights_into=into)
+    return op(*args)
+
+
+@functools.lru_cache(maxsize=None)
+def weight_grad_program(dtype: torch.dtype, accumulate: bool) -> ep.Program:
+    """dw = acc, or dw += acc (an accumulating store), stored in ``dtype``."""
+    p = ep.Program("weight_grad_add" if accumulate else "weight_grad")
+    p.store("dw", p.acc, dtype=dtype, accumulate=accumulate)
+    return p
+
+
+def weight_grads(dz: Tensor, h: Tensor, weights: list[Tensor], dweights_into=()) -> list[Tensor]:
+    """dW_i = dz_i^T h for the column blocks dz_i of dz [M, sum N_i] (one per weight [N_i, d]),
+    h [M, d]; where ``dweights_into`` gives a tensor, dW_i is added into it instead and
+    comes back empty (see :func:`for_autograd`)."""
+    parts = torch.split(dz, [w.shape[0] for w in weights], dim=-1)
+    into = list(dweights_into) or [None] * len(weights)
+    return [weight_grad(part, h, t) for part, t in zip(parts, into)]
+
+
+def weight_grad(dz: Tensor, h: Tensor, into: Optional[Tensor]) -> Tensor:
+    """dz^T h [N, d] for dz [M, N], h [M, d]; with ``into``, added into it instead, and an empty
+    tensor returned."""
+    if into is None:
+        return gemm(dz.t(), h)
+    gemm(dz.t(), h, weight_grad_program(into.dtype, True), dw=into)
+    return h.new_empty(0)
+
+
+def for_autograd(dws: list[Tensor]) -> list[Optional[Tensor]]:
+    """The gradients to hand autograd: None for those already added into .grad."""
+    return [None if dw.numel() == 0 else dw for dw in dws]

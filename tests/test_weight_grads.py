@@ -1,0 +1,160 @@
+"""codetta.ops.accumulate_weight_grads: the wgrad GEMMs add into existing .grad tensors.
+
+Two micro-batches, the second one's backward inside the context: every weight's .grad must
+equal the fp64 sum of both micro-batches' gradients (the same math written with
+torch.nn.functional), and the additions must have happened in the GEMM (counted), with
+autograd handed no second copy. Outside the context, or for a weight with a hook on its
+accumulated gradient, autograd accumulates as usual.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import codetta.ops.weight_grads as weight_grads
+from codetta.ops import (
+    accumulate_weight_grads,
+    linear_residual,
+    rmsnorm_linear,
+    rmsnorm_qkv_rope,
+    rmsnorm_swiglu,
+)
+from conftest import DEVICE
+
+M, D, EPS = 24, 32, 1e-6
+HEAD = 8
+INV_FREQ = 1.0 / 10000 ** (torch.arange(0, HEAD, 2, dtype=torch.float64) / HEAD)
+
+
+def _rms(x, g):
+    return F.rms_norm(x, (x.shape[-1],), g, EPS)
+
+
+def _rope(t, pos):
+    theta = pos.double()[:, None] * INV_FREQ.to(t.device)
+    cos, sin = torch.cat((theta.cos(), theta.cos()), -1)[:, None], torch.cat((theta.sin(), theta.sin()), -1)[:, None]
+    heads = t.reshape(t.shape[0], -1, HEAD)
+    x1, x2 = heads.chunk(2, dim=-1)
+    return (heads * cos + torch.cat((-x2, x1), -1) * sin).reshape(t.shape)
+
+
+# name -> (weight shapes, codetta op, the same math in plain PyTorch); each takes (x, g, pos, weights)
+OPS = {
+    "linear_residual": ([(D, 24)],
+                        lambda x, g, pos, w: linear_residual(x[:, :24], w[0], x),
+                        lambda x, g, pos, w: F.linear(x[:, :24], w[0]) + x),
+    "rmsnorm_linear": ([(16, D), (24, D)],
+                       lambda x, g, pos, w: rmsnorm_linear(x, g, list(w), EPS),
+                       lambda x, g, pos, w: F.linear(_rms(x, g), torch.cat(w))),
+    "rmsnorm_swiglu": ([(48, D), (48, D)],
+                       lambda x, g, pos, w: rmsnorm_swiglu(x, g, *w, EPS),
+                       lambda x, g, pos, w: F.silu(F.linear(_rms(x, g), w[0])) * F.linear(_rms(x, g), w[1])),
+    "rmsnorm_qkv_rope": ([(32, D), (16, D), (16, D)],
+                         lambda x, g, pos, w: torch.cat(rmsnorm_qkv_rope(x, g, *w, pos, INV_FREQ.float().to(x.device),
+                                                                         head_dim=HEAD, eps=EPS), -1),
+                         lambda x, g, pos, w: torch.cat((_rope(F.linear(_rms(x, g), w[0]), pos),
+                                                         _rope(F.linear(_rms(x, g), w[1]), pos),
+                                                         F.linear(_rms(x, g), w[2])), -1)),
+}
+
+
+@pytest.fixture
+def added_in_gemm(monkeypatch):
+    """The number of wgrad GEMMs that added into a given tensor."""
+    calls = []
+    gemm = weight_grads.gemm
+
+    def counting(a, b, program=None, **operands):
+        calls.append(program is not None and program.name == "weight_grad_add")
+        return gemm(a, b, program, **operands)
+
+    monkeypatch.setattr(weight_grads, "gemm", counting)
+    return lambda: sum(calls)
+
+
+def _micro_batches(n_batches):
+    return [(torch.randn(M, D, device=DEVICE), torch.randint(0, 4096, (M,), device=DEVICE)) for _ in range(n_batches)]
+
+
+def _reference_grads(name, weights, g, batches, out_grads):
+    shapes, _, reference = OPS[name]
+    w64 = [w.detach().double().requires_grad_() for w in weights]
+    for (x, pos), dy in zip(batches, out_grads):
+        (reference(x.double(), g.double(), pos, w64) * dy.double()).sum().backward()
+    return [w.grad for w in w64]
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_second_micro_batch_adds_into_grad_in_the_gemm(name, added_in_gemm):
+    shapes, op, _ = OPS[name]
+    weights = [torch.nn.Parameter(torch.randn(*s, device=DEVICE) / D**0.5) for s in shapes]
+    g = 1 + 0.2 * torch.randn(D, device=DEVICE)
+    batches = _micro_batches(2)
+    out_grads = [torch.randn_like(op(x, g, pos, weights)) for x, pos in batches]
+
+    (op(*batches[0][:1], g, batches[0][1], weights) * out_grads[0]).sum().backward()
+    assert added_in_gemm() == 0  # no .grad yet: autograd's usual path
+    first_grads = [w.grad for w in weights]
+    with accumulate_weight_grads():
+        (op(batches[1][0], g, batches[1][1], weights) * out_grads[1]).sum().backward()
+    assert added_in_gemm() == len(weights)
+    for w, ref, first in zip(weights, _reference_grads(name, weights, g, batches, out_grads), first_grads):
+        assert w.grad is first  # added in place, not replaced
+        err = ((w.grad.double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-5, err
+
+
+def test_outside_the_context_autograd_accumulates(added_in_gemm):
+    shapes, op, _ = OPS["rmsnorm_swiglu"]
+    weights = [torch.nn.Parameter(torch.randn(*s, device=DEVICE) / D**0.5) for s in shapes]
+    g = torch.ones(D, device=DEVICE)
+    batches = _micro_batches(2)
+    out_grads = [torch.randn(M, 48, device=DEVICE) for _ in batches]
+    for (x, pos), dy in zip(batches, out_grads):
+        (op(x, g, pos, weights) * dy).sum().backward()
+    assert added_in_gemm() == 0
+    for w, ref in zip(weights, _reference_grads("rmsnorm_swiglu", weights, g, batches, out_grads)):
+        assert ((w.grad.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_a_weight_with_a_post_accumulate_hook_keeps_autograd_accumulation(added_in_gemm):
+    shapes, op, _ = OPS["rmsnorm_qkv_rope"]
+    weights = [torch.nn.Parameter(torch.randn(*s, device=DEVICE) / D**0.5) for s in shapes]
+    seen = []
+    weights[1].register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    g = torch.ones(D, device=DEVICE)
+    batches = _micro_batches(2)
+    out_grads = [torch.randn(M, 64, device=DEVICE) for _ in batches]
+    for i, ((x, pos), dy) in enumerate(zip(batches, out_grads)):
+        with accumulate_weight_grads():
+            (op(x, g, pos, weights) * dy).sum().backward()
+    assert added_in_gemm() == 2  # W_q and W_v in the second micro-batch; W_k through autograd, its hook ran
+    assert len(seen) == 2
+    refs = _reference_grads("rmsnorm_qkv_rope", weights, g, batches, out_grads)
+    assert ((seen[1].double() - refs[1]).norm() / refs[1].norm()).item() < 1e-5
+    for w, ref in zip(weights, refs):
+        assert ((w.grad.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_patched_model_micro_batches(added_in_gemm):
+    transformers = pytest.importorskip("transformers")
+    import codetta
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      max_position_embeddings=64, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    plain = transformers.LlamaForCausalLM(config).to(DEVICE).float()
+    patched = codetta.patch(copy.deepcopy(plain))
+    batches = [torch.randint(0, 64, (2, 12), device=DEVICE) for _ in range(2)]
+    for i, ids in enumerate(batches):
+        plain(input_ids=ids, labels=ids).loss.backward()
+        with accumulate_weight_grads():
+            patched(input_ids=ids, labels=ids).loss.backward()
+    assert added_in_gemm() == 2 * 7  # per layer: W_q, W_k, W_v, W_o, W_gate, W_up, W_down
+    grads = dict(patched.named_parameters())
+    for name, p in plain.named_parameters():
+        err = ((grads[name].grad - p.grad).norm() / p.grad.norm()).item()
+        assert err < 2e-5, (name, err)
