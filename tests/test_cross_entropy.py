@@ -45,8 +45,10 @@ def grads_of(loss, inputs, grad_output):
     return loss.detach(), dict(zip(wrt, grads))
 
 
-def pytorch(inputs, reduction="mean", ignore_index=-100, grad_output=None, dtype=torch.float64):
-    """F.cross_entropy(F.linear(h, W, b)) with h = x or F.rms_norm(x), in ``dtype``, and its gradients."""
+def pytorch(inputs, reduction="mean", ignore_index=-100, grad_output=None, dtype=torch.float64, label_smoothing=0.0,
+            z_loss=0.0):
+    """F.cross_entropy(F.linear(h, W, b)) with h = x or F.rms_norm(x), in ``dtype``, and its gradients;
+    with ``z_loss`` c, plus c logsumexp(logits)^2 for each row not ignored, reduced alike."""
     cast = {k: (v.detach().to(dtype).requires_grad_(v.requires_grad) if k in PARAMS and v is not None else v)
             for k, v in inputs.items()}
     h = cast["x"]
@@ -54,8 +56,12 @@ def pytorch(inputs, reduction="mean", ignore_index=-100, grad_output=None, dtype
         h = F.rms_norm(h, (h.shape[-1],), cast["norm_weight"], EPS)
     logits = F.linear(h, cast["weight"], cast["bias"])
     logits = logits if dtype == torch.float64 else logits.float()
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), cast["target"].reshape(-1),
-                           ignore_index=ignore_index, reduction=reduction)
+    flat, target = logits.reshape(-1, logits.shape[-1]), cast["target"].reshape(-1)
+    loss = F.cross_entropy(flat, target, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
+    if z_loss:
+        valid = target != ignore_index
+        penalty = torch.where(valid, z_loss * torch.logsumexp(flat, -1).square(), 0.0)
+        loss = loss + {"none": penalty, "sum": penalty.sum(), "mean": penalty.sum() / valid.sum()}[reduction]
     if reduction == "none":
         loss = loss.view(cast["target"].shape)
     return grads_of(loss, cast, None if grad_output is None else grad_output.to(loss.dtype))
@@ -80,10 +86,12 @@ def close(out, ref, tol=1e-5):
     assert err <= tol * ref.abs().max().clamp_min(1e-12).item(), err
 
 
-def check(inputs, reduction="mean", ignore_index=-100, tol=1e-5, **options):
+def check(inputs, reduction="mean", ignore_index=-100, tol=1e-5, label_smoothing=0.0, z_loss=0.0, **options):
     grad_output = random_grad_output(reduction, inputs["target"])
-    loss, grads = ours(inputs, reduction, grad_output, ignore_index=ignore_index, **options)
-    ref_loss, ref_grads = pytorch(inputs, reduction, ignore_index, grad_output)
+    loss, grads = ours(inputs, reduction, grad_output, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                       z_loss=z_loss, **options)
+    ref_loss, ref_grads = pytorch(inputs, reduction, ignore_index, grad_output, label_smoothing=label_smoothing,
+                                  z_loss=z_loss)
     assert loss.dtype == torch.float32
     close(loss, ref_loss, tol)
     assert grads.keys() == ref_grads.keys()
@@ -102,6 +110,30 @@ def check(inputs, reduction="mean", ignore_index=-100, tol=1e-5, **options):
 def test_matches_pytorch(reduction, bias, norm):
     """19 rows in chunks of 5 (4 chunks, the last one short), 3 ignored targets, V = 37."""
     check(make(bias=bias, norm=norm, ignored=3), reduction, chunk_size=5)
+
+
+@pytest.mark.parametrize("label_smoothing, z_loss", [(0.1, 0.0), (0.0, 1e-2), (0.3, 1e-3), (1.0, 0.0)])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_label_smoothing_and_z_loss(reduction, label_smoothing, z_loss):
+    """As F.cross_entropy(label_smoothing=e) plus c lse^2 per row: loss and every gradient, with
+    ignored rows and chunks that do not divide the rows."""
+    check(make(bias=True, norm=True, ignored=3), reduction, chunk_size=5, label_smoothing=label_smoothing,
+          z_loss=z_loss)
+
+
+def test_label_smoothing_and_z_loss_reference():
+    inputs = make(lead=(7,), bias=True, ignored=2)
+    loss = ce.linear_cross_entropy_reference(inputs["x"], inputs["weight"], inputs["target"], bias=inputs["bias"],
+                                             label_smoothing=0.2, z_loss=1e-2)
+    close(loss.detach(), pytorch(inputs, label_smoothing=0.2, z_loss=1e-2)[0])
+
+
+@pytest.mark.parametrize("option, value", [("label_smoothing", -0.1), ("label_smoothing", 1.5), ("z_loss", -1.0),
+                                           ("z_loss", float("nan")), ("label_smoothing", "0.1"), ("z_loss", True)])
+def test_bad_label_smoothing_or_z_loss(option, value):
+    inputs = make()
+    with pytest.raises(ValueError, match=option):
+        linear_cross_entropy(inputs["x"], inputs["weight"], inputs["target"], **{option: value})
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -174,14 +206,17 @@ def test_no_valid_target(reduction, rows):
 # bf16 / fp16: error of ours <= 2 x error of eager PyTorch in that dtype (both against fp64)
 
 
-@pytest.mark.parametrize("dtype, reduction", [(torch.bfloat16, "mean"), (torch.bfloat16, "sum"),
-                                              (torch.bfloat16, "none"), (torch.float16, "mean")])
-def test_half_precision_within_twice_eager_error(dtype, reduction):
+@pytest.mark.parametrize("dtype, reduction, options", [
+    (torch.bfloat16, "mean", {}), (torch.bfloat16, "sum", {}), (torch.bfloat16, "none", {}), (torch.float16, "mean", {}),
+    (torch.bfloat16, "mean", dict(label_smoothing=0.1, z_loss=1e-3)),
+    (torch.bfloat16, "none", dict(label_smoothing=0.1, z_loss=1e-3)),
+])
+def test_half_precision_within_twice_eager_error(dtype, reduction, options):
     inputs = make(lead=(40,), d=32, vocab=131, bias=True, norm=True, ignored=4, dtype=dtype)
     grad_output = random_grad_output(reduction, inputs["target"])
-    loss, grads = ours(inputs, reduction, grad_output, chunk_size=16)
-    eager_loss, eager_grads = pytorch(inputs, reduction, grad_output=grad_output, dtype=dtype)
-    ref_loss, ref_grads = pytorch(inputs, reduction, grad_output=grad_output)
+    loss, grads = ours(inputs, reduction, grad_output, chunk_size=16, **options)
+    eager_loss, eager_grads = pytorch(inputs, reduction, grad_output=grad_output, dtype=dtype, **options)
+    ref_loss, ref_grads = pytorch(inputs, reduction, grad_output=grad_output, **options)
 
     def err(t, ref):
         return (t.double() - ref).abs().max().item()
@@ -353,6 +388,24 @@ def test_softmax_grad_kernel(dtype):
     torch.testing.assert_close(rest, outside, rtol=0, atol=0, equal_nan=True)
 
 
+def test_softmax_grad_kernel_label_smoothing_and_z_loss():
+    """dz = (p (1 + 2 c lse) - (1 - e) onehot - e / N) * scale, fp32, ignored rows untouched by the one-hot."""
+    from codetta.kernels.softmax_grad import softmax_grad_
+
+    m, n, e, c = 9, 37, 0.2, 0.05
+    z = 3 * torch.randn(m, n, device=DEVICE)
+    z64 = z.double()
+    lse = torch.logsumexp(z64, 1)
+    target = torch.randint(0, n, (m,), device=DEVICE)
+    target[2] = -100
+    scale = torch.rand(m, device=DEVICE) + 0.5
+    onehot = F.one_hot(target.clamp_min(0), n).double() * (target >= 0).double()[:, None]
+    p = torch.exp(z64 - lse[:, None])
+    ref = (p * (1 + 2 * c * lse[:, None]) - (1 - e) * onehot - e / n) * scale.double()[:, None]
+    softmax_grad_(z, lse.float(), target, scale, label_smoothing=e, z_loss=c, block_m=4, block_n=16)
+    assert (z.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
+
+
 # --------------------------------------------------------------------------------------
 # Errors
 
@@ -423,7 +476,7 @@ def test_opcheck(reduction, in_forward):
     """
     inputs = make(lead=(5,), d=8, vocab=11, bias=True, norm=True, ignored=1)
     args = (inputs["x"], inputs["weight"], inputs["target"], inputs["bias"], inputs["norm_weight"], -100, reduction,
-            EPS, 2, *[in_forward] * 4)
+            EPS, 0.1, 1e-3, 2, *[in_forward] * 4)
     fused = in_forward and reduction != "none"
     utils = ("test_schema", "test_autograd_registration", "test_faketensor") if fused else None
     torch.library.opcheck(torch.ops.codetta.linear_cross_entropy.default, args,

@@ -2,7 +2,12 @@
 
 ``softmax_grad_(z, lse, target, scale)`` turns the logits z [M, N] (bf16, fp16 or fp32)
 into dz_ij = (exp(z_ij - lse_i) - [j == t_i]) * s_i, computed in fp32 and stored in z's
-dtype (rounded to nearest even, also in Triton's interpreter). One memory-bound pass: a
+dtype (rounded to nearest even, also in Triton's interpreter). With label smoothing e and
+a z-loss coefficient c (loss_i + c lse_i^2), the general form is
+
+    dz_ij = (p_ij (1 + 2 c lse_i) - (1 - e) [j == t_i] - e / N) * s_i,   p_ij = exp(z_ij - lse_i)
+
+(e = c = 0 computes exactly the plain form: the extra terms are exact no-ops then). One memory-bound pass: a
 2-D grid of [BLOCK_M, BLOCK_N] blocks, masked at the edges; only the elements of the view
 z are read and written (any row stride, unit column stride).
 """
@@ -17,7 +22,7 @@ from .launch import launch
 
 
 @triton.jit
-def _softmax_grad_kernel(z_ptr, z_stride, lse_ptr, target_ptr, scale_ptr, M, N,
+def _softmax_grad_kernel(z_ptr, z_stride, lse_ptr, target_ptr, scale_ptr, M, N, target_weight, uniform, z_loss_2,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_RNE: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -28,17 +33,20 @@ def _softmax_grad_kernel(z_ptr, z_stride, lse_ptr, target_ptr, scale_ptr, M, N,
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
     scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
-    onehot = tl.where(cols[None, :] == target[:, None], 1.0, 0.0)
-    dz = (tl.exp(z.to(tl.float32) - lse[:, None]) - onehot) * scale[:, None]
+    onehot = tl.where(cols[None, :] == target[:, None], target_weight, 0.0)
+    p = tl.exp(z.to(tl.float32) - lse[:, None]) * (1.0 + z_loss_2 * lse[:, None])
+    dz = (p - onehot - uniform) * scale[:, None]
     tl.store(ptrs, cast(dz, z.dtype, EMULATE_RNE), mask=mask)
 
 
 def softmax_grad_(z: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, *,
-                  block_m: int = 16, block_n: int = 512) -> torch.Tensor:
+                  label_smoothing: float = 0.0, z_loss: float = 0.0, block_m: int = 16,
+                  block_n: int = 512) -> torch.Tensor:
     """z [M, N] becomes (softmax(z) - onehot(target)) * scale, in place; returns z.
 
     lse, scale: fp32 [M] (lse_i = logsumexp of row i, s_i its weight: 0 skips the row);
     target: integer [M] (a value outside [0, N), e.g. an ignore_index, has no one-hot).
+    label_smoothing, z_loss: e and c of the module doc's general form.
     """
     m, n = z.shape
     if z.stride(1) != 1 and n > 1:
@@ -51,5 +59,6 @@ def softmax_grad_(z: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scal
     if m and n:
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
         launch(_softmax_grad_kernel, grid, z, z.stride(0), lse.contiguous(), target.contiguous(), scale.contiguous(), m, n,
-                                   BLOCK_M=block_m, BLOCK_N=block_n, EMULATE_RNE=interpreting(), num_warps=4)
+               1.0 - label_smoothing, label_smoothing / n, 2.0 * z_loss,
+               BLOCK_M=block_m, BLOCK_N=block_n, EMULATE_RNE=interpreting(), num_warps=4)
     return z

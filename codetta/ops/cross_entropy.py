@@ -9,10 +9,18 @@ target t_i is not ``ignore_index`` (the valid rows, n_valid of them),
     loss_i = lse_i - zt_i                                 (0 for ignored rows)
 
 reduced as "none" (per row), "sum", or "mean" (sum / n_valid: NaN when n_valid = 0, as
-in PyTorch). With dloss_i = dL/dloss_i (grad_output / n_valid for "mean", grad_output
+in PyTorch). Optionally, with label smoothing e (PyTorch's ``label_smoothing``) and a
+z-loss coefficient c (PaLM's auxiliary loss, pulling lse towards 0):
+
+    zs_i   = sum_j z_ij                                   (row_sum in the epilogue, when e > 0)
+    loss_i = lse_i - (1 - e) zt_i - (e / V) zs_i + c lse_i^2
+
+With dloss_i = dL/dloss_i (grad_output / n_valid for "mean", grad_output
 for "sum", grad_output_i for "none"; 0 for ignored rows), the gradients are
 
-    dz_ij = (exp(z_ij - lse_i) - [j == t_i]) * dloss_i    (softmax minus one-hot)
+    dz_ij = (p_ij (1 + 2 c lse_i) - (1 - e) [j == t_i] - e / V) * dloss_i,  p_ij = exp(z_ij - lse_i)
+
+(softmax minus one-hot when e = c = 0), and
     dh = dz W,   dW = dz^T h,   db_j = sum_i dz_ij,
     RMSNorm:  dx = r ⊙row (dxh - xh ⊙row mean_k(dxh ⊙ xh)),  dg = sum_i dh_i ⊙ xh_i,
               with xh = x ⊙row r and dxh = dh ⊙col g.
@@ -71,6 +79,7 @@ torch.compile traces it without a graph break. There is no double backward.
 """
 
 import functools
+import math
 from typing import Optional
 
 import torch
@@ -119,8 +128,9 @@ def _is_target(p: ep.Program):
 
 
 @functools.lru_cache(maxsize=None)
-def _logits_program(bias: bool, store: Optional[torch.dtype]) -> ep.Program:
-    """Per row: lse = logsumexp of the logits, target_logit = the logit at the target column.
+def _logits_program(bias: bool, store: Optional[torch.dtype], logit_sum: bool = False) -> ep.Program:
+    """Per row: lse = logsumexp of the logits, target_logit = the logit at the target column,
+    and with ``logit_sum`` the sum of the row's logits (label smoothing).
 
     With ``store`` (the input dtype, when gradients are computed) the logits are rounded to it
     first and stored; lse and the target logit then come from the rounded logits, as eager
@@ -128,7 +138,7 @@ def _logits_program(bias: bool, store: Optional[torch.dtype]) -> ep.Program:
     they come from the fp32 accumulators.
     """
     suffix = f"_{str(store).split('.')[-1]}" if store is not None else ""
-    p = ep.Program(f"lce_{'logits' if store else 'loss'}{'_bias' if bias else ''}{suffix}")
+    p = ep.Program(f"lce_{'logits' if store else 'loss'}{'_bias' if bias else ''}{'_sum' if logit_sum else ''}{suffix}")
     z = _logits(p, bias)
     if store is not None:
         if store != torch.float32:
@@ -136,6 +146,8 @@ def _logits_program(bias: bool, store: Optional[torch.dtype]) -> ep.Program:
         p.store("logits", z)
     p.row_logsumexp("lse", z)
     p.row_sum("target_logit", ep.where(_is_target(p), z, 0.0))
+    if logit_sum:
+        p.row_sum("logit_sum", z)
     return p
 
 
@@ -193,6 +205,17 @@ def _check_target_values(target, vocab, ignore_index):
         raise ValueError(f"{message}; target[{i}] = {int(target[i])} (flattened index)")
 
 
+def _losses(valid, lse, target_logit, logit_sum, vocab, label_smoothing, z_loss):
+    """loss_i (fp32 [M], 0 on ignored rows): see the module doc."""
+    if label_smoothing:
+        loss = lse - (1 - label_smoothing) * target_logit - (label_smoothing / vocab) * logit_sum
+    else:
+        loss = lse - target_logit
+    if z_loss:
+        loss = loss + z_loss * lse.square()
+    return torch.where(valid, loss, 0.0)
+
+
 def _reduce(losses, valid, reduction):
     if reduction == "none":
         return losses
@@ -215,10 +238,12 @@ def _add_dweight(dw, dz, h, first):
         gemm(dz.t(), h, weight_grad_program(dw.dtype, True), dw=dw)
 
 
-def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs, fp32_grads=False):
-    """lse, target_logit (fp32 [M]) and the gradients (dx, dweight, dbias, dnorm_weight) of
-    sum_i scale_i loss_i asked for by ``needs`` (None for the others), chunk by chunk.
-    With ``fp32_grads``, dx, dbias and dnorm_weight stay fp32 (they are scaled afterwards).
+def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs, fp32_grads=False,
+             label_smoothing=0.0, z_loss=0.0):
+    """lse, target_logit, logit_sum (fp32 [M]; logit_sum None without label smoothing) and
+    the gradients (dx, dweight, dbias, dnorm_weight) of sum_i scale_i loss_i asked for by
+    ``needs`` (None for the others), chunk by chunk. With ``fp32_grads``, dx, dbias and
+    dnorm_weight stay fp32 (they are scaled afterwards).
 
     Gradients are computed only when one is needed: then each chunk's logits are stored
     (one buffer for all chunks) and turned into dz; see the module docstring.
@@ -228,8 +253,9 @@ def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs
     fp32 = {"device": x.device, "dtype": torch.float32}
     lse = torch.empty(rows, **fp32)
     target_logit = torch.empty_like(lse)
+    logit_sum = torch.empty_like(lse) if label_smoothing else None
     store = any(needs)
-    program = _logits_program(bias is not None, x.dtype if store else None)
+    program = _logits_program(bias is not None, x.dtype if store else None, bool(label_smoothing))
     if store:  # rows padded to 16 bytes, so that the GEMMs can read and write it through TMA
         pad = 16 // x.element_size()
         logits = x.new_empty(min(rows, chunk_size), -(-vocab // pad) * pad)[:, :vocab]
@@ -243,12 +269,14 @@ def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs
     for i, c in enumerate(_chunks(rows, chunk_size)):
         h, rstd = _hidden(x[c], norm_weight, eps)
         out = {"lse": lse[c], "target_logit": target_logit[c]}
+        if label_smoothing:
+            out["logit_sum"] = logit_sum[c]
         if store:
             out["logits"] = dz = logits[: c.stop - c.start]
         gemm(h, weight.t(), program, out=out, target=target[c], **_bias_operand(bias))
         if not store:
             continue
-        softmax_grad_(dz, lse[c], target[c], scale[c])
+        softmax_grad_(dz, lse[c], target[c], scale[c], label_smoothing=label_smoothing, z_loss=z_loss)
         if need_bias:
             db += dz.sum(0, dtype=torch.float32)
         if need_weight:
@@ -267,7 +295,7 @@ def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs
         db if not need_bias or fp32_grads else db.to(bias.dtype),
         dg if not need_norm_weight or fp32_grads else dg.to(norm_weight.dtype),
     )
-    return lse, target_logit, grads
+    return lse, target_logit, logit_sum, grads
 
 
 def _in_forward(reduction, needs):
@@ -300,6 +328,8 @@ def _forward(
     ignore_index: int,
     reduction: str,
     eps: float,
+    label_smoothing: float,
+    z_loss: float,
     chunk_size: int,
     need_x: bool,
     need_weight: bool,
@@ -313,14 +343,15 @@ def _forward(
     valid = target != ignore_index
     needs = _in_forward(reduction, (need_x, need_weight, need_bias, need_norm_weight))
     scale = _row_scale(torch.ones((), device=x.device), valid, reduction) if any(needs) else None
-    lse, target_logit, grads = _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs,
-                                        fp32_grads=True)
-    losses = torch.where(valid, lse - target_logit, 0.0)
+    lse, target_logit, logit_sum, grads = _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs,
+                                                   fp32_grads=True, label_smoothing=label_smoothing, z_loss=z_loss)
+    losses = _losses(valid, lse, target_logit, logit_sum, weight.shape[0], label_smoothing, z_loss)
     return (_reduce(losses, valid, reduction), *_grad_outputs(x, grads))
 
 
 @_forward.register_fake
-def _forward_fake(x, weight, target, bias, norm_weight, ignore_index, reduction, eps, chunk_size, *needs):
+def _forward_fake(x, weight, target, bias, norm_weight, ignore_index, reduction, eps, label_smoothing, z_loss,
+                  chunk_size, *needs):
     loss = x.new_empty((x.shape[0],) if reduction == "none" else (), dtype=torch.float32)
     return (loss, *_fake_grads(x, weight, bias, norm_weight, _in_forward(reduction, needs), fp32_grads=True))
 
@@ -349,6 +380,8 @@ def _backward(
     ignore_index: int,
     reduction: str,
     eps: float,
+    label_smoothing: float,
+    z_loss: float,
     chunk_size: int,
     need_x: bool,
     need_weight: bool,
@@ -358,23 +391,25 @@ def _backward(
     """(dx, dweight, dbias, dnorm_weight) for ``grad``, the logits recomputed; a gradient not asked for is empty."""
     scale = _row_scale(grad, target != ignore_index, reduction)
     needs = (need_x, need_weight, need_bias, need_norm_weight)
-    _, _, grads = _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs)
+    *_, grads = _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs,
+                         label_smoothing=label_smoothing, z_loss=z_loss)
     return _grad_outputs(x, grads)
 
 
 @_backward.register_fake
-def _backward_fake(grad, x, weight, target, bias, norm_weight, ignore_index, reduction, eps, chunk_size, *needs):
+def _backward_fake(grad, x, weight, target, bias, norm_weight, ignore_index, reduction, eps, label_smoothing, z_loss,
+                   chunk_size, *needs):
     return _fake_grads(x, weight, bias, norm_weight, needs)
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, target, bias, norm_weight, ignore_index, reduction, eps, chunk_size, *needs = inputs
+    x, weight, target, bias, norm_weight, ignore_index, reduction, eps, label_smoothing, z_loss, chunk_size, *needs = inputs
     ctx.in_forward = _in_forward(reduction, needs)
     if any(ctx.in_forward):
         ctx.save_for_backward(*output[1:])
     else:
         ctx.save_for_backward(x, weight, target, bias, norm_weight)
-    ctx.options = (ignore_index, reduction, eps, chunk_size)
+    ctx.options = (ignore_index, reduction, eps, label_smoothing, z_loss, chunk_size)
     ctx.dtypes = tuple(t.dtype if t is not None else None for t in (x, weight, bias, norm_weight))
     only_first_output_differentiable(ctx, output)
 
@@ -394,7 +429,7 @@ def _autograd_backward(ctx, grad_loss, *_grad_gradients):
     else:
         grads = _backward(grad_loss, *ctx.saved_tensors, *ctx.options, *needs)
     dx, dw, db, dg = (g if n else None for g, n in zip(grads, needs))
-    return dx, dw, None, db, dg, None, None, None, None, None, None, None, None
+    return dx, dw, None, db, dg, *(None,) * 10
 
 
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -404,7 +439,7 @@ _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 # The public functions
 
 
-def _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size):
+def _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size, label_smoothing=0.0, z_loss=0.0):
     def fail(msg):
         raise ValueError(f"linear_cross_entropy: {msg}")
 
@@ -442,15 +477,19 @@ def _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size):
         fail(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         fail(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    for name, value, high in (("label_smoothing", label_smoothing, 1.0), ("z_loss", z_loss, math.inf)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= high:
+            fail(f"{name} must be a number in [0, {high}], got {value!r}")
 
 
 def linear_cross_entropy(x, weight, target, *, bias=None, ignore_index=-100, reduction="mean",
-                         norm_weight=None, eps=1e-6, chunk_size=None):
+                         norm_weight=None, eps=1e-6, chunk_size=None, label_smoothing=0.0, z_loss=0.0):
     """Cross-entropy of the logits ``h W^T + b``, never materialized for all rows at once.
 
     Equals ``F.cross_entropy(F.linear(h, weight, bias).float(), target, ignore_index=...,
-    reduction=...)`` with h = x, or h = ``F.rms_norm(x, (d,), norm_weight, eps)`` when
-    ``norm_weight`` is given. When gradients are computed in the forward ("mean", "sum"),
+    reduction=..., label_smoothing=...)`` with h = x, or h = ``F.rms_norm(x, (d,),
+    norm_weight, eps)`` when ``norm_weight`` is given, plus ``z_loss * lse^2`` per row (not
+    ignored) when ``z_loss`` > 0, reduced likewise. When gradients are computed in the forward ("mean", "sum"),
     loss and gradients come from the logits rounded to x's dtype, as in eager PyTorch;
     otherwise from the fp32 logits.
 
@@ -461,34 +500,36 @@ def linear_cross_entropy(x, weight, target, *, bias=None, ignore_index=-100, red
         reduction: "mean" (over the rows not ignored), "sum", or "none" (x's leading shape).
         chunk_size: rows per chunk (default :func:`default_chunk_size`: 2^30 bytes of
             logits in x's dtype at most, or all rows when that takes less memory).
+        label_smoothing: e in [0, 1], as PyTorch's: the target distribution is (1 - e) one-hot
+            + e uniform. z_loss: c >= 0, the coefficient of the auxiliary loss c lse^2 (PaLM).
 
     Gradients flow to x, weight, bias and norm_weight; for "mean" and "sum" they are
     computed in this call when grad mode is on and an input requires grad. See the module
     docstring for the math, the design and the memory bound.
     """
-    _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size)
+    _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size, label_smoothing, z_loss)
     vocab, d = weight.shape
     rows = x.numel() // d if d else 0
     chunk = default_chunk_size(vocab, x.dtype, rows=rows, d=d) if chunk_size is None else chunk_size
     grad = torch.is_grad_enabled()
     needs = [grad and t is not None and t.requires_grad for t in (x, weight, bias, norm_weight)]
     loss, *_ = _forward(x.reshape(-1, d), weight, target.reshape(-1).long(), bias, norm_weight,
-                        int(ignore_index), reduction, float(eps), chunk, *needs)
+                        int(ignore_index), reduction, float(eps), float(label_smoothing), float(z_loss), chunk, *needs)
     return loss.reshape(target.shape) if reduction == "none" else loss
 
 
 def linear_cross_entropy_reference(x, weight, target, *, bias=None, ignore_index=-100, reduction="mean",
-                                   norm_weight=None, eps=1e-6):
+                                   norm_weight=None, eps=1e-6, label_smoothing=0.0, z_loss=0.0):
     """The same math in plain PyTorch over whole tensors (materializes the [M, V] logits).
 
     Logits in fp32 (as codetta's fp32 accumulators), RMSNorm in fp32 rounded once to x's
     dtype; differentiable by autograd. For comparison and debugging.
     """
-    _check_inputs(x, weight, target, bias, norm_weight, reduction, None)
+    _check_inputs(x, weight, target, bias, norm_weight, reduction, None, label_smoothing, z_loss)
     _check_target_values(target.reshape(-1), weight.shape[0], ignore_index)
     h = _hidden(x, norm_weight, eps)[0].float()
     z = F.linear(h, weight.float(), None if bias is None else bias.float())
     valid = target != ignore_index
     picked = z.gather(-1, torch.where(valid, target, 0).long().unsqueeze(-1)).squeeze(-1)
-    losses = torch.where(valid, torch.logsumexp(z, -1) - picked, 0.0)
+    losses = _losses(valid, torch.logsumexp(z, -1), picked, z.sum(-1), z.shape[-1], label_smoothing, z_loss)
     return _reduce(losses, valid, reduction)
