@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from codetta.ops import linear_residual, rmsnorm_qkv_rope, rmsnorm_swiglu  # noqa: E402
+from codetta.ops import linear_residual, rmsnorm_qkv_rope, swiglu_mlp  # noqa: E402
 from codetta.ops.rope import rmsnorm_qkv_rope_reference  # noqa: E402
 
 from ops_bench import compare_passes, table  # noqa: E402
@@ -58,8 +58,7 @@ def rope_args(m: int):
 def codetta_block(pos, inv_freq):
     def block(a, x, wo, g2, wg, wu, wd, g1, wq, wk, wv):
         x1, s1 = linear_residual(a, wo, x, g2, EPS)
-        y = rmsnorm_swiglu(x1, g2, wg, wu, EPS, stats=s1)
-        x2, s2 = linear_residual(y, wd, x1, g1, EPS)
+        x2, s2 = swiglu_mlp(x1, g2, wg, wu, wd, EPS, stats=s1, next_norm_weight=g1, next_eps=EPS)
         return (x2, *rmsnorm_qkv_rope(x2, g1, wq, wk, wv, pos, inv_freq, head_dim=HD, eps=EPS, stats=s2))
     return block
 

@@ -7,8 +7,8 @@ GEMM that makes a residual stream also makes the statistics of the norm that rea
     q, k, v = RoPE(RMSNorm_l(x) W_qkv^T)          rmsnorm_qkv_rope, reading (u, rstd) of x
     a       = SDPA(q, k, v), causal               torch.nn.functional.scaled_dot_product_attention
     x1, s1  = a W_o^T + x, stats of x1            linear_residual: producer of RMSNorm'_l
-    y       = SwiGLU(RMSNorm'_l(x1) W_gu^T)       rmsnorm_swiglu, reading s1
-    x, s    = y W_d^T + x1, stats of x            linear_residual: producer of RMSNorm_{l+1}
+    x, s    = x1 + SwiGLU(RMSNorm'_l(x1) W_gu^T)  swiglu_mlp, reading s1; producer of RMSNorm_{l+1}
+              W_d^T, stats of x                   (x1's two gradients summed in an epilogue)
 
 Only the first layer's norm computes its statistics by itself (one memory-bound pass over
 the embeddings); the last down projection makes none, and the loss folds the final norm
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .kernels.rmsnorm import rmsnorm_stats
-from .ops import linear_cross_entropy, linear_residual, rmsnorm_qkv_rope, rmsnorm_swiglu
+from .ops import linear_cross_entropy, linear_residual, rmsnorm_qkv_rope, swiglu_mlp
 
 
 @dataclass(frozen=True)
@@ -80,10 +80,10 @@ class DecoderLayer(nn.Module):
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=cfg.num_heads != cfg.num_kv_heads)
         a = a.transpose(1, 2).reshape(b, s, -1)
         x1, stats1 = linear_residual(a, self.o_proj, x, self.post_attention_norm, eps)
-        y = rmsnorm_swiglu(x1, self.post_attention_norm, self.gate_proj, self.up_proj, eps, stats=stats1)
+        mlp = (x1, self.post_attention_norm, self.gate_proj, self.up_proj, self.down_proj, eps)
         if next_norm is None:
-            return linear_residual(y, self.down_proj, x1), None
-        return linear_residual(y, self.down_proj, x1, next_norm, eps)
+            return swiglu_mlp(*mlp, stats=stats1), None
+        return swiglu_mlp(*mlp, stats=stats1, next_norm_weight=next_norm, next_eps=eps)
 
 
 class Decoder(nn.Module):

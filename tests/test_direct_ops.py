@@ -8,7 +8,7 @@ included) must be identical, bit for bit; statistics outputs get no gradient eit
 import pytest
 import torch
 
-from codetta.ops import autograd, linear_residual, rmsnorm_linear, rmsnorm_qkv_rope, rmsnorm_swiglu
+from codetta.ops import autograd, linear_residual, rmsnorm_linear, rmsnorm_qkv_rope, rmsnorm_swiglu, swiglu_mlp
 from conftest import DEVICE
 
 EPS = 1e-6
@@ -26,7 +26,7 @@ def inputs():
         wq=leaf(2 * HD, D, scale=0.2), wk=leaf(HD, D, scale=0.2), wv=leaf(HD, D, scale=0.2),
         bq=leaf(2 * HD, scale=0.1), bk=leaf(HD, scale=0.1), bv=leaf(HD, scale=0.1),
         qn=leaf(HD, scale=0.2, shift=1.0), kn=leaf(HD, scale=0.2, shift=1.0),
-        wg=leaf(40, D, scale=0.2), wu=leaf(40, D, scale=0.2),
+        wg=leaf(40, D, scale=0.2), wu=leaf(40, D, scale=0.2), wd=leaf(D, 40, scale=0.2),
     )
 
 
@@ -40,7 +40,8 @@ def block(t):
                                q_norm_weight=t["qn"], k_norm_weight=t["kn"])
     y = rmsnorm_swiglu(x1, t["g"], t["wg"], t["wu"], EPS, stats=stats)
     z = rmsnorm_linear(x1, t["g"], [t["wq"], t["wk"]], EPS)
-    return [q, k, v, y, z, stats[0], stats[1]]
+    x2, stats2 = swiglu_mlp(x1, t["g"], t["wg"], t["wu"], t["wd"], EPS, stats=stats, next_norm_weight=t["g"])
+    return [q, k, v, y, z, x2, *stats, *stats2]
 
 
 def run(route_direct: bool, monkeypatch):
@@ -49,7 +50,7 @@ def run(route_direct: bool, monkeypatch):
     t = inputs()
     outs = block(t)
     torch.manual_seed(1)
-    loss = sum((o * torch.randn_like(o)).sum() for o in outs[:5])
+    loss = sum((o * torch.randn_like(o)).sum() for o in outs[:6])
     loss.backward()
     monkeypatch.undo()
     return outs, {name: p.grad for name, p in t.items()}
@@ -62,7 +63,7 @@ def test_direct_and_dispatched_routes_agree(monkeypatch):
     assert type(dispatched[3].grad_fn).__name__.startswith("GeneratedBackwardFor_codetta_rmsnorm_swiglu")
     for a, b in zip(direct, dispatched):
         assert torch.equal(a, b)
-    assert not direct[5].requires_grad and not direct[6].requires_grad  # statistics: no gradient
+    assert not any(s.requires_grad for s in direct[6:])  # statistics: no gradient
     for name, grad in grads_direct.items():
         assert grad is not None, name
         assert torch.equal(grad, grads_dispatched[name]), name

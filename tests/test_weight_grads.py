@@ -20,6 +20,7 @@ from codetta.ops import (
     rmsnorm_linear,
     rmsnorm_qkv_rope,
     rmsnorm_swiglu,
+    swiglu_mlp,
 )
 from conftest import DEVICE
 
@@ -51,6 +52,10 @@ OPS = {
     "rmsnorm_swiglu": ([(48, D), (48, D)],
                        lambda x, g, pos, w: rmsnorm_swiglu(x, g, *w, EPS),
                        lambda x, g, pos, w: F.silu(F.linear(_rms(x, g), w[0])) * F.linear(_rms(x, g), w[1])),
+    "swiglu_mlp": ([(48, D), (48, D), (D, 48)],
+                   lambda x, g, pos, w: swiglu_mlp(x, g, *w, EPS),
+                   lambda x, g, pos, w: x + F.linear(F.silu(F.linear(_rms(x, g), w[0])) * F.linear(_rms(x, g), w[1]),
+                                                     w[2])),
     "rmsnorm_qkv_rope": ([(32, D), (16, D), (16, D)],
                          lambda x, g, pos, w: torch.cat(rmsnorm_qkv_rope(x, g, *w, pos, INV_FREQ.float().to(x.device),
                                                                          head_dim=HEAD, eps=EPS), -1),

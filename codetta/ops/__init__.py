@@ -2,6 +2,7 @@
 
 from .cross_entropy import linear_cross_entropy
 from .linear import linear
+from .mlp import swiglu_mlp
 from .rmsnorm import linear_residual, rmsnorm_linear
 from .rope import rmsnorm_qkv_rope
 from .swiglu import rmsnorm_swiglu
@@ -9,5 +10,5 @@ from .weight_grads import accumulate_weight_grads
 
 __all__ = [
     "accumulate_weight_grads", "linear_cross_entropy", "linear", "linear_residual", "rmsnorm_linear", "rmsnorm_qkv_rope",
-    "rmsnorm_swiglu",
+    "rmsnorm_swiglu", "swiglu_mlp",
 ]

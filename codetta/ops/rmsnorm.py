@@ -26,6 +26,10 @@ Backward of the consumer, given dz (one GEMM, one epilogue; dgrad layout):
     dg_j = sum_i r_i acc_ij x_ij                (column sums in the epilogue, finished after)
     h = x ⊙row r ⊙col g                         (stored: the operand of dW = dz^T h)
 
+When x also feeds a residual branch (x2 = x + f(RMSNorm(x)), as in a block's MLP half), the
+gradient that branch hands x, dres, can be given: the epilogue then writes dx + dres, the
+sum autograd would otherwise make in a separate pass (see :mod:`codetta.ops.mlp`).
+
 The weights may be given as several tensors (W_q, W_k, W_v) read as one, concatenated
 along the output features, without a copy: the forward GEMM reads them as parts along
 N, the dgrad GEMM as parts along K, and each weight gradient is its own GEMM.
@@ -74,10 +78,11 @@ def _consumer() -> ep.Program:
 
 
 @functools.lru_cache(maxsize=None)
-def _consumer_backward() -> ep.Program:
-    p = ep.Program("rmsnorm_linear_backward")
+def _consumer_backward(with_residual_grad: bool = False) -> ep.Program:
+    p = ep.Program("rmsnorm_linear_backward" + ("_residual" if with_residual_grad else ""))
     acc, r, g, x = p.acc, p.row("rstd"), p.col("norm_weight"), p.aux("x")
-    p.store("dx", r * g * acc - p.row("zdz") * r * r * p.scalar("inv_d") * x)
+    dx = r * g * acc - p.row("zdz") * r * r * p.scalar("inv_d") * x
+    p.store("dx", p.aux("residual_grad") + dx if with_residual_grad else dx)
     p.col_sum("dnorm_weight", acc * r * x)
     p.store("h", x * r * g)
     return p
@@ -155,16 +160,18 @@ def row_dot(a: Tensor, b: Tensor) -> Tensor:
 
 
 def rmsnorm_linear_backward(dz: Tensor, zdz: Tensor, x: Tensor, norm_weight: Tensor, weights: list[Tensor], rstd: Tensor,
-                            dweights_into=()):
+                            dweights_into=(), residual_grad: Optional[Tensor] = None):
     """(dx, dnorm_weight, [dW_i]) of z = RMSNorm(x) W^T given dz and zdz_i = sum_k z_ik dz_ik.
 
     z here is the GEMM's own output r ⊙row (u W^T), before any bias (see the module doc).
-    ``dweights_into``: see :func:`codetta.ops.weight_grads.weight_grads`.
+    ``dweights_into``: see :func:`codetta.ops.weight_grads.weight_grads`. ``residual_grad``
+    (x's shape): a gradient of x from elsewhere, added to dx in the epilogue.
     """
     d = x.shape[-1]
     x2, dz2 = x.reshape(-1, d), dz.reshape(-1, dz.shape[-1]).contiguous()
-    out = gemm(dz2, _weight_k(weights), _consumer_backward(), rstd=rstd, norm_weight=norm_weight, x=x2, zdz=zdz,
-               inv_d=1.0 / d)
+    extra = {} if residual_grad is None else {"residual_grad": residual_grad.reshape(-1, d)}
+    out = gemm(dz2, _weight_k(weights), _consumer_backward(residual_grad is not None), rstd=rstd,
+               norm_weight=norm_weight, x=x2, zdz=zdz, inv_d=1.0 / d, **extra)
     dweights = weight_grads(dz2, out["h"], weights, dweights_into)
     return out["dx"].reshape(x.shape), out["dnorm_weight"].to(norm_weight.dtype), dweights
 

@@ -4,9 +4,9 @@
                                                        Qwen3's QK-norm too, before RoPE)
     a       = attention(q, k, v)                       the model's own attention function (sdpa, flash, eager)
     x1, s   = a W_o^T + x, with RMSNorm stats of x1    linear_residual (the next norm's producer)
-    y       = silu(RMSNorm(x1) W_g^T) * (... W_u^T)    rmsnorm_swiglu (norm folded, gate/up side by side)
-    x2, s'  = y W_d^T + x1, with the next layer's      linear_residual (the next layer's norm producer)
-              input-norm stats of x2
+    x2, s'  = x1 + (silu(RMSNorm(x1) W_g^T)            swiglu_mlp: rmsnorm_swiglu (norm folded, gate/up side
+              * (... W_u^T)) W_d^T, with the next       by side), then linear_residual (the next layer's norm
+              layer's input-norm stats of x2            producer); x1's two gradients summed in an epilogue
 
 The next layer's input norm reads s' (a :class:`StatsHandoff` between the two layers)
 when it is given exactly x2, as in the model's own layer loop; otherwise (the first
@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from ...ops import linear_residual, rmsnorm_linear, rmsnorm_qkv_rope, rmsnorm_swiglu
+from ...ops import linear_residual, rmsnorm_linear, rmsnorm_qkv_rope, swiglu_mlp
 from .architectures import Architecture
 
 
@@ -131,12 +131,6 @@ def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_id
     q, k, v = _qkv(layer, plan, x, plan.incoming.take(x), position_ids, position_embeddings, kwargs)
     a = _attention(attn, q, k, v, attention_mask, past_key_values, kwargs)
     x1, stats = linear_residual(a, attn.o_proj.weight, x, ln2.weight, ln2.variance_epsilon, bias=attn.o_proj.bias)
-    if plan.fuse_swiglu:
-        y = rmsnorm_swiglu(x1, ln2.weight, mlp.gate_proj.weight, mlp.up_proj.weight, ln2.variance_epsilon, stats=stats)
-    else:
-        gate, up = torch.chunk(rmsnorm_linear(x1, ln2.weight, [mlp.gate_proj.weight, mlp.up_proj.weight],
-                                              ln2.variance_epsilon, stats=stats), 2, dim=-1)
-        y = mlp.act_fn(gate) * up
     ln_next = plan.next_norm
     hand_on = (
         plan.outgoing is not None
@@ -144,8 +138,16 @@ def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_id
         # a plain tensor: under FSDP2 the next layer's weights are sharded (DTensor) until its own forward
         and type(ln_next.weight) in (torch.Tensor, torch.nn.Parameter)
     )
+    next_norm = dict(next_norm_weight=ln_next.weight, next_eps=ln_next.variance_epsilon) if hand_on else {}
+    if plan.fuse_swiglu:
+        out = swiglu_mlp(x1, ln2.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
+                         ln2.variance_epsilon, stats=stats, **next_norm)
+    else:
+        gate, up = torch.chunk(rmsnorm_linear(x1, ln2.weight, [mlp.gate_proj.weight, mlp.up_proj.weight],
+                                              ln2.variance_epsilon, stats=stats), 2, dim=-1)
+        out = linear_residual(mlp.act_fn(gate) * up, mlp.down_proj.weight, x1, *next_norm.values())
     if not hand_on:
-        return linear_residual(y, mlp.down_proj.weight, x1)
-    x2, stats2 = linear_residual(y, mlp.down_proj.weight, x1, ln_next.weight, ln_next.variance_epsilon)
+        return out
+    x2, stats2 = out
     plan.outgoing.put(x2, stats2)
     return x2

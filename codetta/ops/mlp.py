@@ -1,0 +1,126 @@
+"""The MLP half of a Llama-family block as one operator, residual included.
+
+With h = RMSNorm(x) (:mod:`codetta.ops.rmsnorm`) and W_g, W_u [F, d], W_d [d, F]:
+
+    z = [z_g | z_u] = h [W_g; W_u]^T,   y = silu(z_g) * z_u,   x2 = y W_d^T + x
+
+Forward: the SwiGLU GEMM of :func:`codetta.ops.rmsnorm_swiglu`, then the producer GEMM of
+:func:`codetta.ops.linear_residual` (which also gives the next norm's statistics of x2).
+
+Backward, given dx2. x reaches x2 along two paths, the norm and the residual, so
+dx = dx2 + (the norm's gradient). Written as two operators, autograd adds the two with a
+separate kernel (a read of both and a write, [M, d] each); here the sum is made in the
+epilogue of the norm-backward GEMM, which reads dx2 as one more tile:
+
+    dy = dx2 W_d,   dW_d = dx2^T y                         (plain GEMMs)
+    dz, zdz = SwiGLU backward of dy                         (one memory-bound kernel)
+    dx = dx2 + norm backward of dz                          (one GEMM, dx2 added in its epilogue)
+    dW_g, dW_u = dz_g^T h, dz_u^T h
+
+y and z are kept from the forward (as the two operators keep them).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .autograd import direct_op, only_first_output_differentiable
+from .rmsnorm import _check_norm_inputs, _linear_residual_op, linear_residual_backward
+from .swiglu import _rmsnorm_swiglu_op, rmsnorm_swiglu_backward
+from .weight_grads import for_autograd, run_backward
+
+
+@direct_op("codetta::swiglu_mlp")
+def _mlp_op(
+    x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, eps: float, u: Optional[Tensor],
+    rstd: Optional[Tensor], next_norm_weight: Optional[Tensor], next_eps: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(x2, u2, rstd2, y, z, rstd): x2 and its next norm's statistics (empty without
+    next_norm_weight), then what the backward keeps."""
+    y, z, rstd_used = _rmsnorm_swiglu_op.impl(x, norm_weight, w_gate, w_up, eps, u, rstd)
+    x2, u2, rstd2 = _linear_residual_op.impl(y, [w_down], x, None, next_norm_weight, next_eps)
+    return x2, u2, rstd2, y, z, rstd_used
+
+
+@_mlp_op.register_fake
+def _(x, norm_weight, w_gate, w_up, w_down, eps, u, rstd, next_norm_weight, next_eps):
+    m, f = x.numel() // x.shape[-1], w_gate.shape[0]
+    stats = (x.new_empty(m, x.shape[-1]), x.new_empty(m, dtype=torch.float32)) if next_norm_weight is not None else (
+        x.new_empty(0), x.new_empty(0, dtype=torch.float32))
+    return (torch.empty_like(x), *stats, x.new_empty(*x.shape[:-1], f), x.new_empty(m, 2 * f),
+            x.new_empty(m, dtype=torch.float32))
+
+
+def swiglu_mlp_backward(dx2, x, norm_weight, w_gate, w_up, w_down, y, z, rstd, dweights_into=()):
+    """(dx, dnorm_weight, dW_gate, dW_up, dW_down) given dx2 (the module doc's backward)."""
+    into = list(dweights_into) or [None] * 3
+    dy, (dw_down,) = linear_residual_backward(dx2, y, [w_down], into[2:])
+    dx, dg, dw_gate, dw_up = rmsnorm_swiglu_backward(dy, z, x, norm_weight, w_gate, w_up, rstd, into[:2],
+                                                     residual_grad=dx2)
+    return dx, dg, dw_gate, dw_up, dw_down
+
+
+@direct_op("codetta::swiglu_mlp_backward")
+def _mlp_backward_op(
+    dx2: Tensor, x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, y: Tensor, z: Tensor,
+    rstd: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return swiglu_mlp_backward(dx2, x, norm_weight, w_gate, w_up, w_down, y, z, rstd)
+
+
+@_mlp_backward_op.register_fake
+def _(dx2, x, norm_weight, w_gate, w_up, w_down, y, z, rstd):
+    return tuple(torch.empty_like(t) for t in (x, norm_weight, w_gate, w_up, w_down))
+
+
+def _setup(ctx, inputs, output):
+    only_first_output_differentiable(ctx, output)
+    x, norm_weight, w_gate, w_up, w_down, *_ = inputs
+    *_, y, z, rstd_used = output
+    ctx.save_for_backward(x, norm_weight, w_gate, w_up, w_down, y, z, rstd_used)
+
+
+def _backward(ctx, dx2, *_unused):
+    x, norm_weight, w_gate, w_up, w_down, y, z, rstd = ctx.saved_tensors
+    grads = run_backward(ctx, [w_gate, w_up, w_down], _mlp_backward_op, swiglu_mlp_backward,
+                         dx2, x, norm_weight, w_gate, w_up, w_down, y, z, rstd)
+    dx, dg, *dws = grads
+    return dx, dg, *for_autograd(dws), *(None,) * 5
+
+
+_mlp_op.register_autograd(_backward, setup_context=_setup)
+
+
+def swiglu_mlp(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, eps: float = 1e-6, *,
+               stats=None, next_norm_weight: Tensor | None = None, next_eps: float = 1e-6):
+    """``x + (silu(h W_g^T) * (h W_u^T)) W_d^T`` with h = ``F.rms_norm(x, (d,), norm_weight, eps)``.
+
+    Args:
+        x: [..., d]; norm_weight: [d]; w_gate, w_up: [F, d]; w_down: [d, F], as nn.Linear stores them.
+        stats: optional (u, rstd) of x from :func:`codetta.ops.linear_residual`.
+        next_norm_weight: [d] of the RMSNorm that will consume the output (its epsilon ``next_eps``).
+    Returns:
+        x2, or (x2, (u2, rstd2)) with ``next_norm_weight``: the next norm's statistics, as
+        :func:`codetta.ops.linear_residual` returns them.
+    """
+    _check_norm_inputs(x, norm_weight, [w_gate, w_up])
+    f, d = w_gate.shape
+    if w_up.shape != w_gate.shape:
+        raise ValueError(f"w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} differ")
+    if w_down.shape != (d, f) or w_down.dtype != x.dtype:
+        raise ValueError(f"w_down must be [{d}, {f}] of {x.dtype}, got {tuple(w_down.shape)} {w_down.dtype}")
+    if next_norm_weight is not None and next_norm_weight.shape != (d,):
+        raise ValueError(f"next_norm_weight must be [{d}], got {tuple(next_norm_weight.shape)}")
+    u, rstd = stats if stats is not None else (None, None)
+    x2, u2, rstd2, *_ = _mlp_op(x, norm_weight, w_gate, w_up, w_down, float(eps), u, rstd, next_norm_weight,
+                                float(next_eps))
+    return x2 if next_norm_weight is None else (x2, (u2, rstd2))
+
+
+def swiglu_mlp_reference(x, norm_weight, w_gate, w_up, w_down, eps=1e-6):
+    h = torch.nn.functional.rms_norm(x, (x.shape[-1],), norm_weight, eps)
+    return x + torch.nn.functional.linear(
+        torch.nn.functional.silu(torch.nn.functional.linear(h, w_gate)) * torch.nn.functional.linear(h, w_up), w_down)

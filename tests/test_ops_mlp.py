@@ -1,0 +1,135 @@
+"""The MLP half of a block as one operator (codetta.ops.swiglu_mlp): x + SwiGLU(RMSNorm(x)) W_d^T.
+
+Against the unfused module math in fp64 (F.rms_norm, F.linear, F.silu, the residual add):
+the output, the next norm's statistics and every gradient; the gradient of x sums its two
+paths (norm and residual) in the norm-backward GEMM's epilogue, not in a separate pass.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import codetta.ops.rmsnorm as rmsnorm_module
+from codetta.ops import linear_residual, swiglu_mlp
+from conftest import DEVICE, INTERPRET
+
+EPS = 1e-5
+NAMES = ("x2", "dx", "dnorm_weight", "dw_gate", "dw_up", "dw_down")
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def unfused(x, g, wg, wu, wd):
+    h = F.rms_norm(x, (x.shape[-1],), g, EPS)
+    return x + F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
+
+
+def inputs(shape, f):
+    d = shape[-1]
+    return (torch.randn(*shape, device=DEVICE), 1 + 0.2 * torch.randn(d, device=DEVICE),
+            torch.randn(f, d, device=DEVICE) / d**0.5, torch.randn(f, d, device=DEVICE) / d**0.5,
+            torch.randn(d, f, device=DEVICE) / f**0.5)
+
+
+def run(fn, tensors, dy, dtype):
+    leaves = [t.to(dtype).detach().requires_grad_() for t in tensors]
+    out = fn(*leaves)
+    out.backward(dy.to(dtype))
+    return [out] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("shape,f", [((1, 16), 8), ((37, 24), 20), ((2, 9, 32), 44)], ids=str)
+def test_forward_backward_fp32(shape, f):
+    tensors = inputs(shape, f)
+    dy = torch.randn(*shape, device=DEVICE)
+    ours = run(lambda *t: swiglu_mlp(*t, eps=EPS), tensors, dy, torch.float32)
+    ref = run(unfused, tensors, dy, torch.float64)
+    for name, a, b in zip(NAMES, ours, ref):
+        assert a.shape == b.shape, name
+        assert rel(a, b) < 2e-5, name
+
+
+def test_residual_gradient_is_added_in_the_norm_backward_epilogue(monkeypatch):
+    programs = []
+    gemm = rmsnorm_module.gemm
+
+    def recording(a, b, program=None, **operands):
+        programs.append(program.name if program is not None else "plain")
+        return gemm(a, b, program, **operands)
+
+    monkeypatch.setattr(rmsnorm_module, "gemm", recording)
+    x, *weights = (t.requires_grad_() for t in inputs((12, 16), 8))
+    swiglu_mlp(x, *weights, eps=EPS).sum().backward()
+    assert programs.count("rmsnorm_linear_backward_residual") == 1 and "rmsnorm_linear_backward" not in programs
+
+
+def test_next_norm_statistics_and_producer_stats():
+    """Fed by a producer's statistics, handing the next norm's (u2 = x2 g', rstd2) on."""
+    m, k, d, f = 21, 16, 32, 24
+    a, wo = torch.randn(m, k, device=DEVICE), torch.randn(d, k, device=DEVICE) / 4
+    x, g, wg, wu, wd = inputs((m, d), f)
+    g_next = 1 + 0.2 * torch.randn(d, device=DEVICE)
+    dy = torch.randn(m, d, device=DEVICE)
+
+    def fused(a, wo, x, g, wg, wu, wd):
+        x1, stats = linear_residual(a, wo, x, g, EPS)
+        x2, (u2, rstd2) = swiglu_mlp(x1, g, wg, wu, wd, EPS, stats=stats, next_norm_weight=g_next, next_eps=1e-6)
+        fused.stats = u2, rstd2
+        return x2
+
+    def ref(a, wo, x, g, wg, wu, wd):
+        return unfused(F.linear(a, wo) + x, g, wg, wu, wd)
+
+    ours = run(fused, (a, wo, x, g, wg, wu, wd), dy, torch.float32)
+    for a_, b_ in zip(ours, run(ref, (a, wo, x, g, wg, wu, wd), dy, torch.float64)):
+        assert rel(a_, b_) < 2e-5
+    x2 = ours[0].detach().double()
+    u2, rstd2 = fused.stats
+    assert not u2.requires_grad and not rstd2.requires_grad
+    assert rel(u2, x2 * g_next.double()) < 1e-6
+    assert rel(rstd2, torch.rsqrt(x2.square().mean(-1) + 1e-6)) < 1e-6
+
+
+def test_bf16_within_twice_eager_error():
+    shape, f = ((64, 48), 40) if INTERPRET else ((2048, 1024), 2816)
+    tensors = inputs(shape, f)
+    dy = torch.randn(*shape, device=DEVICE)
+    ours = run(lambda *t: swiglu_mlp(*t, eps=EPS), tensors, dy, torch.bfloat16)
+    eager = run(unfused, tensors, dy, torch.bfloat16)
+    ref = run(unfused, tensors, dy, torch.float64)
+    for name, a, e, r in zip(NAMES, ours, eager, ref):
+        assert rel(a, r) <= 2 * rel(e, r) + 1e-4, name
+
+
+def test_bad_inputs():
+    x, g, wg, wu, wd = inputs((4, 8), 6)
+    with pytest.raises(ValueError, match="w_down"):
+        swiglu_mlp(x, g, wg, wu, wd[:, :5])
+    with pytest.raises(ValueError, match="differ"):
+        swiglu_mlp(x, g, wg, wu[:5], wd)
+    with pytest.raises(ValueError, match="next_norm_weight"):
+        swiglu_mlp(x, g, wg, wu, wd, next_norm_weight=g[:4])
+
+
+@pytest.mark.parametrize("next_norm", [False, True])
+def test_custom_ops_pass_opcheck(next_norm):
+    x, g, wg, wu, wd = (t.requires_grad_() for t in inputs((6, 16), 8))
+    args = (x, g, wg, wu, wd, EPS, None, None, g.detach() if next_norm else None, 1e-6)
+    torch.library.opcheck(torch.ops.codetta.swiglu_mlp.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    z = torch.randn(6, 16, device=DEVICE)
+    y, zz = torch.randn(6, 8, device=DEVICE), torch.randn(6, 16, device=DEVICE)
+    torch.library.opcheck(torch.ops.codetta.swiglu_mlp_backward.default,
+                          (z, x.detach(), g.detach(), wg.detach(), wu.detach(), wd.detach(), y, zz,
+                           torch.rand(6, device=DEVICE) + 0.5),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_torch_compile_traces_without_graph_break():
+    tensors = inputs((2, 5, 16), 8)
+    dy = torch.randn(2, 5, 16, device=DEVICE)
+    compiled = torch.compile(lambda *t: swiglu_mlp(*t, eps=EPS), backend="aot_eager", fullgraph=True)
+    for a, b in zip(run(compiled, tensors, dy, torch.float32), run(unfused, tensors, dy, torch.float64)):
+        assert rel(a, b) < 2e-5
