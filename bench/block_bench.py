@@ -28,19 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from codetta.ops import linear_residual, rmsnorm_qkv_rope, swiglu_mlp  # noqa: E402
 from codetta.ops.rope import rmsnorm_qkv_rope_reference  # noqa: E402
 
-from ops_bench import compare_passes, table  # noqa: E402
+from ops_bench import HD, compare_passes, paper_shape, table  # noqa: E402
 
-HD, EPS = 128, 1e-5
-
-
-def shapes(d: int):
-    """(FFN, q heads, kv heads) of the paper's block at width d."""
-    ffn = -(-8 * d // 3 // 256) * 256
-    return ffn, d // HD, max(1, d // HD // 4)
+EPS = 1e-5
 
 
 def make_inputs(m: int, d: int):
-    ffn, hq, hkv = shapes(d)
+    s = paper_shape(d)
+    ffn, hq, hkv = s.ffn, s.hq, s.hkv
 
     def p(*shape, scale=1.0, shift=0.0):
         return (torch.randn(*shape, device="cuda") * scale + shift).bfloat16().requires_grad_()
@@ -73,7 +68,8 @@ def eager_block(pos, inv_freq):
 
 
 def gemms(m: int, d: int):
-    ffn, hq, hkv = shapes(d)
+    s = paper_shape(d)
+    ffn, hq, hkv = s.ffn, s.hq, s.hkv
     return [(m, d, hq * HD), (m, 2 * ffn, d), (m, d, ffn), (m, (hq + 2 * hkv) * HD, d)]
 
 

@@ -3,7 +3,7 @@
 # suite with compiled kernels, and the benchmarks. Logs go to $OUT. Wheels carried in .whl/
 # (Liger-Kernel) are installed first when present. The device copy's .git may be older than
 # its files: pass CODETTA_CODE_COMMIT=<the sending machine's HEAD> so results name the code.
-#   M=16384,4096 OPS=a,b,c,d,e TESTS=tests VARIANTS=hf_liger,hf_codetta bash bench/device_run.sh [smoke] [test] [host] [gemm] [gemm-quick] [gemm-1b] [breakdown] [ops] [ops-compile] [block] [train] [profile] [demo]
+#   M=16384,4096 OPS=a,b,c,d,e TESTS=tests VARIANTS=hf_liger,hf_codetta bash bench/device_run.sh [smoke] [test] [host] [gemm] [gemm-quick] [gemm-1b] [breakdown] [ops] [ops-compile] [ops-paper] [block] [train] [profile] [demo]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CODETTA_CACHE_DIR=/tmp/codetta-cache
 OUT=${OUT:-/tmp/out}
@@ -26,6 +26,8 @@ for step in "$@"; do
     breakdown) python3 bench/ops_breakdown.py 2>&1 | tee "$OUT/breakdown.log" ;;
     ops) python3 bench/ops_bench.py --no-compile --m "${M:-16384}" --ops "${OPS:-a,b,c,d,e}" 2>&1 | tee "$OUT/ops.log" ;;
     ops-compile) python3 bench/ops_bench.py --m "${M:-16384}" --ops "${OPS:-a,b,c,d,e}" 2>&1 | tee "$OUT/ops.log" ;;
+    ops-paper) python3 bench/ops_bench.py --no-compile --m "${M:-16384}" --ops "${OPS:-a,b,c,d,e}" \
+        --shapes paper-d2048,paper-d4096,paper-d8192 2>&1 | tee "$OUT/ops_paper.log" ;;
     block) python3 bench/block_bench.py 2>&1 | tee "$OUT/block.log" ;;
     train) python3 bench/train_bench.py --variants "${VARIANTS:-hf_eager,hf_compile,hf_liger,hf_codetta}" 2>&1 | tee "$OUT/train.log" ;;
     profile) for v in ${VARIANTS//,/ }; do

@@ -1,19 +1,23 @@
 """Transformer operators, forward and forward+backward, against their speed of light and the peers.
 
     python bench/ops_bench.py [--m 16384,4096] [--no-compile] [--compile-mode MODE] [--ops a,b,c,d,e]
+                              [--shapes llama3-8b,paper-d2048,paper-d4096,paper-d8192]
 
-Per op (ANCHORS.md's a-e at Llama-3-8B shapes): codetta, eager PyTorch written the usual
+Per op (ANCHORS.md's a-e at Llama-3-8B shapes, or the CODA paper's at d = 2048, 4096, 8192:
+FFN = round_up(8d/3, 256), vocabulary 32768): codetta, eager PyTorch written the usual
 unfused way (the package's *_reference functions), torch.compile of that eager code
 (mode "max-autotune-no-cudagraphs"), Liger-Kernel where it has the op (when importable),
 and the SOL: the sum of the op's plain GEMMs timed
 alone with torch.matmul (forward GEMMs for "fwd"; plus the dX and dW GEMMs for "fwd+bwd").
 Ratios are time / SOL. Peak memory of each forward+backward too. Writes
-bench/results/ops_m<M>.{md,json} (e.g. ops_m16384; the M list joined by "_")."""
+bench/results/ops_m<M>.{md,json} for the Llama-3-8B shapes (e.g. ops_m16384; the M list joined
+by "_"), ops_<shapes>_m<M> for others."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,62 +37,84 @@ from codetta.ops import (  # noqa: E402
 
 from common import markdown_table, median_ms, write_results  # noqa: E402
 
-D, F, HQ, HKV, HD, VOCAB, EPS = 4096, 14336, 32, 8, 128, 128256, 1e-5
+HD, EPS = 128, 1e-5
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The widths of one model: d, FFN, query and key/value heads (of HD = 128 each), vocabulary."""
+
+    d: int
+    ffn: int
+    hq: int
+    hkv: int
+    vocab: int
+
+
+def paper_shape(d: int) -> Shape:
+    """The CODA paper's block at width d: FFN = round_up(8d/3, 256), 4 q heads per kv head, vocab 32768."""
+    hq = d // HD
+    return Shape(d, -(-8 * d // 3 // 256) * 256, hq, max(1, hq // 4), 32768)
+
+
+SHAPES = {"llama3-8b": Shape(4096, 14336, 32, 8, 128256), **{f"paper-d{d}": paper_shape(d) for d in (2048, 4096, 8192)}}
 
 
 def _param(*shape, scale=1.0):
     return (torch.randn(*shape, device="cuda") * scale).bfloat16().requires_grad_()
 
 
-def cases(m):
+def cases(m, s: Shape):
     """name -> (inputs factory, codetta fn, eager fn, GEMM shapes (M, N, K) of the forward)."""
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, HD, 2, device="cuda").float() / HD))
     pos = torch.arange(m, device="cuda") % 8192
 
+    def norm_weight():
+        return _param(s.d, scale=0.1).detach().add_(1).requires_grad_()
+
     def a_inputs():
-        return (_param(m, D), _param(D, scale=0.1).detach().add_(1).requires_grad_(),
-                _param(HQ * HD, D, scale=D**-0.5), _param(HKV * HD, D, scale=D**-0.5), _param(HKV * HD, D, scale=D**-0.5))
+        return (_param(m, s.d), norm_weight(), _param(s.hq * HD, s.d, scale=s.d**-0.5),
+                _param(s.hkv * HD, s.d, scale=s.d**-0.5), _param(s.hkv * HD, s.d, scale=s.d**-0.5))
 
     def b_inputs():
-        return (_param(m, D), _param(D, D, scale=D**-0.5), _param(m, D), _param(D).detach().add_(1).requires_grad_())
+        return _param(m, s.d), _param(s.d, s.d, scale=s.d**-0.5), _param(m, s.d), norm_weight()
 
     def c_inputs():
-        return (_param(m, D), _param(D).detach().add_(1).requires_grad_(), _param(F, D, scale=D**-0.5),
-                _param(F, D, scale=D**-0.5))
+        return _param(m, s.d), norm_weight(), _param(s.ffn, s.d, scale=s.d**-0.5), _param(s.ffn, s.d, scale=s.d**-0.5)
 
     def d_inputs():
-        return (_param(m, F), _param(D, F, scale=F**-0.5), _param(m, D))
+        return (_param(m, s.ffn), _param(s.d, s.ffn, scale=s.ffn**-0.5), _param(m, s.d))
 
     def e_inputs():
-        return (_param(m, D), _param(VOCAB, D, scale=D**-0.5), torch.randint(0, VOCAB, (m,), device="cuda"),
-                _param(D).detach().add_(1).requires_grad_())
+        return (_param(m, s.d), _param(s.vocab, s.d, scale=s.d**-0.5), torch.randint(0, s.vocab, (m,), device="cuda"),
+                norm_weight())
 
     return {
         "a_qkv_rope": (a_inputs,
                        lambda x, g, wq, wk, wv: rmsnorm_qkv_rope(x, g, wq, wk, wv, pos, inv_freq, head_dim=HD, eps=EPS),
                        lambda x, g, wq, wk, wv: rope.rmsnorm_qkv_rope_reference(x, g, wq, wk, wv, pos, inv_freq,
                                                                                 head_dim=HD, eps=EPS),
-                       [(m, (HQ + 2 * HKV) * HD, D)]),
+                       [(m, (s.hq + 2 * s.hkv) * HD, s.d)]),
         "b_oproj_residual_norm": (b_inputs,
                                   lambda a, w, r, g: linear_residual(a, w, r, g, EPS),
                                   lambda a, w, r, g: _residual_then_norm(a, w, r, g),
-                                  [(m, D, D)]),
+                                  [(m, s.d, s.d)]),
         "c_gateup_swiglu": (c_inputs,
                             lambda x, g, wg, wu: rmsnorm_swiglu(x, g, wg, wu, EPS),
                             lambda x, g, wg, wu: swiglu.rmsnorm_swiglu_reference(x, g, wg, wu, EPS),
-                            [(m, 2 * F, D)]),
+                            [(m, 2 * s.ffn, s.d)]),
         "d_down_residual": (d_inputs,
                             lambda y, w, r: linear_residual(y, w, r),
                             lambda y, w, r: rmsnorm.linear_residual_reference(y, w, r),
-                            [(m, D, F)]),
+                            [(m, s.d, s.ffn)]),
         "e_lm_head_ce": (e_inputs,
                          lambda x, w, t, g: linear_cross_entropy(x, w, t, norm_weight=g, eps=EPS),
                          lambda x, w, t, g: cross_entropy.linear_cross_entropy_reference(x, w, t, norm_weight=g, eps=EPS),
-                         [(m, VOCAB, D)]),
+                         [(m, s.vocab, s.d)]),
     }
 
 
-def liger_variants(m):
+def liger_variants(m, s: Shape):
     """Liger-Kernel versions of the ops it has (rope, rms_norm, fused add+rms_norm, swiglu,
     fused linear cross-entropy), written the way its Llama patch composes them; {} without it."""
     try:
@@ -106,7 +132,7 @@ def liger_variants(m):
 
     def a(x, g, wq, wk, wv):
         h = lk.liger_rms_norm(x, g, EPS, in_place=False)
-        q, k = lk.liger_rope(heads(linear(h, wq), HQ), heads(linear(h, wk), HKV), cos, sin)
+        q, k = lk.liger_rope(heads(linear(h, wq), s.hq), heads(linear(h, wk), s.hkv), cos, sin)
         return q, k, linear(h, wv)
 
     def b(a_, w, r, g):
@@ -198,24 +224,30 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--m", default="16384", help="tokens, comma-separated (the loss op uses half of them, as ANCHORS)")
     parser.add_argument("--ops", default="a,b,c,d,e")
+    parser.add_argument("--shapes", default="llama3-8b", help=f"comma-separated, of {sorted(SHAPES)}")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("ops_bench needs a CUDA GPU")
-    rows, results = [], "ops_m" + args.m.replace(",", "_")
-    for tokens in (int(v) for v in args.m.split(",")):
-        for name in cases(tokens):
-            if name[0] not in args.ops.split(","):
-                continue
-            m = tokens // 2 if name.startswith("e") else tokens
-            make, ours, eager, gemms = cases(m)[name]
-            variants = {"codetta": ours, "eager": eager}
-            if not args.no_compile:
-                variants["compile"] = torch.compile(eager, mode=args.compile_mode)
-            if name in liger_variants(m):
-                variants["liger"] = liger_variants(m)[name]
-            compare_passes(rows, {"op": name, "M": m}, variants, make, gemms, results)
+    names = args.shapes.split(",")
+    rows = []
+    results = "ops_" + ("" if names == ["llama3-8b"] else "_".join(names) + "_") + "m" + args.m.replace(",", "_")
+    for shape_name in names:
+        shape = SHAPES[shape_name]
+        for tokens in (int(v) for v in args.m.split(",")):
+            for name in cases(tokens, shape):
+                if name[0] not in args.ops.split(","):
+                    continue
+                m = tokens // 2 if name.startswith("e") else tokens
+                make, ours, eager, gemms = cases(m, shape)[name]
+                variants = {"codetta": ours, "eager": eager}
+                if not args.no_compile:
+                    variants["compile"] = torch.compile(eager, mode=args.compile_mode)
+                liger = liger_variants(m, shape)
+                if name in liger:
+                    variants["liger"] = liger[name]
+                compare_passes(rows, {"shape": shape_name, "op": name, "M": m}, variants, make, gemms, results)
     print(table(rows))
 
 

@@ -71,7 +71,8 @@ def plot_train():
 
 def main():
     for ops in sorted(RESULTS.glob("ops_m*.json")):
-        _ratio_plot(ops.stem, lambda r: f"{r['op']} M={r['M']} {r['pass']}", "operators, Llama-3-8B shapes", 1.03)
+        _ratio_plot(ops.stem, lambda r: f"{r.get('shape', 'llama3-8b')} {r['op']} M={r['M']} {r['pass']}", "operators",
+                    1.03)
     if (RESULTS / "block.json").exists():
         _ratio_plot("block", lambda r: f"d={r['d']} M={r['M']} {r['pass']}", "non-attention block", 1.02)
     if (RESULTS / "train.json").exists():

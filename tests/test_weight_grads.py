@@ -132,7 +132,7 @@ def test_a_weight_with_a_post_accumulate_hook_keeps_autograd_accumulation(added_
     g = torch.ones(D, device=DEVICE)
     batches = _micro_batches(2)
     out_grads = [torch.randn(M, 64, device=DEVICE) for _ in batches]
-    for i, ((x, pos), dy) in enumerate(zip(batches, out_grads)):
+    for (x, pos), dy in zip(batches, out_grads):
         with accumulate_weight_grads():
             (op(x, g, pos, weights) * dy).sum().backward()
     assert added_in_gemm() == 2  # W_q and W_v in the second micro-batch; W_k through autograd, its hook ran
@@ -154,7 +154,7 @@ def test_patched_model_micro_batches(added_in_gemm):
     plain = transformers.LlamaForCausalLM(config).to(DEVICE).float()
     patched = codetta.patch(copy.deepcopy(plain))
     batches = [torch.randint(0, 64, (2, 12), device=DEVICE) for _ in range(2)]
-    for i, ids in enumerate(batches):
+    for ids in batches:
         plain(input_ids=ids, labels=ids).loss.backward()
         with accumulate_weight_grads():
             patched(input_ids=ids, labels=ids).loss.backward()

@@ -13,7 +13,9 @@ autograd does after accumulating a gradient does not happen for such a weight: a
 autograd's C++ side keeps, as DistributedDataParallel's reducer does, cannot be seen:
 **do not use it with DDP.** Weights that are not plain tensors (FSDP2's DTensors), weights
 without a .grad yet (the first micro-batch), torch.compile and create_graph backward passes
-take the usual path.
+take the usual path. The layer operators are covered (linear_residual, rmsnorm_linear,
+rmsnorm_swiglu, swiglu_mlp, rmsnorm_qkv_rope); linear_cross_entropy, whose dW is computed in
+its forward, is not.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def accumulate_weight_grads():
     gradient into the weight's existing ``.grad`` in the wgrad GEMM's epilogue (see the
     module doc, and do not use it with DDP)::
 
-        for i, batch in enumerate(micro_batches):
+        for batch in micro_batches:
             loss = model(**batch).loss / len(micro_batches)
             with codetta.ops.accumulate_weight_grads():
                 loss.backward()
