@@ -7,6 +7,7 @@ autograd handed no second copy. Outside the context, or for a weight with a hook
 accumulated gradient, autograd accumulates as usual.
 """
 
+import contextlib
 import copy
 
 import pytest
@@ -163,3 +164,30 @@ def test_patched_model_micro_batches(added_in_gemm):
     for name, p in plain.named_parameters():
         err = ((grads[name].grad - p.grad).norm() / p.grad.norm()).item()
         assert err < 2e-5, (name, err)
+
+
+def test_bf16_accumulation_within_twice_eager_error(added_in_gemm):
+    """bf16: W.grad = round(W.grad + dz^T h) in one rounding, against eager's two (dW, then the sum)."""
+    shapes, op, reference = OPS["swiglu_mlp"]
+
+    def bf16(t):  # the inputs as bf16 holds them, for all three computations
+        return t.bfloat16().float()
+
+    master = [bf16(torch.randn(*s, device=DEVICE) / D**0.5) for s in shapes]
+    g = bf16(1 + 0.2 * torch.randn(D, device=DEVICE))
+    batches = [(bf16(x), pos) for x, pos in _micro_batches(3)]
+    out_grads = [bf16(torch.randn(M, D, device=DEVICE)) for _ in batches]
+
+    def accumulate(fn, fused):
+        weights = [torch.nn.Parameter(w.bfloat16()) for w in master]
+        for i, ((x, pos), dy) in enumerate(zip(batches, out_grads)):
+            with accumulate_weight_grads() if fused and i else contextlib.nullcontext():
+                (fn(x.bfloat16(), g.bfloat16(), pos, weights) * dy.bfloat16()).sum().backward()
+        return [w.grad for w in weights]
+
+    ours, eager = accumulate(op, True), accumulate(reference, False)
+    assert added_in_gemm() == 2 * len(shapes)
+    for got, base, ref in zip(ours, eager, _reference_grads("swiglu_mlp", master, g, batches, out_grads)):
+        assert got.dtype == torch.bfloat16
+        err, eager_err = ((t.double() - ref).norm() / ref.norm() for t in (got, base))
+        assert err <= 2 * eager_err, (err, eager_err)
