@@ -86,6 +86,10 @@ def resources(compiled) -> dict:
 CONFIGS = {  # name -> compile_sm90 keyword arguments
     "128x256 split 1": dict(), "128x256 split 2": dict(split=2), "128x256 flattened": dict(flatten=True),
     "128x256 split 2 flattened": dict(split=2, flatten=True), "128x128 8 warps": dict(BN=128, stages=4),
+    # two CTAs per SM (Config.CTAS_PER_SM = 2): each must stay under 113 KiB and 255 registers
+    "128x128 4 warps, 2 per SM": dict(BN=128, warps=4, stages=2),
+    "128x128 4 warps split 2, 2 per SM": dict(BN=128, warps=4, stages=3, split=2),
+    "64x256 4 warps, 2 per SM": dict(BM=64, warps=4, stages=2),
 }
 
 

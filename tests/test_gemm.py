@@ -121,14 +121,22 @@ def test_explicit_config_and_epilogue_split(split, flatten):
     assert rel_err(codetta.gemm(a, b, config=cfg), a.double() @ b.double()) < 1e-5
 
 
-def test_flattened_loop_runs_an_epilogue_program():
-    """FLATTEN with an epilogue that reads an aux tile, stores two outputs and reduces rows and
-    columns: the flattened loop must hand each tile's accumulator to its own epilogue."""
+_GPU_SCHEDULES = {
+    "flatten": Config(BM=128, BN=256, BK=64, GROUP_M=8, STAGES=3, num_warps=8, EPI_SPLIT=2, FLATTEN=True),
+    "two_ctas_per_sm": Config(BM=128, BN=128, BK=64, GROUP_M=8, STAGES=3, num_warps=4, EPI_SPLIT=2, CTAS_PER_SM=2),
+}
+
+
+@pytest.mark.parametrize("schedule", _GPU_SCHEDULES)
+def test_persistent_schedules_run_an_epilogue_program(schedule):
+    """FLATTEN, or two CTAs per SM, with an epilogue that reads an aux tile, stores two outputs
+    and reduces rows and columns: each tile's accumulator must reach its own epilogue (on a
+    GPU, more tiles than programs: 32 x 12 tiles of 128 x 128 for 2 x 132 programs)."""
     from codetta import epilogue as ep
 
-    m, n, k = (70, 100, 40) if INTERPRET else (1000, 768, 1024)
-    cfg = Config(BM=16, BN=32, BK=16, GROUP_M=2, STAGES=1, num_warps=4, FLATTEN=True) if INTERPRET else Config(
-        BM=128, BN=256, BK=64, GROUP_M=8, STAGES=3, num_warps=8, EPI_SPLIT=2, FLATTEN=True)
+    m, n, k = (70, 100, 40) if INTERPRET else (4000, 1536, 1024)
+    cfg = Config(BM=16, BN=32, BK=16, GROUP_M=2, STAGES=1, num_warps=4, FLATTEN=schedule == "flatten",
+                 CTAS_PER_SM=2 if schedule == "two_ctas_per_sm" else 1) if INTERPRET else _GPU_SCHEDULES[schedule]
     p = ep.Program("flattened_residual")
     x = p.acc + p.aux("residual")
     p.store("x", x)

@@ -6,9 +6,10 @@ import sys
 from dataclasses import replace
 
 import pytest
+import torch
 
-from codetta.matmul import tuning
-from codetta.matmul.config import Config, candidates
+from codetta.matmul import launch, tuning
+from codetta.matmul.config import Config, candidates, smem_limit
 
 
 @pytest.fixture
@@ -127,3 +128,29 @@ def test_epilogue_shared_memory_limits_the_configs():
     assert flat not in candidates(**size, aux_bytes=2) and cfg in candidates(**size, aux_bytes=2)
     fp32_out = candidates(**size, staged_bytes=4)
     assert cfg not in fp32_out and all(c.smem_bytes(2, 4) <= 227 * 1024 for c in fp32_out)
+
+
+def test_two_ctas_per_sm_candidates_fit_half_an_sm():
+    """Configs that share an SM between two CTAs (one's epilogue overlapping the other's MMAs)
+    come after the one-per-SM ones, use 4 warps and at most half the SM's shared memory."""
+    size = dict(elem_bytes=2, min_bn=2, m=8192, n=8192)
+    found = candidates(**size)
+    pairs = [c for c in found if c.CTAS_PER_SM == 2]
+    assert pairs and found[0].CTAS_PER_SM == 1
+    assert found.index(pairs[0]) > max(i for i, c in enumerate(found) if c.CTAS_PER_SM == 1)
+    for staged in (None, 4):
+        for cfg in candidates(**size, staged_bytes=staged):
+            assert cfg.smem_bytes(2, staged) <= smem_limit(cfg.CTAS_PER_SM)
+            assert cfg.CTAS_PER_SM == 1 or (cfg.num_warps == 4 and cfg.smem_bytes(2, staged) <= 113 * 1024)
+    assert smem_limit(1) == 227 * 1024
+    assert not any(c.CTAS_PER_SM == 2 for c in candidates(elem_bytes=4, min_bn=1))
+
+
+def test_persistent_grid_has_a_program_per_cta(monkeypatch):
+    """On a GPU the grid holds CTAS_PER_SM programs per SM, never more than there are tiles."""
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(launch, "_sm_count", lambda index: 132)
+    device = torch.device("cuda", 0)
+    assert launch._num_programs(device, 10_000) == 132
+    assert launch._num_programs(device, 10_000, 2) == 264
+    assert launch._num_programs(device, 200, 2) == 200

@@ -13,6 +13,12 @@ class Config:
     (``tl.range(..., flatten=True)``), so that the loads of a tile's first K blocks are in
     flight while the previous tile's epilogue runs. It applies to a B of one part through
     TMA descriptors (the launcher ignores it otherwise).
+
+    CTAS_PER_SM: programs of the persistent grid per SM. With 2, two CTAs share an SM and
+    the warp schedulers interleave them: one runs its epilogue (memory traffic, no MMAs)
+    while the other's mainloop keeps the tensor cores busy, a ping-pong schedule without
+    warp specialization. Each CTA then gets half of the SM's shared memory (and registers:
+    the candidates use 4 warps, at most 255 registers a thread, so that two fit).
     """
 
     BM: int
@@ -23,6 +29,7 @@ class Config:
     num_warps: int = 8
     EPI_SPLIT: int = 1  # run the epilogue on 1 or 2 column slices of the tile
     FLATTEN: bool = False
+    CTAS_PER_SM: int = 1
 
     @property
     def epilogue_bn(self):
@@ -61,13 +68,25 @@ _HOPPER_16 = [
     (64, 256, 64, 8, 4, 4, 1),
     (64, 128, 64, 8, 4, 4, 1),
 ]
+# Two CTAs per SM (see Config): half the shared memory each, 4 warps.
+_HOPPER_16_TWO_PER_SM = [
+    (128, 128, 64, 8, 2, 4, 1),
+    (128, 128, 64, 8, 3, 4, 2),
+    (64, 256, 64, 8, 2, 4, 1),
+]
 _HOPPER_32 = [
     (128, 128, 32, 8, 3, 8, 1),
     (128, 64, 32, 8, 4, 4, 1),
     (64, 128, 32, 8, 4, 4, 1),
     (64, 64, 32, 8, 4, 4, 1),
 ]
-_SMEM_LIMIT = 227 * 1024
+_SMEM_PER_SM = 228 * 1024  # H100/H200; a CTA may use all but 1 KiB of it (227 KiB)
+
+
+def smem_limit(ctas_per_sm: int = 1) -> int:
+    """Shared memory one CTA may use when ``ctas_per_sm`` CTAs share an SM (1 KiB each is reserved)."""
+    return _SMEM_PER_SM // ctas_per_sm - 1024
+
 _FLATTENED = 4  # how many of the best-guess configs are also tried with a flattened loop
 
 
@@ -84,15 +103,19 @@ def candidates(*, elem_bytes: int, min_bn: int, n_parts_sizes=(), m: int = 0, n:
     ``staged_bytes``, ``aux_bytes``: the epilogue's shared memory (see :meth:`Config.smem_bytes`).
     """
     def fits(cfg):
-        return cfg.smem_bytes(elem_bytes, staged_bytes, aux_bytes) <= _SMEM_LIMIT
+        return cfg.smem_bytes(elem_bytes, staged_bytes, aux_bytes) <= smem_limit(cfg.CTAS_PER_SM)
 
+    if elem_bytes <= 2:
+        table = [(t, 1) for t in _HOPPER_16] + [(t, 2) for t in _HOPPER_16_TWO_PER_SM]
+    else:
+        table = [(t, 1) for t in _HOPPER_32]
     fitting, small = [], []
-    for bm, bn, bk, group, stages, warps, split in _HOPPER_16 if elem_bytes <= 2 else _HOPPER_32:
+    for (bm, bn, bk, group, stages, warps, split), per_sm in table:
         if bn // split < min_bn:
             if split > 1:
                 continue
             bn = min_bn
-        cfg = Config(bm, bn, bk, group, stages, warps, split)
+        cfg = Config(bm, bn, bk, group, stages, warps, split, CTAS_PER_SM=per_sm)
         if cfg in fitting + small or not fits(cfg):
             continue
         if any(size % cfg.BN for size in n_parts_sizes):

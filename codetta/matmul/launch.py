@@ -280,10 +280,11 @@ def _layouts(call):
     return bool(a_t), (not b_t.pop()) if len(b_t) == 1 else False, tma
 
 
-def _num_programs(device, tiles):
+def _num_programs(device, tiles, ctas_per_sm=1):
+    """The persistent grid: one program per SM (``ctas_per_sm`` per SM), no more than there are tiles."""
     if interpreting():
         return min(tiles, 3)
-    return min(tiles, _sm_count(device.index if device.index is not None else torch.cuda.current_device()))
+    return min(tiles, ctas_per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device()))
 
 
 @functools.lru_cache(maxsize=None)
@@ -309,7 +310,8 @@ class _Plan:
         self.a_km, self.b_kn, _ = c.layout
         self.kernel, self.compiled = load_kernel(p, path), None
         self.describe = TensorDescriptor.from_tensor  # checked, until the first launch has compiled
-        self.grid = (_num_programs(c.device, triton.cdiv(c.M, cfg.BM) * triton.cdiv(c.N, cfg.BN)), 1, 1)
+        tiles = triton.cdiv(c.M, cfg.BM) * triton.cdiv(c.N, cfg.BN)
+        self.grid = (_num_programs(c.device, tiles, cfg.CTAS_PER_SM), 1, 1)
         self.options = dict(num_warps=cfg.num_warps, num_stages=cfg.STAGES)
         self.interpret = interpreting()
         # per operand: how the value passed becomes the kernel's view (see _Call._check_operands)
