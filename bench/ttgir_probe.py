@@ -111,6 +111,8 @@ def main():
         for config, kwargs in CONFIGS.items():
             if kwargs.get("flatten") and num_b > 1:
                 continue  # the launcher flattens only a B of one part
+            if kwargs.get("BN", 256) // kwargs.get("split", 1) < program.min_block_n():
+                continue  # nor gives an epilogue tiles narrower than its segments
             try:
                 compiled = compile_sm90(program, num_b=num_b, **kwargs)
             except Exception as exc:  # report and go on: this is a probe
