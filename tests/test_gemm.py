@@ -124,6 +124,7 @@ def test_explicit_config_and_epilogue_split(split, flatten):
 _GPU_SCHEDULES = {
     "flatten": Config(BM=128, BN=256, BK=64, GROUP_M=8, STAGES=3, num_warps=8, EPI_SPLIT=2, FLATTEN=True),
     "two_ctas_per_sm": Config(BM=128, BN=128, BK=64, GROUP_M=8, STAGES=3, num_warps=4, EPI_SPLIT=2, CTAS_PER_SM=2),
+    "two_ctas_per_sm_register_cap": Config(BM=128, BN=128, BK=64, GROUP_M=8, STAGES=2, num_warps=8, CTAS_PER_SM=2),
 }
 
 
@@ -135,8 +136,9 @@ def test_persistent_schedules_run_an_epilogue_program(schedule):
     from codetta import epilogue as ep
 
     m, n, k = (70, 100, 40) if INTERPRET else (4000, 1536, 1024)
-    cfg = Config(BM=16, BN=32, BK=16, GROUP_M=2, STAGES=1, num_warps=4, FLATTEN=schedule == "flatten",
-                 CTAS_PER_SM=2 if schedule == "two_ctas_per_sm" else 1) if INTERPRET else _GPU_SCHEDULES[schedule]
+    gpu = _GPU_SCHEDULES[schedule]
+    cfg = Config(BM=16, BN=32, BK=16, GROUP_M=2, STAGES=1, num_warps=gpu.num_warps, FLATTEN=gpu.FLATTEN,
+                 CTAS_PER_SM=gpu.CTAS_PER_SM) if INTERPRET else gpu
     p = ep.Program("flattened_residual")
     x = p.acc + p.aux("residual")
     p.store("x", x)

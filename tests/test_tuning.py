@@ -132,7 +132,7 @@ def test_epilogue_shared_memory_limits_the_configs():
 
 def test_two_ctas_per_sm_candidates_fit_half_an_sm():
     """Configs that share an SM between two CTAs (one's epilogue overlapping the other's MMAs)
-    come after the one-per-SM ones, use 4 warps and at most half the SM's shared memory."""
+    come after the one-per-SM ones and use at most half the SM's shared memory."""
     size = dict(elem_bytes=2, min_bn=2, m=8192, n=8192)
     found = candidates(**size)
     pairs = [c for c in found if c.CTAS_PER_SM == 2]
@@ -141,7 +141,7 @@ def test_two_ctas_per_sm_candidates_fit_half_an_sm():
     for staged in (None, 4):
         for cfg in candidates(**size, staged_bytes=staged):
             assert cfg.smem_bytes(2, staged) <= smem_limit(cfg.CTAS_PER_SM)
-            assert cfg.CTAS_PER_SM == 1 or (cfg.num_warps == 4 and cfg.smem_bytes(2, staged) <= 113 * 1024)
+            assert cfg.CTAS_PER_SM == 1 or cfg.smem_bytes(2, staged) <= 113 * 1024
     assert smem_limit(1) == 227 * 1024
     assert not any(c.CTAS_PER_SM == 2 for c in candidates(elem_bytes=4, min_bn=1))
 
@@ -154,3 +154,11 @@ def test_persistent_grid_has_a_program_per_cta(monkeypatch):
     assert launch._num_programs(device, 10_000) == 132
     assert launch._num_programs(device, 10_000, 2) == 264
     assert launch._num_programs(device, 200, 2) == 200
+
+
+def test_two_ctas_per_sm_cap_registers_when_they_must():
+    """Two CTAs share an SM's 64K registers: 8 warps get at most 128 a thread; 4 warps fit anyway."""
+    one = Config(128, 256, 64, num_warps=8)
+    assert one.launch_options() == dict(num_warps=8, num_stages=3)
+    assert replace(one, BN=128, CTAS_PER_SM=2).launch_options() == dict(num_warps=8, num_stages=3, maxnreg=128)
+    assert "maxnreg" not in replace(one, BN=128, num_warps=4, CTAS_PER_SM=2).launch_options()

@@ -17,8 +17,8 @@ class Config:
     CTAS_PER_SM: programs of the persistent grid per SM. With 2, two CTAs share an SM and
     the warp schedulers interleave them: one runs its epilogue (memory traffic, no MMAs)
     while the other's mainloop keeps the tensor cores busy, a ping-pong schedule without
-    warp specialization. Each CTA then gets half of the SM's shared memory (and registers:
-    the candidates use 4 warps, at most 255 registers a thread, so that two fit).
+    warp specialization. Each CTA then gets half of the SM's shared memory and registers
+    (with 8 warps a cap of 128 registers a thread: see :meth:`launch_options`).
     """
 
     BM: int
@@ -38,6 +38,15 @@ class Config:
 
     def as_dict(self):
         return asdict(self)
+
+    def launch_options(self) -> dict:
+        """Triton's launch options: warps, pipeline stages and, when CTAS_PER_SM CTAs could not
+        otherwise share the SM's 64K registers, a cap on registers per thread (``maxnreg``)."""
+        options = dict(num_warps=self.num_warps, num_stages=self.STAGES)
+        per_thread = _REGISTERS_PER_SM // (self.CTAS_PER_SM * self.num_warps * 32)
+        if per_thread < _MAX_REGISTERS_PER_THREAD:
+            options["maxnreg"] = per_thread
+        return options
 
     def smem_bytes(self, elem_bytes: int, staged_bytes: int | None = None, aux_bytes: int = 0) -> int:
         """Shared memory of the operand ring plus the epilogue's staging.
@@ -68,11 +77,12 @@ _HOPPER_16 = [
     (64, 256, 64, 8, 4, 4, 1),
     (64, 128, 64, 8, 4, 4, 1),
 ]
-# Two CTAs per SM (see Config): half the shared memory each, 4 warps.
+# Two CTAs per SM (see Config): half the shared memory and registers each.
 _HOPPER_16_TWO_PER_SM = [
     (128, 128, 64, 8, 2, 4, 1),
     (128, 128, 64, 8, 3, 4, 2),
-    (64, 256, 64, 8, 2, 4, 1),
+    (128, 128, 64, 8, 2, 8, 1),
+    (128, 128, 64, 8, 3, 8, 2),
 ]
 _HOPPER_32 = [
     (128, 128, 32, 8, 3, 8, 1),
@@ -81,6 +91,8 @@ _HOPPER_32 = [
     (64, 64, 32, 8, 4, 4, 1),
 ]
 _SMEM_PER_SM = 228 * 1024  # H100/H200; a CTA may use all but 1 KiB of it (227 KiB)
+_REGISTERS_PER_SM = 65536
+_MAX_REGISTERS_PER_THREAD = 255
 
 
 def smem_limit(ctas_per_sm: int = 1) -> int:

@@ -312,7 +312,7 @@ class _Plan:
         self.describe = TensorDescriptor.from_tensor  # checked, until the first launch has compiled
         tiles = triton.cdiv(c.M, cfg.BM) * triton.cdiv(c.N, cfg.BN)
         self.grid = (_num_programs(c.device, tiles, cfg.CTAS_PER_SM), 1, 1)
-        self.options = dict(num_warps=cfg.num_warps, num_stages=cfg.STAGES)
+        self.options = cfg.launch_options()
         self.interpret = interpreting()
         # per operand: how the value passed becomes the kernel's view (see _Call._check_operands)
         accum = [o.name for o in p.outputs.values() if o.kind == "store" and o.accumulate]
