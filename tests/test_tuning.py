@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from codetta.matmul import launch, tuning
-from codetta.matmul.config import Config, candidates, smem_limit
+from codetta.matmul.config import HOPPER, Config, SharedMemory, candidates
 
 
 @pytest.fixture
@@ -140,9 +140,9 @@ def test_two_ctas_per_sm_candidates_fit_half_an_sm():
     assert found.index(pairs[0]) > max(i for i, c in enumerate(found) if c.CTAS_PER_SM == 1)
     for staged in (None, 4):
         for cfg in candidates(**size, staged_bytes=staged):
-            assert cfg.smem_bytes(2, staged) <= smem_limit(cfg.CTAS_PER_SM)
+            assert cfg.smem_bytes(2, staged) <= HOPPER.limit(cfg.CTAS_PER_SM)
             assert cfg.CTAS_PER_SM == 1 or cfg.smem_bytes(2, staged) <= 113 * 1024
-    assert smem_limit(1) == 227 * 1024
+    assert HOPPER.limit(1) == 227 * 1024 and HOPPER.limit(2) == 113 * 1024
     assert not any(c.CTAS_PER_SM == 2 for c in candidates(elem_bytes=4, min_bn=1))
 
 
@@ -162,3 +162,17 @@ def test_two_ctas_per_sm_cap_registers_when_they_must():
     assert one.launch_options() == dict(num_warps=8, num_stages=3)
     assert replace(one, BN=128, CTAS_PER_SM=2).launch_options() == dict(num_warps=8, num_stages=3, maxnreg=128)
     assert "maxnreg" not in replace(one, BN=128, num_warps=4, CTAS_PER_SM=2).launch_options()
+
+
+@pytest.mark.parametrize("per_sm, per_block", [(164 * 1024, 163 * 1024), (100 * 1024, 99 * 1024), (64 * 1024, 64 * 1024)])
+def test_candidates_fit_the_gpus_shared_memory(per_sm, per_block):
+    """A GPU with less shared memory than Hopper (A100: 164 KiB per SM; consumer Ampere: 100 KiB;
+    Turing: 64 KiB) gets only configs that fit it, and at least one (the untuned first choice
+    must launch)."""
+    smem = SharedMemory(per_sm, per_block)
+    for elem_bytes, staged in ((2, None), (2, 4), (4, None)):
+        found = candidates(elem_bytes=elem_bytes, min_bn=2, m=4096, n=4096, flatten=True, staged_bytes=staged,
+                           smem=smem)
+        assert found
+        for cfg in found:
+            assert cfg.smem_bytes(elem_bytes, staged) <= smem.limit(cfg.CTAS_PER_SM)

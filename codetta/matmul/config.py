@@ -90,20 +90,30 @@ _HOPPER_32 = [
     (64, 128, 32, 8, 4, 4, 1),
     (64, 64, 32, 8, 4, 4, 1),
 ]
-_SMEM_PER_SM = 228 * 1024  # H100/H200; a CTA may use all but 1 KiB of it (227 KiB)
+# The last resort where none of the above fits a GPU's shared memory (40 KiB with 16-bit inputs).
+_SMALLEST = {2: (64, 64, 64, 8, 2, 4, 1), 4: (64, 64, 32, 8, 2, 4, 1)}
 _REGISTERS_PER_SM = 65536
 _MAX_REGISTERS_PER_THREAD = 255
-
-
-def smem_limit(ctas_per_sm: int = 1) -> int:
-    """Shared memory one CTA may use when ``ctas_per_sm`` CTAs share an SM (1 KiB each is reserved)."""
-    return _SMEM_PER_SM // ctas_per_sm - 1024
-
 _FLATTENED = 4  # how many of the best-guess configs are also tried with a flattened loop
 
 
+@dataclass(frozen=True)
+class SharedMemory:
+    """A GPU's shared memory: per SM, and the most one CTA may use (default: H100 and H200)."""
+
+    per_sm: int = 228 * 1024
+    per_block: int = 227 * 1024
+
+    def limit(self, ctas_per_sm: int = 1) -> int:
+        """What one CTA may use when ``ctas_per_sm`` CTAs share an SM (1 KiB each is reserved)."""
+        return min(self.per_block, self.per_sm // ctas_per_sm - 1024)
+
+
+HOPPER = SharedMemory()
+
+
 def candidates(*, elem_bytes: int, min_bn: int, n_parts_sizes=(), m: int = 0, n: int = 0, flatten: bool = False,
-               staged_bytes: int | None = None, aux_bytes: int = 0):
+               staged_bytes: int | None = None, aux_bytes: int = 0, smem: SharedMemory = HOPPER):
     """The configs worth trying on a GPU, best guess first.
 
     ``min_bn``: the smallest tile width the program's epilogue needs (segments fit whole);
@@ -112,28 +122,36 @@ def candidates(*, elem_bytes: int, min_bn: int, n_parts_sizes=(), m: int = 0, n:
     tiles are far larger than the problem are dropped (all but the smallest, if need be).
     ``flatten``: also try the first few with a flattened loop (see :class:`Config`), after
     all the others, so that the first candidate (taken untuned) stays the same.
-    ``staged_bytes``, ``aux_bytes``: the epilogue's shared memory (see :meth:`Config.smem_bytes`).
+    ``staged_bytes``, ``aux_bytes``: the epilogue's shared memory (see :meth:`Config.smem_bytes`);
+    ``smem``: the GPU's. Where none of the tuned tables fits it, one small config.
     """
     def fits(cfg):
-        return cfg.smem_bytes(elem_bytes, staged_bytes, aux_bytes) <= smem_limit(cfg.CTAS_PER_SM)
+        return cfg.smem_bytes(elem_bytes, staged_bytes, aux_bytes) <= smem.limit(cfg.CTAS_PER_SM)
 
     if elem_bytes <= 2:
         table = [(t, 1) for t in _HOPPER_16] + [(t, 2) for t in _HOPPER_16_TWO_PER_SM]
     else:
         table = [(t, 1) for t in _HOPPER_32]
-    fitting, small = [], []
-    for (bm, bn, bk, group, stages, warps, split), per_sm in table:
-        if bn // split < min_bn:
-            if split > 1:
+    def sort(table):
+        """(configs that fit, those whose tiles are far larger than the problem)."""
+        fitting, small = [], []
+        for (bm, bn, bk, group, stages, warps, split), per_sm in table:
+            if bn // split < min_bn:
+                if split > 1:
+                    continue
+                bn = min_bn
+            cfg = Config(bm, bn, bk, group, stages, warps, split, CTAS_PER_SM=per_sm)
+            if cfg in fitting + small or not fits(cfg):
                 continue
-            bn = min_bn
-        cfg = Config(bm, bn, bk, group, stages, warps, split, CTAS_PER_SM=per_sm)
-        if cfg in fitting + small or not fits(cfg):
-            continue
-        if any(size % cfg.BN for size in n_parts_sizes):
-            continue
-        oversized = (m and m <= bm // 2 and bm > 64) or (n and n <= bn // 2 and bn > max(64, min_bn))
-        (small if oversized else fitting).append(cfg)
+            if any(size % cfg.BN for size in n_parts_sizes):
+                continue
+            oversized = (m and m <= bm // 2 and bm > 64) or (n and n <= bn // 2 and bn > max(64, min_bn))
+            (small if oversized else fitting).append(cfg)
+        return fitting, small
+
+    fitting, small = sort(table)
+    if not fitting and not small:
+        fitting, small = sort([(_SMALLEST[2 if elem_bytes <= 2 else 4], 1)])
     # A tiny problem keeps the smallest tiles rather than nothing.
     chosen = fitting or sorted(small, key=lambda c: (c.BM * c.BN, c.STAGES))[:1]
     if flatten:

@@ -22,7 +22,7 @@ from ..epilogue.codegen import kernel_args, load_kernel
 from ..epilogue.ir import FULL, EpilogueError, Program
 from ..kernels import finish
 from . import tuning
-from .config import candidates, interpreter_config
+from .config import SharedMemory, candidates, interpreter_config
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_B_PARTS = 4
@@ -290,6 +290,13 @@ def _num_programs(device, tiles, ctas_per_sm=1):
 @functools.lru_cache(maxsize=None)
 def _sm_count(index):
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_memory(index) -> SharedMemory:
+    props = torch.cuda.get_device_properties(index)
+    per_block = getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
+    return SharedMemory(per_sm=props.shared_memory_per_multiprocessor, per_block=per_block)
 
 
 class _Plan:
@@ -591,10 +598,15 @@ def _choose(call, config):
         if tma and cfg is not None:
             return "tma", cfg
         return "ptr", interpreter_config(min_bn=min_bn, **size)
-    size = dict(elem_bytes=call.a.element_size(), min_bn=min_bn, m=call.M, n=call.N, **_epilogue_smem(call))
+    index = call.device.index if call.device.index is not None else torch.cuda.current_device()
+    size = dict(elem_bytes=call.a.element_size(), min_bn=min_bn, m=call.M, n=call.N, smem=_shared_memory(index),
+                **_epilogue_smem(call))
     configs = candidates(n_parts_sizes=parts, flatten=len(call.parts) == 1, **size) if tma else []
     path = "tma" if configs else "ptr"
     configs = configs or candidates(**size)
+    if not configs:
+        raise GemmError(f"program {call.program.name!r}: no tile config fits this GPU's shared memory "
+                        f"({size['smem'].per_block // 1024} KiB per block)")
     accumulated = {o.name for o in call.program.outputs.values() if o.kind == "store" and o.accumulate}
     scratch = {k: (v.clone() if k in accumulated else v) for k, v in call.given.items()}
 
