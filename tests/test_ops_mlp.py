@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import codetta.ops.mlp as mlp_module
 import codetta.ops.rmsnorm as rmsnorm_module
 from codetta.ops import linear_residual, swiglu_mlp
 from conftest import DEVICE, INTERPRET
@@ -51,7 +52,9 @@ def test_forward_backward_fp32(shape, f):
         assert rel(a, b) < 2e-5, name
 
 
-def test_residual_gradient_is_added_in_the_norm_backward_epilogue(monkeypatch):
+def test_backward_epilogues(monkeypatch):
+    """The SwiGLU backward runs in the down projection's dgrad epilogue (no separate kernel), and
+    the residual gradient is added in the norm-backward epilogue (no separate sum)."""
     programs = []
     gemm = rmsnorm_module.gemm
 
@@ -59,9 +62,11 @@ def test_residual_gradient_is_added_in_the_norm_backward_epilogue(monkeypatch):
         programs.append(program.name if program is not None else "plain")
         return gemm(a, b, program, **operands)
 
-    monkeypatch.setattr(rmsnorm_module, "gemm", recording)
+    for module in (rmsnorm_module, mlp_module):
+        monkeypatch.setattr(module, "gemm", recording)
     x, *weights = (t.requires_grad_() for t in inputs((12, 16), 8))
     swiglu_mlp(x, *weights, eps=EPS).sum().backward()
+    assert programs.count("swiglu_mlp_down_dgrad_float32") == 1
     assert programs.count("rmsnorm_linear_backward_residual") == 1 and "rmsnorm_linear_backward" not in programs
 
 

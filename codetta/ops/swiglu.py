@@ -79,12 +79,10 @@ def _(x, norm_weight, w_gate, w_up, eps, u, rstd):
     return x.new_empty(*x.shape[:-1], f), x.new_empty(m, 2 * f), x.new_empty(m, dtype=torch.float32)
 
 
-def rmsnorm_swiglu_backward(dy, z, x, norm_weight, w_gate, w_up, rstd, dweights_into=(), residual_grad=None):
-    """(dx, dnorm_weight, dW_gate, dW_up) given dy (the module doc's steps 1 and 2); ``residual_grad``
-    is added to dx (see :func:`codetta.ops.rmsnorm.rmsnorm_linear_backward`)."""
+def rmsnorm_swiglu_backward(dy, z, x, norm_weight, w_gate, w_up, rstd, dweights_into=()):
+    """(dx, dnorm_weight, dW_gate, dW_up) given dy (the module doc's steps 1 and 2)."""
     dz, zdz = swiglu_backward(dy.reshape(z.shape[0], -1).to(z.dtype), z)
-    dx, dg, (dwg, dwu) = rmsnorm_linear_backward(dz, zdz, x, norm_weight, [w_gate, w_up], rstd, dweights_into,
-                                                 residual_grad)
+    dx, dg, (dwg, dwu) = rmsnorm_linear_backward(dz, zdz, x, norm_weight, [w_gate, w_up], rstd, dweights_into)
     return dx, dg, dwg, dwu
 
 
