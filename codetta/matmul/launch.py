@@ -294,9 +294,13 @@ def _sm_count(index):
 
 @functools.lru_cache(maxsize=None)
 def _shared_memory(index) -> SharedMemory:
+    """The device's shared memory (Hopper's where PyTorch does not report it)."""
     props = torch.cuda.get_device_properties(index)
-    per_block = getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
-    return SharedMemory(per_sm=props.shared_memory_per_multiprocessor, per_block=per_block)
+    per_block = getattr(props, "shared_memory_per_block_optin", getattr(props, "shared_memory_per_block", None))
+    per_sm = getattr(props, "shared_memory_per_multiprocessor", None)
+    if not per_block or not per_sm:
+        return SharedMemory()
+    return SharedMemory(per_sm=per_sm, per_block=per_block)
 
 
 class _Plan:
