@@ -176,3 +176,15 @@ def test_candidates_fit_the_gpus_shared_memory(per_sm, per_block):
         assert found
         for cfg in found:
             assert cfg.smem_bytes(elem_bytes, staged) <= smem.limit(cfg.CTAS_PER_SM)
+
+
+def test_shared_memory_of_the_device(monkeypatch):
+    """Read from PyTorch's device properties; Hopper's figures where they are missing."""
+    from types import SimpleNamespace
+
+    a100 = SimpleNamespace(shared_memory_per_block_optin=163 * 1024, shared_memory_per_multiprocessor=164 * 1024)
+    for props, expected in ((a100, SharedMemory(164 * 1024, 163 * 1024)), (SimpleNamespace(), HOPPER)):
+        launch._shared_memory.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index, props=props: props)
+        assert launch._shared_memory(0) == expected
+    launch._shared_memory.cache_clear()
