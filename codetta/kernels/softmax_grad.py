@@ -7,9 +7,9 @@ a z-loss coefficient c (loss_i + c lse_i^2), the general form is
 
     dz_ij = (p_ij (1 + 2 c lse_i) - (1 - e) [j == t_i] - e / N) * s_i,   p_ij = exp(z_ij - lse_i)
 
-(e = c = 0 computes exactly the plain form: the extra terms are exact no-ops then). One memory-bound pass: a
-2-D grid of [BLOCK_M, BLOCK_N] blocks, masked at the edges; only the elements of the view
-z are read and written (any row stride, unit column stride).
+(e = c = 0 computes exactly the plain form: the extra terms are exact no-ops then). One
+memory-bound pass: a 2-D grid of [BLOCK_M, BLOCK_N] blocks, masked at the edges; only the
+elements of the view z are read and written (any row stride, unit column stride).
 """
 
 import torch

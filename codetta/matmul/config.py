@@ -128,14 +128,10 @@ def candidates(*, elem_bytes: int, min_bn: int, n_parts_sizes=(), m: int = 0, n:
     def fits(cfg):
         return cfg.smem_bytes(elem_bytes, staged_bytes, aux_bytes) <= smem.limit(cfg.CTAS_PER_SM)
 
-    if elem_bytes <= 2:
-        table = [(t, 1) for t in _HOPPER_16] + [(t, 2) for t in _HOPPER_16_TWO_PER_SM]
-    else:
-        table = [(t, 1) for t in _HOPPER_32]
-    def sort(table):
-        """(configs that fit, those whose tiles are far larger than the problem)."""
+    def admissible(rows):
+        """(the configs of ``rows`` that fit, those whose tiles are far larger than the problem)."""
         fitting, small = [], []
-        for (bm, bn, bk, group, stages, warps, split), per_sm in table:
+        for (bm, bn, bk, group, stages, warps, split), per_sm in rows:
             if bn // split < min_bn:
                 if split > 1:
                     continue
@@ -149,9 +145,13 @@ def candidates(*, elem_bytes: int, min_bn: int, n_parts_sizes=(), m: int = 0, n:
             (small if oversized else fitting).append(cfg)
         return fitting, small
 
-    fitting, small = sort(table)
+    if elem_bytes <= 2:
+        table = [(t, 1) for t in _HOPPER_16] + [(t, 2) for t in _HOPPER_16_TWO_PER_SM]
+    else:
+        table = [(t, 1) for t in _HOPPER_32]
+    fitting, small = admissible(table)
     if not fitting and not small:
-        fitting, small = sort([(_SMALLEST[2 if elem_bytes <= 2 else 4], 1)])
+        fitting, small = admissible([(_SMALLEST[2 if elem_bytes <= 2 else 4], 1)])
     # A tiny problem keeps the smallest tiles rather than nothing.
     chosen = fitting or sorted(small, key=lambda c: (c.BM * c.BN, c.STAGES))[:1]
     if flatten:

@@ -280,11 +280,15 @@ def _layouts(call):
     return bool(a_t), (not b_t.pop()) if len(b_t) == 1 else False, tma
 
 
+def _device_index(device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _num_programs(device, tiles, ctas_per_sm=1):
     """The persistent grid: one program per SM (``ctas_per_sm`` per SM), no more than there are tiles."""
     if interpreting():
         return min(tiles, 3)
-    return min(tiles, ctas_per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device()))
+    return min(tiles, ctas_per_sm * _sm_count(_device_index(device)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -602,9 +606,8 @@ def _choose(call, config):
         if tma and cfg is not None:
             return "tma", cfg
         return "ptr", interpreter_config(min_bn=min_bn, **size)
-    index = call.device.index if call.device.index is not None else torch.cuda.current_device()
-    size = dict(elem_bytes=call.a.element_size(), min_bn=min_bn, m=call.M, n=call.N, smem=_shared_memory(index),
-                **_epilogue_smem(call))
+    size = dict(elem_bytes=call.a.element_size(), min_bn=min_bn, m=call.M, n=call.N,
+                smem=_shared_memory(_device_index(call.device)), **_epilogue_smem(call))
     configs = candidates(n_parts_sizes=parts, flatten=len(call.parts) == 1, **size) if tma else []
     path = "tma" if configs else "ptr"
     configs = configs or candidates(**size)

@@ -234,7 +234,8 @@ def _backward(ctx, dqkv, _drstd, _dz):
         dqkv, None if qk_norm else saved, x, norm_weight, weights, bias if has_bias else None, positions, inv_freq,
         n_q, n_kv, head_dim, rotary_dim, scale, rstd, *qk, qk_norm_eps)
     none10 = (None,) * 10
-    return (dx, dg, for_autograd(dws), dbias if has_bias else None, *none10, dqw if qk_norm else None, dkw if qk_norm else None, None)
+    return (dx, dg, for_autograd(dws), dbias if has_bias else None, *none10, dqw if qk_norm else None,
+            dkw if qk_norm else None, None)
 
 
 _qkv_rope_op.register_autograd(_backward, setup_context=_setup)
