@@ -23,7 +23,7 @@ import codetta  # noqa: E402
 from codetta.kernels.rope import rope_backward  # noqa: E402
 from codetta.kernels.softmax_grad import softmax_grad_  # noqa: E402
 from codetta.kernels.swiglu import swiglu_backward  # noqa: E402
-from codetta.ops import mlp, rmsnorm, rope, swiglu  # noqa: E402
+from codetta.ops import rmsnorm, rope, swiglu  # noqa: E402
 from codetta.kernels.rmsnorm import rmsnorm_stats  # noqa: E402
 
 from common import markdown_table, median_graph_ms, write_results  # noqa: E402
@@ -67,8 +67,6 @@ def pieces():
         return lambda: dz @ w
 
     dx2, wd = _bf16(M, D), _bf16(D, F, scale=F**-0.5)
-    dz_out = torch.empty(M, 2 * F, device="cuda", dtype=torch.bfloat16)
-    down_dgrad = mlp._down_dgrad_program(torch.bfloat16)
 
     return {
         "qkv: codetta plain GEMM, one B": (lambda: codetta.gemm(u, wqkv.t()), cublas(qkv_n, D), None),
@@ -99,11 +97,7 @@ def pieces():
                                  out={"z_gate": z_out[:, :F], "z_up": z_out[:, F:]}),
             cublas(2 * F, D), None),
         "swiglu backward kernel": (lambda: swiglu_backward(dy, z), None, 5 * M * F * 2),
-        "down dgrad: plain GEMM (dy, then the kernel above)": (lambda: codetta.gemm(dx2, wd), cublas_dgrad(D, F), None),
-        "down dgrad: SwiGLU-backward epilogue GEMM (swiglu_mlp)": (
-            lambda: codetta.gemm(dx2, wd, down_dgrad, z_gate=z[:, :F], z_up=z[:, F:],
-                                 out={"dz_gate": dz_out[:, :F], "dz_up": dz_out[:, F:]}),
-            cublas_dgrad(D, F), None),
+        "down dgrad: plain GEMM (dy for the kernel above)": (lambda: codetta.gemm(dx2, wd), cublas_dgrad(D, F), None),
         "CE softmax gradient (4096 x 128256, in place)": (lambda: softmax_grad_(logits, lse, target, scale), None,
                                                           2 * CE_ROWS * VOCAB * 2),
     }

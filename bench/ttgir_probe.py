@@ -98,7 +98,7 @@ CONFIGS = {  # name -> compile_sm90 keyword arguments
 def main():
     import torch
 
-    from codetta.ops import cross_entropy, mlp, rmsnorm
+    from codetta.ops import cross_entropy, rmsnorm
 
     plain = ep.Program("probe_plain")
     plain.store("y", plain.acc)
@@ -107,7 +107,6 @@ def main():
         "RMSNorm + gate/up + SwiGLU": (swiglu._forward_program(), 1),
         "residual + norm statistics": (rmsnorm._producer(torch.bfloat16, True, False), 1),
         "norm backward": (rmsnorm._consumer_backward(), 1),
-        "down dgrad + SwiGLU backward": (mlp._down_dgrad_program(torch.bfloat16), 1),
         "cross-entropy logits": (cross_entropy._logits_program(False, torch.bfloat16), 1),
     }
     for name, (program, num_b) in programs.items():

@@ -9,14 +9,13 @@ Forward: the SwiGLU GEMM of :func:`codetta.ops.rmsnorm_swiglu`, then the produce
 
 Backward, given dx2, in three GEMMs and their weight gradients:
 
-1. dy = dx2 W_d, whose epilogue runs the SwiGLU backward on each tile (reading z_g and z_u
-   as two aux tiles; s = sigmoid(z_g)) instead of storing dy for a separate kernel:
-
-       dz_g = dy z_u s (1 + z_g (1 - s)),   dz_u = dy z_g s,   zdz_i = sum_k z_ik dz_ik
-
-   with dy rounded to the inputs' dtype first and zdz taken from the stored dz, exactly as
-   :mod:`codetta.kernels.swiglu` computes them (one [M, F] write and three reads fewer);
-   dW_d = dx2^T y.
+1. dy = dx2 W_d (a plain GEMM), then dz = [dz_g | dz_u] and zdz_i = sum_k z_ik dz_ik from
+   the SwiGLU-backward kernel of :mod:`codetta.kernels.swiglu`; dW_d = dx2^T y.
+   Running the SwiGLU backward in the dgrad's epilogue instead (z_g, z_u read as aux tiles,
+   dz stored from the tile) saves one [M, F] write and read of dy, but on the H200 it was
+   slower: 3.59 ms against 2.85 + 0.65 ms for GEMM and kernel at M=16384, d=4096, F=14336
+   (bench/ops_breakdown.py): reading two aux tiles and storing two while the tensor cores
+   idle costs more than the kernel's pass, which runs at 3.6 TB/s.
 2. x reaches x2 along two paths, the norm and the residual, so dx = dx2 + (the norm's
    gradient). Written as two operators, autograd adds the two with a separate kernel (a
    read of both and a write, [M, d] each); here the norm-backward GEMM on dz
@@ -28,16 +27,15 @@ y and z are kept from the forward (as the two operators keep them).
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .. import epilogue as ep
+from ..kernels.swiglu import swiglu_backward
 from ..matmul import gemm
 from .autograd import direct_op, only_first_output_differentiable
-from .rmsnorm import _check_norm_inputs, _linear_residual_op, rmsnorm_linear_backward
+from .rmsnorm import _check_norm_inputs, _linear_residual_op, _weight_k, rmsnorm_linear_backward
 from .swiglu import _rmsnorm_swiglu_op
 from .weight_grads import for_autograd, run_backward, weight_grad
 
@@ -63,31 +61,12 @@ def _(x, norm_weight, w_gate, w_up, w_down, eps, u, rstd, next_norm_weight, next
             x.new_empty(m, dtype=torch.float32))
 
 
-@functools.lru_cache(maxsize=None)
-def _down_dgrad_program(dtype: torch.dtype) -> ep.Program:
-    """dy = dx2 W_d in the accumulator; the SwiGLU backward of the module doc's step 1."""
-    p = ep.Program(f"swiglu_mlp_down_dgrad_{str(dtype).split('.')[-1]}")
-
-    def stored(t):  # a value as the tensor of ``dtype`` holds it
-        return ep.round_to(t, dtype) if dtype != torch.float32 else t
-
-    dy, g, u = stored(p.acc), p.aux("z_gate"), p.aux("z_up")
-    s = ep.sigmoid(g)
-    dz_g, dz_u = stored(dy * u * s * (1.0 + g * (1.0 - s))), stored(dy * (g * s))
-    p.store("dz_gate", dz_g)
-    p.store("dz_up", dz_u)
-    p.row_sum("zdz", g * dz_g + u * dz_u)
-    return p
-
-
 def swiglu_mlp_backward(dx2, x, norm_weight, w_gate, w_up, w_down, y, z, rstd, dweights_into=()):
     """(dx, dnorm_weight, dW_gate, dW_up, dW_down) given dx2 (the module doc's backward)."""
     into = list(dweights_into) or [None] * 3
     f, d = w_gate.shape
     dx2_2 = dx2.reshape(-1, d).contiguous()
-    dz = z.new_empty(z.shape)
-    zdz = gemm(dx2_2, w_down, _down_dgrad_program(z.dtype), z_gate=z[:, :f], z_up=z[:, f:],
-               out={"dz_gate": dz[:, :f], "dz_up": dz[:, f:]})["zdz"]
+    dz, zdz = swiglu_backward(gemm(dx2_2, _weight_k([w_down])), z)
     dw_down = weight_grad(dx2_2, y.reshape(-1, f), into[2])
     dx, dg, (dw_gate, dw_up) = rmsnorm_linear_backward(dz, zdz, x, norm_weight, [w_gate, w_up], rstd, into[:2],
                                                        residual_grad=dx2)
