@@ -49,7 +49,7 @@ def pieces():
     rotated = rope._rotated_pairs(HQ, HKV, HD, HD, x.device)
     qkv_n = (HQ + 2 * HKV) * HD
     dqkv, qkv = _bf16(M, qkv_n), _bf16(M, qkv_n)
-    dy, z = _bf16(M, F), _bf16(M, 2 * F)
+    dy, z, y_out = _bf16(M, F), _bf16(M, 2 * F), _bf16(M, F)
     logits = _bf16(CE_ROWS, VOCAB, scale=3.0)
     lse = torch.logsumexp(logits.float(), -1)
     target = torch.randint(0, VOCAB, (CE_ROWS,), device="cuda")
@@ -97,6 +97,8 @@ def pieces():
                                  out={"z_gate": z_out[:, :F], "z_up": z_out[:, F:]}),
             cublas(2 * F, D), None),
         "swiglu backward kernel": (lambda: swiglu_backward(dy, z), None, 5 * M * F * 2),
+        "swiglu backward kernel, recomputing y (swiglu_mlp)": (lambda: swiglu_backward(dy, z, y_out=y_out), None,
+                                                              6 * M * F * 2),
         "down dgrad: plain GEMM (dy for the kernel above)": (lambda: codetta.gemm(dx2, wd), cublas_dgrad(D, F), None),
         "CE softmax gradient (4096 x 128256, in place)": (lambda: softmax_grad_(logits, lse, target, scale), None,
                                                           2 * CE_ROWS * VOCAB * 2),

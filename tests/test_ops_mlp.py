@@ -62,9 +62,9 @@ def test_backward_epilogues(monkeypatch):
         programs.append(program.name if program is not None else "plain")
         return gemm(a, b, program, **operands)
 
-    def recording_kernel(dy, z):
+    def recording_kernel(dy, z, **kwargs):
         kernels.append(dy.shape)
-        return swiglu_backward(dy, z)
+        return swiglu_backward(dy, z, **kwargs)
 
     for module in (rmsnorm_module, mlp_module):
         monkeypatch.setattr(module, "gemm", recording)
@@ -73,6 +73,16 @@ def test_backward_epilogues(monkeypatch):
     swiglu_mlp(x, *weights, eps=EPS).sum().backward()
     assert kernels == [torch.Size([12, 8])]
     assert programs.count("rmsnorm_linear_backward_residual") == 1 and "rmsnorm_linear_backward" not in programs
+
+
+def test_keeps_z_not_y():
+    """The backward keeps x, the weights, z and rstd, not the activation y = silu(z_g) z_u (its
+    kernel recomputes y for dW_down): no [M, F] tensor among the saved ones."""
+    m, d, f = 12, 16, 24
+    x, *weights = (t.requires_grad_() for t in inputs((m, d), f))
+    out = swiglu_mlp(x, *weights, eps=EPS)
+    shapes = sorted(tuple(t.shape) for t in out.grad_fn.saved_tensors)
+    assert shapes == sorted([(m, d), (d,), (f, d), (f, d), (d, f), (m, 2 * f), (m,)])
 
 
 def test_next_norm_statistics_and_producer_stats():
@@ -130,9 +140,9 @@ def test_custom_ops_pass_opcheck(next_norm):
     torch.library.opcheck(torch.ops.codetta.swiglu_mlp.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     z = torch.randn(6, 16, device=DEVICE)
-    y, zz = torch.randn(6, 8, device=DEVICE), torch.randn(6, 16, device=DEVICE)
+    zz = torch.randn(6, 16, device=DEVICE)
     torch.library.opcheck(torch.ops.codetta.swiglu_mlp_backward.default,
-                          (z, x.detach(), g.detach(), wg.detach(), wu.detach(), wd.detach(), y, zz,
+                          (z, x.detach(), g.detach(), wg.detach(), wu.detach(), wd.detach(), zz,
                            torch.rand(6, device=DEVICE) + 0.5),
                           test_utils=("test_schema", "test_faketensor"))
 

@@ -168,6 +168,28 @@ def test_kernel_writes_exactly_its_output(block):
     assert rel(dz, dz_ref) <= 2 * rel(dz_eager, dz_ref) + 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m,f", [(37, 150), (1, 5)], ids=str)
+def test_kernel_recomputes_y_into_a_view(m, f, dtype):
+    """With y_out the same pass writes y = silu(z_g) * z_u of the stored z into exactly that
+    view (a NaN-poisoned larger tensor around it), and dz, zdz do not change."""
+    dy, z = swiglu_inputs(m, f, dtype)
+    big = torch.full((m + 2, f + 9), float("nan"), device=DEVICE, dtype=dtype)
+    y_out = big[1:m + 1, 5:5 + f]
+    dz, zdz = swiglu_backward(dy, z, y_out=y_out)
+    dz_alone, zdz_alone = swiglu_backward(dy, z)
+    assert torch.equal(dz, dz_alone) and torch.equal(zdz, zdz_alone)
+    inside = torch.zeros_like(big, dtype=torch.bool)
+    inside[1:m + 1, 5:5 + f] = True
+    assert big[~inside].isnan().all() and not y_out.isnan().any()
+    zd = z.double()
+    y_ref = F.silu(zd[:, :f]) * zd[:, f:]
+    if dtype == torch.float32:
+        assert rel(y_out, y_ref) < 1e-6
+    else:  # eager: silu(gate) * up of the stored bf16 projections
+        assert rel(y_out, y_ref) <= 2 * rel(F.silu(z[:, :f]) * z[:, f:], y_ref) + 1e-6
+
+
 def test_kernel_empty_and_bad_inputs():
     dy, z = swiglu_inputs(0, 8, torch.float32)
     dz, zdz = swiglu_backward(dy, z)
@@ -179,6 +201,10 @@ def test_kernel_empty_and_bad_inputs():
         swiglu_backward(dy.double(), z)
     with pytest.raises(ValueError, match="out must be"):
         swiglu_backward(dy, z, out=torch.empty(16, 4, device=DEVICE).t())
+    with pytest.raises(ValueError, match="y_out must be"):
+        swiglu_backward(dy, z, y_out=torch.empty(4, 9, device=DEVICE))
+    with pytest.raises(ValueError, match="y_out must be"):
+        swiglu_backward(dy, z, y_out=torch.empty(4, 8, device=DEVICE, dtype=torch.float64))
 
 
 def test_kernel_relaunch_with_other_alignment_and_sizes():

@@ -17,6 +17,12 @@ writes those of dz_g and dz_u and one fp32 partial row sum per row into a [M, T]
 (T column blocks of F); the partials are summed after in torch, in a fixed order
 (deterministic, no atomics). Offsets are int64 (M * 2F may exceed 2^31); rows may have
 any stride, columns must be contiguous.
+
+Optionally the same pass also writes y = silu(z_g) * z_u (rounded to z's dtype) from the
+tiles it has read: one [M, F] write that lets a caller recompute the activation instead of
+keeping it from the forward (:func:`codetta.ops.swiglu_mlp` needs y only for dW_down, in
+this same backward). Computed from the stored z, it is the y eager PyTorch computes from
+its stored gate and up projections.
 """
 
 from __future__ import annotations
@@ -42,9 +48,9 @@ INTERPRET_BLOCK = (16, 64, 1)
 
 @triton.jit
 def _swiglu_backward_kernel(
-    dy_ptr, z_ptr, dz_ptr, part_ptr, M, F,
-    dy_s0, z_s0, dz_s0, part_s0,
-    BM: tl.constexpr, BF: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    dy_ptr, z_ptr, dz_ptr, part_ptr, y_ptr, M, F,
+    dy_s0, z_s0, dz_s0, part_s0, y_s0,
+    BM: tl.constexpr, BF: tl.constexpr, STORE_Y: tl.constexpr, EMULATE_RNE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_f = tl.program_id(1)
@@ -69,6 +75,9 @@ def _swiglu_backward_kernel(
     dz_row = dz_ptr + rows64[:, None] * dz_s0
     tl.store(dz_row + cols64, dg_st, mask=mask)
     tl.store(dz_row + F + cols64, du_st, mask=mask)
+    if STORE_Y:
+        y = cast(g * s * u, y_ptr.dtype.element_ty, EMULATE_RNE)
+        tl.store(y_ptr + rows64[:, None] * y_s0 + cols64, y, mask=mask)
 
     # masked lanes hold g = u = 0, so they add nothing
     part = tl.sum(g * dg_st.to(tl.float32) + u * du_st.to(tl.float32), axis=1)
@@ -79,7 +88,7 @@ def _rows_contiguous(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def swiglu_backward(dy: Tensor, z: Tensor, *, out: Optional[Tensor] = None,
+def swiglu_backward(dy: Tensor, z: Tensor, *, out: Optional[Tensor] = None, y_out: Optional[Tensor] = None,
                     block: Optional[tuple[int, int, int]] = None) -> tuple[Tensor, Tensor]:
     """(dz, zdz) of y = silu(z_g) * z_u given dy; see the module doc for the math.
 
@@ -87,6 +96,8 @@ def swiglu_backward(dy: Tensor, z: Tensor, *, out: Optional[Tensor] = None,
         dy: [M, F]; z: [M, 2F] = [z_g | z_u] in the same dtype as dy. Any row strides.
         out: optional [M, 2F] tensor of z's dtype with contiguous columns to write dz into
             (it may be a view of a larger tensor: nothing outside it is written).
+        y_out: optional [M, F] tensor of z's dtype with contiguous columns: the pass also
+            writes y = silu(z_g) * z_u into it.
         block: optional (rows, columns, num_warps) per program; by default one that suits
             a GPU, or a small one under Triton's interpreter.
     Returns:
@@ -97,19 +108,20 @@ def swiglu_backward(dy: Tensor, z: Tensor, *, out: Optional[Tensor] = None,
     if dy.dtype != z.dtype or dy.device != z.device:
         raise ValueError(f"dy ({dy.dtype}, {dy.device}) and z ({z.dtype}, {z.device}) differ")
     m, f = dy.shape
-    if out is None:
-        out = z.new_empty(m, 2 * f)
-    elif out.shape != z.shape or out.dtype != z.dtype or out.device != z.device or out.stride(-1) != 1:
-        raise ValueError(f"out must be [{m}, {2 * f}] {z.dtype} with contiguous columns, "
-                         f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    out = z.new_empty(m, 2 * f) if out is None else out
+    for name, t, shape in (("out", out, (m, 2 * f)), ("y_out", y_out, (m, f))):
+        if t is not None and (t.shape != shape or t.dtype != z.dtype or t.device != z.device or t.stride(-1) != 1):
+            raise ValueError(f"{name} must be [{shape[0]}, {shape[1]}] {z.dtype} on {z.device} with contiguous "
+                             f"columns, got {tuple(t.shape)} {t.dtype} {t.device} strides {t.stride()}")
     if m == 0 or f == 0:
         return out, torch.zeros(m, device=z.device, dtype=torch.float32)
     bm, bf, warps = block or (INTERPRET_BLOCK if interpreting() else GPU_BLOCK)
     dy, z = _rows_contiguous(dy), _rows_contiguous(z)
     grid = (triton.cdiv(m, bm), triton.cdiv(f, bf))
     part = torch.empty(m, grid[1], device=z.device, dtype=torch.float32)
+    y = out if y_out is None else y_out  # not written without y_out
     launch(_swiglu_backward_kernel, grid,
-        dy, z, out, part, m, f, dy.stride(0), z.stride(0), out.stride(0), part.stride(0),
-        BM=bm, BF=bf, EMULATE_RNE=interpreting(), num_warps=warps,
+        dy, z, out, part, y, m, f, dy.stride(0), z.stride(0), out.stride(0), part.stride(0), y.stride(0),
+        BM=bm, BF=bf, STORE_Y=y_out is not None, EMULATE_RNE=interpreting(), num_warps=warps,
     )
     return out, row_sum(part)

@@ -10,7 +10,8 @@ Forward: the SwiGLU GEMM of :func:`codetta.ops.rmsnorm_swiglu`, then the produce
 Backward, given dx2, in three GEMMs and their weight gradients:
 
 1. dy = dx2 W_d (a plain GEMM), then dz = [dz_g | dz_u] and zdz_i = sum_k z_ik dz_ik from
-   the SwiGLU-backward kernel of :mod:`codetta.kernels.swiglu`; dW_d = dx2^T y.
+   the SwiGLU-backward kernel of :mod:`codetta.kernels.swiglu`, which also recomputes
+   y = silu(z_g) * z_u from the z it reads; dW_d = dx2^T y.
    Running the SwiGLU backward in the dgrad's epilogue instead (z_g, z_u read as aux tiles,
    dz stored from the tile) saves one [M, F] write and read of dy, but on the H200 it was
    slower: 3.59 ms against 2.85 + 0.65 ms for GEMM and kernel at M=16384, d=4096, F=14336
@@ -22,7 +23,11 @@ Backward, given dx2, in three GEMMs and their weight gradients:
    (:func:`codetta.ops.rmsnorm.rmsnorm_linear_backward`) reads dx2 as one more tile and
    adds it in its epilogue. Then dW_g = dz_g^T h, dW_u = dz_u^T h.
 
-y and z are kept from the forward (as the two operators keep them).
+Only z is kept from the forward, not y: [M, F] less memory per layer (2 GiB over the 16
+layers of a Llama-3-1B step at 8192 tokens), for one more [M, F] write in the backward
+kernel. y recomputed from the stored z is eager PyTorch's y (its silu(gate) * up reads the
+stored projections); the forward's y, which feeds the down GEMM, comes from the unrounded
+accumulators, so in bf16 the two may differ by a rounding.
 """
 
 from __future__ import annotations
@@ -44,12 +49,12 @@ from .weight_grads import for_autograd, run_backward, weight_grad
 def _mlp_op(
     x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, eps: float, u: Optional[Tensor],
     rstd: Optional[Tensor], next_norm_weight: Optional[Tensor], next_eps: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(x2, u2, rstd2, y, z, rstd): x2 and its next norm's statistics (empty without
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(x2, u2, rstd2, z, rstd): x2 and its next norm's statistics (empty without
     next_norm_weight), then what the backward keeps."""
     y, z, rstd_used = _rmsnorm_swiglu_op.impl(x, norm_weight, w_gate, w_up, eps, u, rstd)
     x2, u2, rstd2 = _linear_residual_op.impl(y, [w_down], x, None, next_norm_weight, next_eps)
-    return x2, u2, rstd2, y, z, rstd_used
+    return x2, u2, rstd2, z, rstd_used
 
 
 @_mlp_op.register_fake
@@ -57,17 +62,17 @@ def _(x, norm_weight, w_gate, w_up, w_down, eps, u, rstd, next_norm_weight, next
     m, f = x.numel() // x.shape[-1], w_gate.shape[0]
     stats = (x.new_empty(m, x.shape[-1]), x.new_empty(m, dtype=torch.float32)) if next_norm_weight is not None else (
         x.new_empty(0), x.new_empty(0, dtype=torch.float32))
-    return (torch.empty_like(x), *stats, x.new_empty(*x.shape[:-1], f), x.new_empty(m, 2 * f),
-            x.new_empty(m, dtype=torch.float32))
+    return torch.empty_like(x), *stats, x.new_empty(m, 2 * f), x.new_empty(m, dtype=torch.float32)
 
 
-def swiglu_mlp_backward(dx2, x, norm_weight, w_gate, w_up, w_down, y, z, rstd, dweights_into=()):
+def swiglu_mlp_backward(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, dweights_into=()):
     """(dx, dnorm_weight, dW_gate, dW_up, dW_down) given dx2 (the module doc's backward)."""
     into = list(dweights_into) or [None] * 3
     f, d = w_gate.shape
     dx2_2 = dx2.reshape(-1, d).contiguous()
-    dz, zdz = swiglu_backward(gemm(dx2_2, _weight_k([w_down])), z)
-    dw_down = weight_grad(dx2_2, y.reshape(-1, f), into[2])
+    y = z.new_empty(z.shape[0], f)
+    dz, zdz = swiglu_backward(gemm(dx2_2, _weight_k([w_down])), z, y_out=y)
+    dw_down = weight_grad(dx2_2, y, into[2])
     dx, dg, (dw_gate, dw_up) = rmsnorm_linear_backward(dz, zdz, x, norm_weight, [w_gate, w_up], rstd, into[:2],
                                                        residual_grad=dx2)
     return dx, dg, dw_gate, dw_up, dw_down
@@ -75,28 +80,27 @@ def swiglu_mlp_backward(dx2, x, norm_weight, w_gate, w_up, w_down, y, z, rstd, d
 
 @direct_op("codetta::swiglu_mlp_backward")
 def _mlp_backward_op(
-    dx2: Tensor, x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, y: Tensor, z: Tensor,
-    rstd: Tensor,
+    dx2: Tensor, x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, z: Tensor, rstd: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return swiglu_mlp_backward(dx2, x, norm_weight, w_gate, w_up, w_down, y, z, rstd)
+    return swiglu_mlp_backward(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd)
 
 
 @_mlp_backward_op.register_fake
-def _(dx2, x, norm_weight, w_gate, w_up, w_down, y, z, rstd):
+def _(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd):
     return tuple(torch.empty_like(t) for t in (x, norm_weight, w_gate, w_up, w_down))
 
 
 def _setup(ctx, inputs, output):
     only_first_output_differentiable(ctx, output)
     x, norm_weight, w_gate, w_up, w_down, *_ = inputs
-    *_, y, z, rstd_used = output
-    ctx.save_for_backward(x, norm_weight, w_gate, w_up, w_down, y, z, rstd_used)
+    *_, z, rstd_used = output
+    ctx.save_for_backward(x, norm_weight, w_gate, w_up, w_down, z, rstd_used)
 
 
 def _backward(ctx, dx2, *_unused):
-    x, norm_weight, w_gate, w_up, w_down, y, z, rstd = ctx.saved_tensors
+    x, norm_weight, w_gate, w_up, w_down, z, rstd = ctx.saved_tensors
     grads = run_backward(ctx, [w_gate, w_up, w_down], _mlp_backward_op, swiglu_mlp_backward,
-                         dx2, x, norm_weight, w_gate, w_up, w_down, y, z, rstd)
+                         dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd)
     dx, dg, *dws = grads
     return dx, dg, *for_autograd(dws), *(None,) * 5
 
