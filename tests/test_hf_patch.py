@@ -92,6 +92,18 @@ def test_qwen3_qk_norm_fused_into_the_qkv_epilogue(bias, rope):
                for layer in model.model.layers)
 
 
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_head_dim_not_a_power_of_two_keeps_the_models_rope(name):
+    """head_dim 24: RoPE (and Qwen3's QK-norm) run as the model's own code after the
+    norm-folded QKV GEMM, with a warning; everything else stays fused; parity holds."""
+    ref = tiny(name, hidden_size=48, num_attention_heads=2, num_key_value_heads=1, head_dim=24)
+    with pytest.warns(UserWarning, match="head_dim 24 is not a power of two"):
+        model = codetta.patch(copy.deepcopy(ref))
+    assert model._codetta_patched["rope"] is False and model._codetta_patched["swiglu"] is True
+    ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+
+
 @pytest.mark.parametrize("flags", [dict(rope=False), dict(swiglu=False), dict(cross_entropy=False),
                                    dict(rms_norm=False, rope=False, swiglu=False)], ids=str)
 def test_partial_patches_match(flags):
@@ -211,6 +223,107 @@ def test_unsupported_models_and_options_are_refused_untouched():
     assert "forward" not in gelu.model.layers[0].__dict__
     with pytest.raises(ValueError, match="need rms_norm"):
         codetta.patch(tiny("LlamaForCausalLM"), rms_norm=False)
+
+
+class LoraLike(torch.nn.Module):
+    """A wrapper such as PEFT's LoRA layer: the base layer's weight, plus a low-rank term."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base_layer = base
+        self.lora_a = torch.nn.Linear(base.in_features, 2, bias=False, device=base.weight.device)
+        self.lora_b = torch.nn.Linear(2, base.out_features, bias=False, device=base.weight.device)
+
+    @property
+    def weight(self):
+        return self.base_layer.weight
+
+    @property
+    def bias(self):
+        return self.base_layer.bias
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_b(self.lora_a(x))
+
+
+class ScaledLinear(torch.nn.Linear):
+    """An nn.Linear subclass that computes something else (as quantized layers do)."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def _wrap(model, path, make):
+    parent, _, name = path.rpartition(".")
+    owner = model.get_submodule(parent)
+    setattr(owner, name, make(getattr(owner, name)))
+
+
+def _scaled(linear):
+    new = ScaledLinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                       device=linear.weight.device)
+    new.load_state_dict(linear.state_dict())
+    return new
+
+
+UNFUSABLE = {
+    "lora_wrapper": ("model.layers.1.self_attn.v_proj", LoraLike),
+    "linear_subclass_with_own_forward": ("model.layers.0.mlp.up_proj", _scaled),
+    "lora_lm_head": ("lm_head", LoraLike),
+}
+
+
+@pytest.mark.parametrize("key", sorted(UNFUSABLE))
+@pytest.mark.parametrize("when", ["before_patch", "after_patch"])
+def test_modules_the_fused_forward_cannot_read_run_unfused(key, when):
+    """A projection whose own forward adds something (a LoRA wrapper) or computes otherwise (a
+    quantized layer) cannot be read through its weight: wrapped before or after patching, its
+    layer (or the loss) runs the model's own forward, with a warning, and the training step
+    equals the unpatched model's; the other layers stay fused."""
+    path, make = UNFUSABLE[key]
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    ref = tiny("LlamaForCausalLM")
+    plain = copy.deepcopy(ref)
+    torch.manual_seed(1)
+    _wrap(ref, path, make)
+    if when == "before_patch":
+        model = codetta.patch(copy.deepcopy(ref))
+    else:
+        model = codetta.patch(plain)
+        owner, _, name = path.rpartition(".")
+        setattr(model.get_submodule(owner), name, copy.deepcopy(ref.get_submodule(path)))
+    with pytest.warns(UserWarning, match="unfused"):
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    plans = [layer._codetta_plan for layer in model.model.layers]
+    wrapped_layer = int(path.split(".")[2]) if path.startswith("model.layers") else None
+    assert [p.unfusable is not None for p in plans] == [i == wrapped_layer for i in range(len(plans))]
+
+
+def test_a_layer_fuses_again_once_its_modules_are_plain():
+    """Replacing the wrapper by a plain nn.Linear again (PEFT's merge_and_unload) makes the layer fused."""
+    ids = torch.randint(0, VOCAB, (1, 8), device=DEVICE)
+    ref = tiny("LlamaForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    attn = model.model.layers[0].self_attn
+    plain_v = attn.v_proj
+    attn.v_proj = LoraLike(plain_v)
+    with pytest.warns(UserWarning, match="unfused"):
+        model(input_ids=ids, labels=ids)
+    attn.v_proj = plain_v
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    assert model.model.layers[0]._codetta_plan.unfusable is None
+
+
+def test_linear_subclasses_that_keep_linears_forward_are_fused():
+    """A subclass that keeps nn.Linear.forward (as FSDP2's FSDPLinear) computes F.linear: fused."""
+    ids = torch.randint(0, VOCAB, (1, 8), device=DEVICE)
+    ref = tiny("LlamaForCausalLM")
+    model = copy.deepcopy(ref)
+    for layer in model.model.layers:
+        layer.mlp.down_proj.__class__ = type("ShardedLinear", (torch.nn.Linear,), {})
+    codetta.patch(model)
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    assert all(layer._codetta_plan.unfusable is None for layer in model.model.layers)
 
 
 _NO_CXX = DEVICE == "cpu" and not (shutil.which("c++") or shutil.which("g++"))

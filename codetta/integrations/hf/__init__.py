@@ -8,9 +8,10 @@ on the classes: other models in the process are untouched.
 
 from __future__ import annotations
 
+import warnings
 from types import MethodType
 
-from .architectures import ARCHITECTURES, UnsupportedModelError, architecture_of, check_model
+from .architectures import ARCHITECTURES, UnsupportedModelError, architecture_of, check_model, rope_fusable
 from .layer import LayerPlan, fused_decoder_forward
 from .loss import fused_causal_lm_forward
 
@@ -22,7 +23,9 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
 
     rms_norm: fold every RMSNorm into the GEMM after it (and its statistics into the GEMM
         before it); rope: RoPE in the QKV GEMM's epilogue (with Qwen3's QK-norm before it,
-        in the same epilogue); swiglu: SwiGLU in the gate/up GEMM's epilogue;
+        in the same epilogue; a model whose head_dim is no power of two keeps the model's own
+        RoPE, after the norm-folded QKV GEMM, with a warning); swiglu: SwiGLU in the gate/up
+        GEMM's epilogue;
         cross_entropy: LM head + loss fused when labels are given (``logits`` is then None).
         ``rope`` and ``swiglu`` need ``rms_norm``.
 
@@ -36,6 +39,10 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
     unpatch(model)
     if rms_norm:
         layers = list(model.model.layers)
+        if rope and not all(map(rope_fusable, layers)):
+            rope = False
+            warnings.warn(f"codetta.patch: head_dim {layers[0].self_attn.head_dim} is not a power of two; RoPE runs "
+                          "as the model's own code after the norm-folded QKV GEMM", stacklevel=2)
         plans = [LayerPlan(arch, model.model.rotary_emb, rope, swiglu) for _ in layers]
         for i, (layer, plan) in enumerate(zip(layers, plans)):
             if i + 1 < len(layers):  # this layer's last GEMM makes the next layer's norm statistics

@@ -5,11 +5,21 @@ A supported decoder layer is Llama-shaped: ``input_layernorm`` and
 with ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (optionally ``q_norm``, ``k_norm``:
 QK-norm, RMSNorms over ``head_dim`` with one epsilon) and ``mlp`` with ``gate_proj``,
 ``up_proj``, ``down_proj`` and SiLU. A new architecture of that shape is one more entry in :data:`ARCHITECTURES`.
+
+The fused forward reads the projections' ``weight`` and ``bias`` and the norms' ``weight``
+and ``variance_epsilon`` directly. That computes what the modules compute only when each
+projection is a plain ``nn.Linear`` (a subclass is fine if it keeps ``nn.Linear.forward``,
+as FSDP2's do), not a wrapper whose forward adds something (PEFT's LoRA layers) or
+computes otherwise (quantized layers), and each norm an RMSNorm without an offset.
+:func:`why_unfusable` says when a layer's modules are not so; such a layer runs the
+model's own forward instead (see :mod:`codetta.integrations.hf.layer`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 
 class UnsupportedModelError(ValueError):
@@ -29,6 +39,43 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": Architecture(),
     "Qwen3ForCausalLM": Architecture(qk_norm=True),
 }
+
+
+_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                "mlp.up_proj", "mlp.down_proj")
+_NORMS = ("input_layernorm", "post_attention_layernorm")
+_QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+
+
+def _module(obj, path):
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def fused_modules(layer, arch: "Architecture") -> tuple:
+    """The modules of a layer whose parameters the fused forward reads in their place."""
+    return tuple(_module(layer, path) for path in (*_PROJECTIONS, *_NORMS, *(_QK_NORMS if arch.qk_norm else ())))
+
+
+def is_plain_linear(module) -> bool:
+    """An ``nn.Linear`` whose output is ``F.linear(x, weight, bias)``: nothing overrides its forward."""
+    return isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward
+
+
+def _is_plain_rmsnorm(module) -> bool:
+    return type(module).__name__.endswith("RMSNorm") and not getattr(module, "offset", 0.0)
+
+
+def why_unfusable(modules: tuple, arch: "Architecture"):
+    """None when the fused forward can read these :func:`fused_modules` in their place, else why not."""
+    paths = (*_PROJECTIONS, *_NORMS, *(_QK_NORMS if arch.qk_norm else ()))
+    for path, module in zip(paths, modules):
+        if path in _PROJECTIONS and not is_plain_linear(module):
+            return f"{path} is a {type(module).__name__}, not a plain nn.Linear"
+        if path not in _PROJECTIONS and not _is_plain_rmsnorm(module):
+            return f"{path} is a {type(module).__name__}, not an RMSNorm without offset"
+    return None
 
 
 def architecture_of(model) -> Architecture:
@@ -76,6 +123,13 @@ def check_model(model, arch: Architecture):
         biases = {attn.q_proj.bias is None, attn.k_proj.bias is None, attn.v_proj.bias is None}
         if len(biases) > 1:
             raise UnsupportedModelError(f"{what}: some of q/k/v have a bias and some not. Nothing was patched.")
-        head_dim = attn.head_dim
-        if head_dim & (head_dim - 1) or attn.q_proj.out_features % head_dim:
-            raise UnsupportedModelError(f"{what}: head_dim {head_dim} must be a power of two. Nothing was patched.")
+        if attn.q_proj.out_features % attn.head_dim:
+            raise UnsupportedModelError(f"{what}: q_proj's {attn.q_proj.out_features} outputs are no whole number of "
+                                        f"heads of {attn.head_dim}. Nothing was patched.")
+
+
+def rope_fusable(layer) -> bool:
+    """Whether RoPE can run in this layer's QKV epilogue: its head_dim a power of two (the
+    epilogue rotates within power-of-two column segments)."""
+    head_dim = layer.self_attn.head_dim
+    return head_dim & (head_dim - 1) == 0

@@ -24,13 +24,14 @@ the model's own PyTorch code on the output of a norm-folded GEMM.
 from __future__ import annotations
 
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from ...ops import linear_residual, rmsnorm_linear, rmsnorm_qkv_rope, swiglu_mlp
-from .architectures import Architecture
+from .architectures import Architecture, fused_modules, why_unfusable
 
 
 @dataclass
@@ -62,6 +63,8 @@ class LayerPlan:
     rotary: torch.nn.Module  # the model's rotary embedding: inv_freq, attention_scaling
     fuse_rope: bool
     fuse_swiglu: bool
+    modules: tuple = ()  # the layer's projections and norms as last seen (architectures.fused_modules)
+    unfusable: Optional[str] = None  # why the fused forward cannot read them, if it cannot
     incoming: StatsHandoff = field(default_factory=StatsHandoff)  # stats of this layer's input
     next_norm: Optional[torch.nn.Module] = None  # the next layer's input norm, if any
     outgoing: Optional[StatsHandoff] = None  # the next layer's incoming slot
@@ -122,10 +125,28 @@ def _attention(attn, q, k, v, attention_mask, past_key_values, kwargs):
     return out.reshape(*lead, -1)
 
 
+def _fusable(layer, plan: LayerPlan) -> bool:
+    """Whether the fused forward computes what the layer's modules compute; checked again whenever
+    they change (PEFT wrapping a projection after patching, or merging it back), with a warning
+    when the layer has to run unfused."""
+    modules = fused_modules(layer, plan.arch)
+    if modules != plan.modules:
+        plan.modules, plan.unfusable = modules, why_unfusable(modules, plan.arch)
+        if plan.unfusable is not None:
+            warnings.warn(f"codetta: a {type(layer).__name__} runs the model's own forward, unfused: "
+                          f"{plan.unfusable}", stacklevel=2)
+    return plan.unfusable is None
+
+
 def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
                           use_cache=False, position_embeddings=None, **kwargs):
     """Drop-in for the layer's ``forward`` (same arguments, same result, the norms folded)."""
     plan: LayerPlan = layer._codetta_plan
+    if not _fusable(layer, plan):
+        plan.incoming.take(None)  # the statistics handed to this layer go unused
+        return type(layer).forward(layer, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                   past_key_values=past_key_values, use_cache=use_cache,
+                                   position_embeddings=position_embeddings, **kwargs)
     attn, mlp, ln2 = layer.self_attn, layer.mlp, layer.post_attention_layernorm
     x = hidden_states
     q, k, v = _qkv(layer, plan, x, plan.incoming.take(x), position_ids, position_embeddings, kwargs)

@@ -9,21 +9,29 @@ forward runs.
 
 from __future__ import annotations
 
+import warnings
+
 import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ...ops import linear_cross_entropy
+from .architectures import is_plain_linear
 
 IGNORE_INDEX = -100
 
 
 def fused_causal_lm_forward(model, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                             inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
-    if labels is None:  # as transformers: no labels, no loss (shift_labels only refines labels)
+    # a head that is not a plain nn.Linear (PEFT/LoRA, quantized) computes more than its weight: the model's own loss
+    unfusable = not is_plain_linear(model.lm_head)
+    if unfusable:
+        warnings.warn(f"codetta: lm_head is a {type(model.lm_head).__name__}, not a plain nn.Linear; the loss runs "
+                      "unfused", stacklevel=2)
+    if labels is None or unfusable:  # no labels: as transformers, no loss (shift_labels only refines labels)
         return type(model).forward(model, input_ids=input_ids, attention_mask=attention_mask,
                                    position_ids=position_ids, past_key_values=past_key_values,
-                                   inputs_embeds=inputs_embeds, use_cache=use_cache, logits_to_keep=logits_to_keep,
-                                   **kwargs)
+                                   inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+                                   logits_to_keep=logits_to_keep, **kwargs)
     shift_labels = kwargs.pop("shift_labels", None)
     num_items = kwargs.pop("num_items_in_batch", None)
     return_dict = kwargs.pop("return_dict", None)
