@@ -48,6 +48,18 @@ class DecoderConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
 
+    def __post_init__(self):
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+        for name in sizes:
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"DecoderConfig.{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.head_dim & (self.head_dim - 1):
+            raise ValueError(f"head_dim {self.head_dim} must be a power of two (RoPE runs in the QKV epilogue)")
+        if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
+            raise ValueError("rms_norm_eps and rope_theta must be positive")
+
 
 def _linear_weight(out_features: int, in_features: int, std: float) -> nn.Parameter:
     return nn.Parameter(torch.randn(out_features, in_features) * std)

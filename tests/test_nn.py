@@ -103,3 +103,11 @@ def test_norm_statistics_come_from_the_producers(monkeypatch):
     ids = torch.randint(0, CFG.vocab_size, (2, 5), device=DEVICE)
     model(ids, ids).backward()
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("bad, match", [(dict(head_dim=24), "power of two"), (dict(num_kv_heads=3), "multiple"),
+                                        (dict(num_layers=0), "num_layers"), (dict(hidden_size=32.0), "hidden_size"),
+                                        (dict(rms_norm_eps=0.0), "positive")], ids=str)
+def test_config_rejects_what_the_decoder_cannot_run(bad, match):
+    with pytest.raises(ValueError, match=match):
+        cnn.DecoderConfig(**{**CFG.__dict__, **bad})
