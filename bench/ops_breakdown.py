@@ -24,7 +24,7 @@ from codetta.kernels.rope import rope_backward  # noqa: E402
 from codetta.kernels.softmax_grad import softmax_grad_  # noqa: E402
 from codetta.kernels.swiglu import swiglu_backward  # noqa: E402
 from codetta.ops import rmsnorm, rope, swiglu  # noqa: E402
-from codetta.kernels.rmsnorm import rmsnorm_stats  # noqa: E402
+from codetta.kernels.rmsnorm import rmsnorm as rmsnorm_rows, rmsnorm_backward, rmsnorm_stats  # noqa: E402
 
 from common import markdown_table, median_graph_ms, write_results  # noqa: E402
 
@@ -85,6 +85,8 @@ def pieces():
             lambda: codetta.gemm(z, [wg, wu], norm_bwd, rstd=rstd, norm_weight=g, x=x, zdz=rstd, inv_d=1.0 / D),
             cublas_dgrad(2 * F, D), None),
         "rmsnorm stats (u, rstd)": (lambda: rmsnorm_stats(x, g, 1e-5), None, 2 * M * D * 2),
+        "rmsnorm (h, rstd; the CE's norm)": (lambda: rmsnorm_rows(x, g, 1e-5), None, 2 * M * D * 2),
+        "rmsnorm backward (dx fp32, dg; the CE's norm)": (lambda: rmsnorm_backward(x, g, rstd, x), None, 8 * M * D),
         "rope tables (fp64 angles)": (lambda: rope.rope_tables(pos, inv_freq, 1.0), None, 2 * M * HD // 2 * 4),
         "rope backward kernel": (lambda: rope_backward(dqkv, qkv, cos, sin, n_rotated=(HQ + HKV) * HD, head_dim=HD),
                                  None, 3 * M * qkv_n * 2),

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from codetta.kernels.rmsnorm import rmsnorm_stats
+from codetta.kernels.rmsnorm import rmsnorm, rmsnorm_backward, rmsnorm_stats
 from codetta.ops import linear_residual, rmsnorm_linear
 from conftest import DEVICE, INTERPRET
 
@@ -37,6 +37,61 @@ def test_stats_kernel(shape, dtype):
     x64 = x.double().reshape(-1, d)
     assert torch.equal(u, (x64 * g.double()).to(dtype))  # a product of two bf16 is exact in fp32
     assert rel(rstd, torch.rsqrt(x64.square().mean(-1) + EPS)) < 1e-6
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (37, 50), (2, 5, 72)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rmsnorm_kernel(shape, dtype):
+    """h = x rstd g in fp32, rounded once: within fp32 rounding of the fp64 value before that
+    rounding (bf16: at most one bf16 step off, from ties), from rows with a stride."""
+    d = shape[-1]
+    x = (torch.randn(*shape[:-1], d + 3, device=DEVICE) * 3).to(dtype)[..., :d]
+    g = (1 + 0.2 * torch.randn(d, device=DEVICE)).to(dtype)
+    h, rstd = rmsnorm(x, g, EPS)
+    x64 = x.double().reshape(-1, d)
+    r64 = torch.rsqrt(x64.square().mean(-1) + EPS)
+    h64 = x64 * r64[:, None] * g.double()
+    assert h.shape == x64.shape and h.dtype == dtype and rstd.dtype == torch.float32
+    assert rel(rstd, r64) < 1e-6
+    step = torch.finfo(dtype).eps * h64.abs()
+    assert ((h.double() - h64).abs() <= step + 1e-6 * h64.abs().max()).all()
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (37, 50), (70, 72)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rmsnorm_backward_kernel(shape, dtype):
+    """dx and dg of h = RMSNorm(x) against fp64 autograd of F.rms_norm; dx written into a view of
+    a NaN-poisoned larger tensor (nothing else written), in fp32 and in x's dtype."""
+    m, d = shape
+    x = (torch.randn(m, d, device=DEVICE) * 3).to(dtype)
+    g = (1 + 0.2 * torch.randn(d, device=DEVICE)).to(dtype)
+    dh = torch.randn(m, d, device=DEVICE).to(dtype)
+    xr, gr = leaf(x, torch.float64), leaf(g, torch.float64)
+    F.rms_norm(xr, (d,), gr, EPS).backward(dh.double())
+    _, rstd = rmsnorm(x, g, EPS)
+    dx32, dg = rmsnorm_backward(x, g, rstd, dh)
+    assert dx32.dtype == torch.float32 and dg.dtype == torch.float32
+    assert rel(dx32, xr.grad) < 1e-5 and rel(dg, gr.grad) < 1e-5
+    big = torch.full((m + 2, d + 5), float("nan"), device=DEVICE, dtype=dtype)
+    dx_out = big[1:m + 1, 2:2 + d]
+    dx, dg2 = rmsnorm_backward(x, g, rstd, dh, dx_out=dx_out)
+    assert dx.data_ptr() == dx_out.data_ptr() and torch.equal(dg2, dg)
+    inside = torch.zeros_like(big, dtype=torch.bool)
+    inside[1:m + 1, 2:2 + d] = True
+    assert big[~inside].isnan().all()
+    assert torch.equal(dx_out, dx32.to(dtype))  # rounded once from the same fp32 values
+
+
+def test_rmsnorm_backward_empty_and_bad_shapes():
+    g = torch.ones(8, device=DEVICE)
+    dx, dg = rmsnorm_backward(torch.randn(0, 8, device=DEVICE), g, torch.empty(0, device=DEVICE),
+                              torch.randn(0, 8, device=DEVICE))
+    assert dx.shape == (0, 8) and torch.equal(dg, torch.zeros(8, device=DEVICE))
+    x = torch.randn(4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="do not match"):
+        rmsnorm_backward(x, g, torch.ones(3, device=DEVICE), x)
+    with pytest.raises(ValueError, match="dx_out"):
+        rmsnorm_backward(x, g, torch.ones(4, device=DEVICE), x, dx_out=torch.empty(8, 4, device=DEVICE).t())
 
 
 @pytest.mark.parametrize("shape", [(1, 8), (33, 40), (2, 5, 24)], ids=str)

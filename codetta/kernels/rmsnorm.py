@@ -1,13 +1,28 @@
-"""RMSNorm statistics in one pass over x, for a norm with no producer GEMM before it.
+"""RMSNorm row kernels, each one pass over its rows (their statistics in fp32):
 
-    u = x ⊙col g   (in x's dtype),   rstd_i = rsqrt(mean_j x_ij^2 + eps)   (fp32)
+* ``rmsnorm_stats``: for a norm whose GEMM folds it (no producer GEMM before it)
 
-The GEMM after the norm reads u and scales its rows by rstd (:mod:`codetta.ops.rmsnorm`).
-Each program takes BM rows and walks their d columns in blocks of BD: it stores each block
-of u and adds its squares to an fp32 row sum, so x is read once and u written once.
+      u = x ⊙col g   (in x's dtype),   rstd_i = rsqrt(mean_j x_ij^2 + eps)   (fp32)
+
+  the GEMM after the norm reads u and scales its rows by rstd (:mod:`codetta.ops.rmsnorm`);
+* ``rmsnorm``: h = x ⊙row rstd ⊙col g computed in fp32 and rounded once to x's dtype, and
+  rstd (for the LM head's cross-entropy, whose dW GEMM reads h);
+* ``rmsnorm_backward``: given dh, with xhat = x ⊙row rstd and dxhat = dh ⊙col g,
+
+      dx = rstd ⊙row (dxhat - xhat ⊙row mean_j(dxhat_ij xhat_ij)),   dg = sum_i dh_i ⊙ xhat_i
+
+  dx in fp32 or x's dtype (rounded once), dg fp32 from per-program partial column sums
+  summed after in a fixed order.
+
+Each program takes BM rows and walks their d columns in blocks of BD; where a row's
+statistic is needed before its outputs (rmsnorm, rmsnorm_backward), a first walk computes
+it and a second one writes (the rows' second read mostly hits L2). Column strides must be
+1; rows may have any stride.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -19,12 +34,16 @@ from ..matmul.mainloop import cast
 from .launch import launch
 
 GPU_BLOCK = (8, 512, 4)  # (rows, columns per step, warps)
+# the backward holds more values per element: half the tile (sm_90, local Triton 3.9: 106
+# registers, no spill; 32 x 128 spilled 192 bytes per thread)
+GPU_BACKWARD_BLOCK = (8, 256, 4)
 INTERPRET_BLOCK = (16, 32, 1)
 
 
 @triton.jit
-def _rmsnorm_stats_kernel(x_ptr, g_ptr, u_ptr, rstd_ptr, M, D, x_s0, u_s0, eps,
-                          BM: tl.constexpr, BD: tl.constexpr, EMULATE_RNE: tl.constexpr):
+def _rmsnorm_rows_kernel(x_ptr, g_ptr, out_ptr, rstd_ptr, M, D, x_s0, out_s0, eps,
+                         BM: tl.constexpr, BD: tl.constexpr, NORMALIZE: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """NORMALIZE: out = x r g after the walk that finds r; else out = x g in the same walk."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     row_ok = rows < M
     rows64 = rows.to(tl.int64)[:, None]
@@ -34,26 +53,112 @@ def _rmsnorm_stats_kernel(x_ptr, g_ptr, u_ptr, rstd_ptr, M, D, x_s0, u_s0, eps,
         col_ok = cols < D
         mask = row_ok[:, None] & col_ok[None, :]
         x = tl.load(x_ptr + rows64 * x_s0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         sumsq += tl.sum(x * x, axis=1)
-        tl.store(u_ptr + rows64 * u_s0 + cols[None, :], cast(x * g[None, :], u_ptr.dtype.element_ty, EMULATE_RNE),
-                 mask=mask)
-    tl.store(rstd_ptr + rows, tl.rsqrt(sumsq / D + eps), mask=row_ok)
+        if not NORMALIZE:
+            g = tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            tl.store(out_ptr + rows64 * out_s0 + cols[None, :],
+                     cast(x * g[None, :], out_ptr.dtype.element_ty, EMULATE_RNE), mask=mask)
+    rstd = tl.rsqrt(sumsq / D + eps)
+    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+    if NORMALIZE:
+        for start in range(0, D, BD):
+            cols = start + tl.arange(0, BD)
+            col_ok = cols < D
+            mask = row_ok[:, None] & col_ok[None, :]
+            x = tl.load(x_ptr + rows64 * x_s0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            tl.store(out_ptr + rows64 * out_s0 + cols[None, :],
+                     cast(x * rstd[:, None] * g[None, :], out_ptr.dtype.element_ty, EMULATE_RNE), mask=mask)
+
+
+@triton.jit
+def _rmsnorm_backward_kernel(x_ptr, g_ptr, rstd_ptr, dh_ptr, dx_ptr, dg_part_ptr, M, D, x_s0, dh_s0, dx_s0,
+                             BM: tl.constexpr, BD: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BM + tl.arange(0, BM)
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)[:, None]
+    r = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    dot = tl.zeros((BM,), dtype=tl.float32)
+    for start in range(0, D, BD):
+        cols = start + tl.arange(0, BD)
+        col_ok = cols < D
+        mask = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(x_ptr + rows64 * x_s0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dh = tl.load(dh_ptr + rows64 * dh_s0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        dot += tl.sum((dh * g[None, :]) * (x * r), axis=1)
+    mean = (dot / D)[:, None]
+    for start in range(0, D, BD):
+        cols = start + tl.arange(0, BD)
+        col_ok = cols < D
+        mask = row_ok[:, None] & col_ok[None, :]
+        xhat = tl.load(x_ptr + rows64 * x_s0 + cols[None, :], mask=mask, other=0.0).to(tl.float32) * r
+        dh = tl.load(dh_ptr + rows64 * dh_s0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        dx = r * (dh * g[None, :] - xhat * mean)
+        tl.store(dx_ptr + rows64 * dx_s0 + cols[None, :], cast(dx, dx_ptr.dtype.element_ty, EMULATE_RNE), mask=mask)
+        tl.store(dg_part_ptr + pid.to(tl.int64) * D + cols, tl.sum(dh * xhat, axis=0), mask=col_ok)
+
+
+def _rows(x: Tensor) -> Tensor:
+    """x [..., d] as [M, d] with contiguous columns."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _block(gpu_block=GPU_BLOCK):
+    return INTERPRET_BLOCK if interpreting() else gpu_block
+
+
+def _rows_pass(x: Tensor, norm_weight: Tensor, eps: float, normalize: bool) -> tuple[Tensor, Tensor]:
+    x2 = _rows(x)
+    m, d = x2.shape
+    out = torch.empty(m, d, device=x.device, dtype=x.dtype)
+    rstd = torch.empty(m, device=x.device, dtype=torch.float32)
+    if m and d:
+        bm, bd, warps = _block()
+        launch(_rmsnorm_rows_kernel, (triton.cdiv(m, bm),),
+            x2, norm_weight, out, rstd, m, d, x2.stride(0), out.stride(0), float(eps),
+            BM=bm, BD=bd, NORMALIZE=normalize, EMULATE_RNE=interpreting(), num_warps=warps,
+        )
+    return out, rstd
 
 
 def rmsnorm_stats(x: Tensor, norm_weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """(u [M, d] in x's dtype, rstd [M] fp32) of x [..., d] (leading dims flattened)."""
-    d = x.shape[-1]
-    x2 = x.reshape(-1, d)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m = x2.shape[0]
-    u = torch.empty(m, d, device=x.device, dtype=x.dtype)
-    rstd = torch.empty(m, device=x.device, dtype=torch.float32)
-    if m and d:
-        bm, bd, warps = INTERPRET_BLOCK if interpreting() else GPU_BLOCK
-        launch(_rmsnorm_stats_kernel, (triton.cdiv(m, bm),),
-            x2, norm_weight, u, rstd, m, d, x2.stride(0), u.stride(0), float(eps),
-            BM=bm, BD=bd, EMULATE_RNE=interpreting(), num_warps=warps,
-        )
-    return u, rstd
+    return _rows_pass(x, norm_weight, eps, normalize=False)
+
+
+def rmsnorm(x: Tensor, norm_weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(h [M, d] in x's dtype, rstd [M] fp32) of x [..., d]: h = x rstd g in fp32, rounded once."""
+    return _rows_pass(x, norm_weight, eps, normalize=True)
+
+
+def rmsnorm_backward(x: Tensor, norm_weight: Tensor, rstd: Tensor, dh: Tensor, *,
+                     dx_out: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """(dx, dg fp32 [d]) of h = RMSNorm(x) given dh and rstd [M] (see the module doc).
+
+    dx is written into ``dx_out`` ([M, d], contiguous columns, any float dtype) when given,
+    else into a new fp32 tensor.
+    """
+    x2, dh2 = _rows(x), _rows(dh)
+    m, d = x2.shape
+    if dh2.shape != (m, d) or rstd.shape != (m,) or norm_weight.shape != (d,):
+        raise ValueError(f"rmsnorm_backward: x {tuple(x2.shape)}, dh {tuple(dh2.shape)}, rstd {tuple(rstd.shape)} "
+                         f"and norm_weight {tuple(norm_weight.shape)} do not match")
+    if dx_out is None:
+        dx_out = torch.empty(m, d, device=x.device, dtype=torch.float32)
+    elif dx_out.shape != (m, d) or dx_out.stride(-1) != 1:
+        raise ValueError(f"rmsnorm_backward: dx_out must be [{m}, {d}] with contiguous columns, "
+                         f"got {tuple(dx_out.shape)} strides {dx_out.stride()}")
+    if not (m and d):
+        return dx_out.zero_(), torch.zeros(d, device=x.device, dtype=torch.float32)
+    bm, bd, warps = _block(GPU_BACKWARD_BLOCK)
+    grid = triton.cdiv(m, bm)
+    dg_part = torch.empty(grid, d, device=x.device, dtype=torch.float32)
+    launch(_rmsnorm_backward_kernel, (grid,),
+        x2, norm_weight, rstd, dh2, dx_out, dg_part, m, d, x2.stride(0), dh2.stride(0), dx_out.stride(0),
+        BM=bm, BD=bd, EMULATE_RNE=interpreting(), num_warps=warps,
+    )
+    return dx_out, dg_part.sum(0)

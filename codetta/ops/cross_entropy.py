@@ -63,8 +63,9 @@ than such a chunk plus the fp32 dW accumulator (M <= C + 4d / itemsize: 8192 row
 d = 2048 or 4096), which also saves dW's read-modify-write per chunk. The gradients
 computed in the forward live until the backward.
 
-RMSNorm runs in plain PyTorch on each chunk, in fp32, rounded once to the input dtype
-(as ``F.rms_norm`` does).
+The RMSNorm of each chunk, forward and backward, is one row kernel each
+(:mod:`codetta.kernels.rmsnorm`): h in fp32 rounded once to the input dtype, and dx, dg
+from dh = dz W in fp32 (about 11 fp32 passes over [C, d] as separate torch ops before).
 
 Targets: any integer dtype; values outside [0, V) other than ``ignore_index`` raise a
 ValueError on the CPU; on a GPU they trigger ``torch._assert_async`` (a device-side
@@ -86,6 +87,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import epilogue as ep
+from ..kernels.rmsnorm import rmsnorm, rmsnorm_backward
 from ..kernels.softmax_grad import softmax_grad_
 from ..matmul import gemm
 from .rmsnorm import rms_rstd
@@ -167,27 +169,10 @@ def _chunks(rows: int, chunk_size: int):
         yield slice(start, min(start + chunk_size, rows))
 
 
-def _rstd(x, eps):
-    """fp32 [C, 1]: 1 / sqrt(mean(x^2) + eps) per row."""
-    return rms_rstd(x, eps).unsqueeze(-1)
-
-
 def _hidden(x, norm_weight, eps):
     """(h, rstd): h = x (rstd None), or RMSNorm(x) computed in fp32 and rounded once to x's
-    dtype, with its fp32 [C, 1] rstd for the backward."""
-    if norm_weight is None:
-        return x, None
-    rstd = _rstd(x, eps)
-    return (x.float() * rstd * norm_weight.float()).to(x.dtype), rstd
-
-
-def _rms_norm_backward(x, norm_weight, rstd, dh):
-    """(fp32 dx, fp32 dg) of h = x ⊙row r ⊙col g, given dh and r."""
-    xhat = x.float() * rstd
-    dh = dh.float()
-    dxhat = dh * norm_weight.float()
-    dx = rstd * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
-    return dx, (dh * xhat).sum(0)
+    dtype (one pass of :func:`codetta.kernels.rmsnorm.rmsnorm`), with its fp32 [C] rstd."""
+    return (x, None) if norm_weight is None else rmsnorm(x, norm_weight, eps)
 
 
 def _bias_operand(bias):
@@ -284,9 +269,7 @@ def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs
         if norm_weight is None and need_x:
             gemm(dz, weight, *((_fp32_program(),) if fp32_grads else ()), out={"out": dx[c]})
         elif need_x or need_norm_weight:
-            dx_c, dg_c = _rms_norm_backward(x[c], norm_weight, rstd, gemm(dz, weight))
-            if need_x:
-                dx[c] = dx_c
+            _, dg_c = rmsnorm_backward(x[c], norm_weight, rstd, gemm(dz, weight), dx_out=dx[c] if need_x else None)
             if need_norm_weight:
                 dg += dg_c
     grads = (
@@ -527,8 +510,8 @@ def linear_cross_entropy_reference(x, weight, target, *, bias=None, ignore_index
     """
     _check_inputs(x, weight, target, bias, norm_weight, reduction, None, label_smoothing, z_loss)
     _check_target_values(target.reshape(-1), weight.shape[0], ignore_index)
-    h = _hidden(x, norm_weight, eps)[0].float()
-    z = F.linear(h, weight.float(), None if bias is None else bias.float())
+    h = x if norm_weight is None else (x.float() * rms_rstd(x, eps).unsqueeze(-1) * norm_weight.float()).to(x.dtype)
+    z = F.linear(h.float(), weight.float(), None if bias is None else bias.float())
     valid = target != ignore_index
     picked = z.gather(-1, torch.where(valid, target, 0).long().unsqueeze(-1)).squeeze(-1)
     losses = _losses(valid, torch.logsumexp(z, -1), picked, z.sum(-1), z.shape[-1], label_smoothing, z_loss)
