@@ -80,8 +80,8 @@ def rope_backward(dqkv: torch.Tensor, qkv: Optional[torch.Tensor], cos: torch.Te
     half_r = cos.shape[1]
     if interpreting():
         block_m, block_p, warps = 16, 32, 4
-    else:
-        block_m, block_p, warps = 16, 256, 8
+    else:  # 60 registers on sm_90 (local Triton 3.9), 32 warps per SM; 16 x 256 took 152 (3.4 TB/s)
+        block_m, block_p, warps = 8, 256, 8
     grid = (triton.cdiv(m, block_m), triton.cdiv(n // 2, block_p))
     dz = torch.empty(m, n, device=dqkv.device, dtype=dqkv.dtype)
     part = torch.empty(m, grid[1], device=dqkv.device, dtype=torch.float32) if with_zdz else cos  # cos: unused

@@ -40,13 +40,16 @@ def _softmax_grad_kernel(z_ptr, z_stride, lse_ptr, target_ptr, scale_ptr, M, N, 
 
 
 def softmax_grad_(z: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, *,
-                  label_smoothing: float = 0.0, z_loss: float = 0.0, block_m: int = 16,
-                  block_n: int = 512) -> torch.Tensor:
+                  label_smoothing: float = 0.0, z_loss: float = 0.0, block_m: int = 4,
+                  block_n: int = 1024) -> torch.Tensor:
     """z [M, N] becomes (softmax(z) - onehot(target)) * scale, in place; returns z.
 
     lse, scale: fp32 [M] (lse_i = logsumexp of row i, s_i its weight: 0 skips the row);
     target: integer [M] (a value outside [0, N), e.g. an ignore_index, has no one-hot).
     label_smoothing, z_loss: e and c of the module doc's general form.
+    block_m, block_n: the tile per program (4 warps). 4 x 1024 takes 89 registers on sm_90
+    (local Triton 3.9), 20 warps per SM; 16 x 512 took 176, 8 warps per SM, and ran at
+    3.1 TB/s on the H200 (this one is not yet measured).
     """
     m, n = z.shape
     if z.stride(1) != 1 and n > 1:
