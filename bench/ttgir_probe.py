@@ -2,12 +2,13 @@
 
     python bench/ttgir_probe.py
 
-Per program and config: layout conversions (``ttg.convert_layout``: an epilogue's go
+Per GEMM epilogue program and config: layout conversions (``ttg.convert_layout``: an epilogue's go
 through shared memory once per tile), dots and TMA copies counted in the TTGIR; and from the
 cubin (``cuobjdump -res-usage``) the registers per thread and the stack frame, which is
 where registers spill to (local memory: L1, then L2). Shared memory from Triton's metadata.
 So an epilogue's register pressure can be checked on a CPU-only machine, before a GPU
-measures it. bf16 operands, all epilogue tiles through TMA descriptors. The local Triton
+measures it. Then the memory-bound kernels of codetta.kernels at their GPU tiles: registers,
+spills and how many warps per SM their registers allow (their bandwidth wants many). bf16 operands, all epilogue tiles through TMA descriptors. The local Triton
 may differ from the GPU machine's in its register allocation: compare programs and configs
 with each other, not with absolute limits.
 """
@@ -126,5 +127,67 @@ def main():
                   flush=True)
 
 
+def compile_row_kernel(kernel, pointers: dict, scalars: dict, constexprs: dict, warps: int):
+    """A memory-bound kernel of codetta.kernels compiled for sm_90: pointer arguments by element
+    type, scalar arguments by type, the rest constexprs."""
+    signature = {name: "constexpr" for name in kernel.arg_names}
+    signature.update({name: f"*{ty}" for name, ty in pointers.items()})
+    signature.update(scalars)
+    names = kernel.arg_names
+    source = ASTSource(kernel, signature, {(names.index(n),): v for n, v in constexprs.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=warps))
+
+
+def row_kernels():
+    """(name, compile arguments) of each memory-bound kernel at its GPU tile, bf16 data."""
+    from codetta.kernels import rmsnorm as norm_k, rope as rope_k, softmax_grad as softmax_k, swiglu as swiglu_k
+
+    i32, i64, f32 = "i32", "i64", "fp32"
+    rows = dict(x_ptr="bf16", g_ptr="bf16", out_ptr="bf16", rstd_ptr="fp32")
+    rows_s = dict(M=i32, D=i32, x_s0=i64, out_s0=i64, eps=f32)
+    bm, bd, w = norm_k.GPU_BLOCK
+    kernels = [(f"rmsnorm {'(h, rstd)' if n else 'stats (u, rstd)'} {bm}x{bd}",
+                (norm_k._rmsnorm_rows_kernel, rows, rows_s,
+                 dict(BM=bm, BD=bd, NORMALIZE=n, EMULATE_RNE=False), w)) for n in (False, True)]
+    bm, bd, w = norm_k.GPU_BACKWARD_BLOCK
+    kernels.append((f"rmsnorm backward, dx fp32 {bm}x{bd}", (
+        norm_k._rmsnorm_backward_kernel,
+        dict(x_ptr="bf16", g_ptr="bf16", rstd_ptr="fp32", dh_ptr="bf16", dx_ptr="fp32", dg_part_ptr="fp32"),
+        dict(M=i32, D=i32, x_s0=i64, dh_s0=i64, dx_s0=i64), dict(BM=bm, BD=bd, EMULATE_RNE=False), w)))
+    bm, bf, w = swiglu_k.GPU_BLOCK
+    kernels += [(f"swiglu backward{', recomputing y' if y else ''} {bm}x{bf}", (
+        swiglu_k._swiglu_backward_kernel,
+        dict(dy_ptr="bf16", z_ptr="bf16", dz_ptr="bf16", part_ptr="fp32", y_ptr="bf16"),
+        dict(M=i32, F=i32, dy_s0=i64, z_s0=i64, dz_s0=i64, part_s0=i64, y_s0=i64),
+        dict(BM=bm, BF=bf, STORE_Y=y, EMULATE_RNE=False), w)) for y in (False, True)]
+    bm, bp, w = rope_k.GPU_BLOCK
+    kernels.append((f"rope backward (head_dim 128) {bm}x{bp}", (
+        rope_k._rope_backward_kernel,
+        dict(dqkv="bf16", qkv="bf16", cos="fp32", sin="fp32", dz="bf16", zdz_part="fp32"),
+        dict(M=i32, N=i32, n_rotated=i32, head_dim=i32, s_dqkv=i64, s_qkv=i64, s_table=i64, s_dz=i64, s_part=i64),
+        dict(HALF_R=64, BLOCK_M=bm, BLOCK_P=bp, WITH_ZDZ=True, EMULATE_RNE=False), w)))
+    bm, bn, w = softmax_k.GPU_BLOCK
+    kernels.append((f"softmax gradient {bm}x{bn}", (
+        softmax_k._softmax_grad_kernel, dict(z_ptr="bf16", lse_ptr="fp32", target_ptr="i64", scale_ptr="fp32"),
+        dict(z_stride=i64, M=i32, N=i32, target_weight=f32, uniform=f32, z_loss_2=f32),
+        dict(BLOCK_M=bm, BLOCK_N=bn, EMULATE_RNE=False), w)))
+    return kernels
+
+
+def report_row_kernels():
+    """Registers, spills and the warps per SM the registers allow (64K per SM) of each row kernel."""
+    for name, (kernel, pointers, scalars, constexprs, warps) in row_kernels():
+        try:
+            found = resources(compile_row_kernel(kernel, pointers, scalars, constexprs, warps))
+        except Exception as exc:  # report and go on: this is a probe
+            print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:200]}")
+            continue
+        regs = found["registers"]
+        per_sm = min(64, 65536 // (int(regs) * 32 * warps) * warps) if regs.isdigit() else "?"
+        print(f"{name}, {warps} warps: registers {regs}, stack bytes {found['stack bytes']}, warps per SM {per_sm}",
+              flush=True)
+
+
 if __name__ == "__main__":
     main()
+    report_row_kernels()

@@ -36,6 +36,12 @@ from ..matmul.mainloop import cast
 from .launch import launch
 
 
+# (rows, rotation pairs, warps) per program. On a GPU: 60 registers on sm_90 (local Triton
+# 3.9), 32 warps per SM; 16 x 256 took 152, 8 warps per SM (3.4 TB/s on the H200).
+GPU_BLOCK = (8, 256, 8)
+INTERPRET_BLOCK = (16, 32, 4)
+
+
 @triton.jit
 def _rope_backward_kernel(
     dqkv, qkv, cos, sin, dz, zdz_part,
@@ -78,10 +84,7 @@ def rope_backward(dqkv: torch.Tensor, qkv: Optional[torch.Tensor], cos: torch.Te
     qkv = (qkv if qkv.stride(1) == 1 else qkv.contiguous()) if with_zdz else dqkv
     m, n = dqkv.shape
     half_r = cos.shape[1]
-    if interpreting():
-        block_m, block_p, warps = 16, 32, 4
-    else:  # 60 registers on sm_90 (local Triton 3.9), 32 warps per SM; 16 x 256 took 152 (3.4 TB/s)
-        block_m, block_p, warps = 8, 256, 8
+    block_m, block_p, warps = INTERPRET_BLOCK if interpreting() else GPU_BLOCK
     grid = (triton.cdiv(m, block_m), triton.cdiv(n // 2, block_p))
     dz = torch.empty(m, n, device=dqkv.device, dtype=dqkv.dtype)
     part = torch.empty(m, grid[1], device=dqkv.device, dtype=torch.float32) if with_zdz else cos  # cos: unused

@@ -21,6 +21,11 @@ from ..matmul.mainloop import cast
 from .launch import launch
 
 
+# (rows, columns, warps) per program: 89 registers on sm_90 (local Triton 3.9), 20 warps per
+# SM; 16 x 512 took 176, 8 warps per SM, and ran at 3.1 TB/s on the H200 (this one: unmeasured).
+GPU_BLOCK = (4, 1024, 4)
+
+
 @triton.jit
 def _softmax_grad_kernel(z_ptr, z_stride, lse_ptr, target_ptr, scale_ptr, M, N, target_weight, uniform, z_loss_2,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_RNE: tl.constexpr):
@@ -40,16 +45,14 @@ def _softmax_grad_kernel(z_ptr, z_stride, lse_ptr, target_ptr, scale_ptr, M, N, 
 
 
 def softmax_grad_(z: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, *,
-                  label_smoothing: float = 0.0, z_loss: float = 0.0, block_m: int = 4,
-                  block_n: int = 1024) -> torch.Tensor:
+                  label_smoothing: float = 0.0, z_loss: float = 0.0, block_m: int = GPU_BLOCK[0],
+                  block_n: int = GPU_BLOCK[1]) -> torch.Tensor:
     """z [M, N] becomes (softmax(z) - onehot(target)) * scale, in place; returns z.
 
     lse, scale: fp32 [M] (lse_i = logsumexp of row i, s_i its weight: 0 skips the row);
     target: integer [M] (a value outside [0, N), e.g. an ignore_index, has no one-hot).
     label_smoothing, z_loss: e and c of the module doc's general form.
-    block_m, block_n: the tile per program (4 warps). 4 x 1024 takes 89 registers on sm_90
-    (local Triton 3.9), 20 warps per SM; 16 x 512 took 176, 8 warps per SM, and ran at
-    3.1 TB/s on the H200 (this one is not yet measured).
+    block_m, block_n: the tile per program (4 warps; see GPU_BLOCK).
     """
     m, n = z.shape
     if z.stride(1) != 1 and n > 1:
@@ -63,5 +66,5 @@ def softmax_grad_(z: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scal
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
         launch(_softmax_grad_kernel, grid, z, z.stride(0), lse.contiguous(), target.contiguous(), scale.contiguous(), m, n,
                1.0 - label_smoothing, label_smoothing / n, 2.0 * z_loss,
-               BLOCK_M=block_m, BLOCK_N=block_n, EMULATE_RNE=interpreting(), num_warps=4)
+               BLOCK_M=block_m, BLOCK_N=block_n, EMULATE_RNE=interpreting(), num_warps=GPU_BLOCK[2])
     return z
