@@ -1,4 +1,4 @@
-"""RMSNorm row kernels, each one pass over its rows (their statistics in fp32):
+"""RMSNorm row kernels (their statistics in fp32):
 
 * ``rmsnorm_stats``: for a norm whose GEMM folds it (no producer GEMM before it)
 
@@ -34,10 +34,24 @@ from ..matmul.mainloop import cast
 from .launch import launch
 
 GPU_BLOCK = (8, 512, 4)  # (rows, columns per step, warps)
-# the backward holds more values per element: half the tile (sm_90, local Triton 3.9: 106
+# the backward holds more values per element: half the tile (sm_90, local Triton 3.9: 109
 # registers, no spill; 32 x 128 spilled 192 bytes per thread)
 GPU_BACKWARD_BLOCK = (8, 256, 4)
 INTERPRET_BLOCK = (16, 32, 1)
+
+
+@triton.jit
+def _columns(start, row_ok, D, BD: tl.constexpr):
+    """(cols, col_ok, mask) of the column block at ``start`` for rows whose ``row_ok`` holds."""
+    cols = start + tl.arange(0, BD)
+    col_ok = cols < D
+    return cols, col_ok, row_ok[:, None] & col_ok[None, :]
+
+
+@triton.jit
+def _tile(ptr, rows64, stride, cols, mask):
+    """A [BM, BD] block of a tensor with unit column stride, in fp32 (0 outside ``mask``)."""
+    return tl.load(ptr + rows64 * stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -47,28 +61,24 @@ def _rmsnorm_rows_kernel(x_ptr, g_ptr, out_ptr, rstd_ptr, M, D, x_s0, out_s0, ep
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     row_ok = rows < M
     rows64 = rows.to(tl.int64)[:, None]
+    out_ty = out_ptr.dtype.element_ty
     sumsq = tl.zeros((BM,), dtype=tl.float32)
     for start in range(0, D, BD):
-        cols = start + tl.arange(0, BD)
-        col_ok = cols < D
-        mask = row_ok[:, None] & col_ok[None, :]
-        x = tl.load(x_ptr + rows64 * x_s0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        cols, col_ok, mask = _columns(start, row_ok, D, BD)
+        x = _tile(x_ptr, rows64, x_s0, cols, mask)
         sumsq += tl.sum(x * x, axis=1)
         if not NORMALIZE:
             g = tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-            tl.store(out_ptr + rows64 * out_s0 + cols[None, :],
-                     cast(x * g[None, :], out_ptr.dtype.element_ty, EMULATE_RNE), mask=mask)
+            tl.store(out_ptr + rows64 * out_s0 + cols[None, :], cast(x * g[None, :], out_ty, EMULATE_RNE), mask=mask)
     rstd = tl.rsqrt(sumsq / D + eps)
     tl.store(rstd_ptr + rows, rstd, mask=row_ok)
     if NORMALIZE:
         for start in range(0, D, BD):
-            cols = start + tl.arange(0, BD)
-            col_ok = cols < D
-            mask = row_ok[:, None] & col_ok[None, :]
-            x = tl.load(x_ptr + rows64 * x_s0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            cols, col_ok, mask = _columns(start, row_ok, D, BD)
+            x = _tile(x_ptr, rows64, x_s0, cols, mask)
             g = tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
             tl.store(out_ptr + rows64 * out_s0 + cols[None, :],
-                     cast(x * rstd[:, None] * g[None, :], out_ptr.dtype.element_ty, EMULATE_RNE), mask=mask)
+                     cast(x * rstd[:, None] * g[None, :], out_ty, EMULATE_RNE), mask=mask)
 
 
 @triton.jit
@@ -81,21 +91,16 @@ def _rmsnorm_backward_kernel(x_ptr, g_ptr, rstd_ptr, dh_ptr, dx_ptr, dg_part_ptr
     r = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)[:, None]
     dot = tl.zeros((BM,), dtype=tl.float32)
     for start in range(0, D, BD):
-        cols = start + tl.arange(0, BD)
-        col_ok = cols < D
-        mask = row_ok[:, None] & col_ok[None, :]
-        x = tl.load(x_ptr + rows64 * x_s0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dh = tl.load(dh_ptr + rows64 * dh_s0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        cols, col_ok, mask = _columns(start, row_ok, D, BD)
         g = tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        dot += tl.sum((dh * g[None, :]) * (x * r), axis=1)
+        dxhat = _tile(dh_ptr, rows64, dh_s0, cols, mask) * g[None, :]
+        dot += tl.sum(dxhat * (_tile(x_ptr, rows64, x_s0, cols, mask) * r), axis=1)
     mean = (dot / D)[:, None]
     for start in range(0, D, BD):
-        cols = start + tl.arange(0, BD)
-        col_ok = cols < D
-        mask = row_ok[:, None] & col_ok[None, :]
-        xhat = tl.load(x_ptr + rows64 * x_s0 + cols[None, :], mask=mask, other=0.0).to(tl.float32) * r
-        dh = tl.load(dh_ptr + rows64 * dh_s0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        cols, col_ok, mask = _columns(start, row_ok, D, BD)
         g = tl.load(g_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        xhat = _tile(x_ptr, rows64, x_s0, cols, mask) * r
+        dh = _tile(dh_ptr, rows64, dh_s0, cols, mask)
         dx = r * (dh * g[None, :] - xhat * mean)
         tl.store(dx_ptr + rows64 * dx_s0 + cols[None, :], cast(dx, dx_ptr.dtype.element_ty, EMULATE_RNE), mask=mask)
         tl.store(dg_part_ptr + pid.to(tl.int64) * D + cols, tl.sum(dh * xhat, axis=0), mask=col_ok)
