@@ -47,15 +47,13 @@ _NORMS = ("input_layernorm", "post_attention_layernorm")
 _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 
 
-def _module(obj, path):
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
+def _fused_paths(arch: Architecture) -> tuple:
+    return (*_PROJECTIONS, *_NORMS, *(_QK_NORMS if arch.qk_norm else ()))
 
 
-def fused_modules(layer, arch: "Architecture") -> tuple:
+def fused_modules(layer, arch: Architecture) -> tuple:
     """The modules of a layer whose parameters the fused forward reads in their place."""
-    return tuple(_module(layer, path) for path in (*_PROJECTIONS, *_NORMS, *(_QK_NORMS if arch.qk_norm else ())))
+    return tuple(layer.get_submodule(path) for path in _fused_paths(arch))
 
 
 def is_plain_linear(module) -> bool:
@@ -67,13 +65,13 @@ def _is_plain_rmsnorm(module) -> bool:
     return type(module).__name__.endswith("RMSNorm") and not getattr(module, "offset", 0.0)
 
 
-def why_unfusable(modules: tuple, arch: "Architecture"):
+def why_unfusable(modules: tuple, arch: Architecture):
     """None when the fused forward can read these :func:`fused_modules` in their place, else why not."""
-    paths = (*_PROJECTIONS, *_NORMS, *(_QK_NORMS if arch.qk_norm else ()))
-    for path, module in zip(paths, modules):
-        if path in _PROJECTIONS and not is_plain_linear(module):
-            return f"{path} is a {type(module).__name__}, not a plain nn.Linear"
-        if path not in _PROJECTIONS and not _is_plain_rmsnorm(module):
+    for path, module in zip(_fused_paths(arch), modules):
+        if path in _PROJECTIONS:
+            if not is_plain_linear(module):
+                return f"{path} is a {type(module).__name__}, not a plain nn.Linear"
+        elif not _is_plain_rmsnorm(module):
             return f"{path} is a {type(module).__name__}, not an RMSNorm without offset"
     return None
 
