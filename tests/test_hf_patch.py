@@ -71,7 +71,7 @@ def test_loss_and_every_gradient_match_unpatched(key):
 
 @pytest.mark.parametrize("bias, rope", [(False, True), (True, True), (False, False)], ids=["fused", "fused_bias",
                                                                                            "rope_false"])
-def test_qwen3_qk_norm_fused_into_the_qkv_epilogue(bias, rope):
+def test_qwen3_qk_norm_fused_into_the_qkv_epilogue(bias, rope, monkeypatch):
     """QK-norm runs in rmsnorm_qkv_rope (the model's q_norm/k_norm modules are not called) and
     its weight gradients land in q_norm.weight / k_norm.weight; with rope=False the model's own code runs."""
     ref = tiny("Qwen3ForCausalLM", attention_bias=bias)
@@ -81,13 +81,15 @@ def test_qwen3_qk_norm_fused_into_the_qkv_epilogue(bias, rope):
                 norm.weight.mul_(1 + 0.3 * torch.randn_like(norm.weight))
     model = codetta.patch(copy.deepcopy(ref), rope=rope)
     assert model._codetta_patched["rope"] == rope
-    calls = []
-    for layer in model.model.layers:
-        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
-            norm.register_forward_hook(lambda *args: calls.append(1))
     ids = torch.randint(0, VOCAB, (2, 11), device=DEVICE)
     assert_same_training_step(ref, model, input_ids=ids, labels=ids)
-    assert len(calls) == (0 if rope else 4)
+    # counted on the class: a hook on the modules would make the layers run unfused
+    norm_cls, calls = type(model.model.layers[0].self_attn.q_norm), []
+    norm_forward = norm_cls.forward
+    monkeypatch.setattr(norm_cls, "forward", lambda self, x: calls.append(self) or norm_forward(self, x))
+    model(input_ids=ids, labels=ids)
+    qk_norms = [n for layer in model.model.layers for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)]
+    assert sum(any(c is n for n in qk_norms) for c in calls) == (0 if rope else 4)
     assert all(layer.self_attn.q_norm.weight.grad is not None and layer.self_attn.k_norm.weight.grad is not None
                for layer in model.model.layers)
 
@@ -312,6 +314,56 @@ def test_a_layer_fuses_again_once_its_modules_are_plain():
     attn.v_proj = plain_v
     assert_same_training_step(ref, model, input_ids=ids, labels=ids)
     assert model.model.layers[0]._codetta_plan.unfusable is None
+
+
+def _scale_output(module, args, output):
+    return 0.5 * output
+
+
+def _shift_input(module, args):
+    return (args[0] + 0.25,)
+
+
+HOOKS = {  # a module the fused forward (or loss) would skip, and a hook that changes what it computes
+    "mlp_forward_hook": ("model.layers.0.mlp", lambda m: m.register_forward_hook(_scale_output)),
+    "q_proj_pre_hook": ("model.layers.1.self_attn.q_proj", lambda m: m.register_forward_pre_hook(_shift_input)),
+    "attention_forward_hook": ("model.layers.1.self_attn", lambda m: m.register_forward_hook(
+        lambda mod, args, out: (0.5 * out[0], *out[1:]))),
+    "norm_forward_hook": ("model.layers.0.post_attention_layernorm", lambda m: m.register_forward_hook(_scale_output)),
+    "lm_head_forward_hook": ("lm_head", lambda m: m.register_forward_hook(_scale_output)),
+}
+
+
+@pytest.mark.parametrize("key", sorted(HOOKS))
+def test_modules_with_hooks_run_as_the_model_runs_them(key):
+    """Hooks on a module whose forward the fused layer (or loss) skips would not run: that layer
+    (or the loss) runs the model's own forward, with a warning once, and the training step with
+    the hook equals the unpatched model's with the same hook; removing the hook fuses again."""
+    path, register = HOOKS[key]
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    ref = tiny("LlamaForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    handles = [register(m.get_submodule(path)) for m in (ref, model)]
+    with pytest.warns(UserWarning, match="unfused"):
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    for handle in handles:
+        handle.remove()
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    assert all(layer._codetta_plan.hooked is None for layer in model.model.layers)
+
+
+def test_attention_weights_when_asked_for():
+    """output_attentions=True (eager attention): transformers records the weights with a hook on the
+    attention module, which the fused layer skips; the layers then run unfused and return them."""
+    ref = tiny("LlamaForCausalLM", attn_implementation="eager")
+    model = codetta.patch(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    out_ref, out = (m(input_ids=ids, labels=ids, output_attentions=True) for m in (ref, model))
+    assert len(out.attentions) == len(out_ref.attentions) == 2
+    for a, a_ref in zip(out.attentions, out_ref.attentions):
+        torch.testing.assert_close(a, a_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.loss, out_ref.loss, rtol=1e-5, atol=1e-6)
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids)  # fused again without output_attentions
 
 
 def test_linear_subclasses_that_keep_linears_forward_are_fused():

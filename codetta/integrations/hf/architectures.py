@@ -65,6 +65,28 @@ def _is_plain_rmsnorm(module) -> bool:
     return type(module).__name__.endswith("RMSNorm") and not getattr(module, "offset", 0.0)
 
 
+_SKIPPED = ("self_attn", "mlp")  # modules whose forward the fused forward replaces, besides fused_modules'
+_TRANSFORMERS_RECORDER = "output_capturing_hook"  # transformers' recorder of attentions and hidden states
+
+
+def is_hooked(module) -> bool:
+    """Whether calling ``module`` runs more than its class's forward: forward hooks or pre-hooks,
+    or a ``forward`` set on the instance (as accelerate's hooks set it). transformers' own
+    output recorders are left out: they record only when the caller asks for attention weights
+    (see :func:`codetta.integrations.hf.layer.attention_weights_requested`)."""
+    return "forward" in module.__dict__ or bool(module._forward_pre_hooks) or any(
+        getattr(h, "__name__", None) != _TRANSFORMERS_RECORDER for h in module._forward_hooks.values())
+
+
+def hooked_module(layer, modules: tuple, arch: Architecture):
+    """The path of a module whose forward the fused forward skips (its :func:`fused_modules`, the
+    attention and the MLP) that :func:`is_hooked`, or None."""
+    for path, module in zip((*_SKIPPED, *_fused_paths(arch)), (*map(layer.get_submodule, _SKIPPED), *modules)):
+        if is_hooked(module):
+            return path
+    return None
+
+
 def why_unfusable(modules: tuple, arch: Architecture):
     """None when the fused forward can read these :func:`fused_modules` in their place, else why not."""
     for path, module in zip(_fused_paths(arch), modules):

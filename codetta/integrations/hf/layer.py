@@ -31,7 +31,12 @@ from typing import Optional
 import torch
 
 from ...ops import linear_residual, rmsnorm_linear, rmsnorm_qkv_rope, swiglu_mlp
-from .architectures import Architecture, fused_modules, why_unfusable
+from .architectures import Architecture, fused_modules, hooked_module, why_unfusable
+
+try:  # transformers' collector of recorded outputs (output_attentions=True, output_hidden_states=True)
+    from transformers.utils.output_capturing import _active_collector
+except ImportError:  # earlier releases wrap the recording module's forward instead: hooked_module sees that
+    _active_collector = None
 
 
 @dataclass
@@ -65,6 +70,7 @@ class LayerPlan:
     fuse_swiglu: bool
     modules: tuple = ()  # the layer's projections and norms as last seen (architectures.fused_modules)
     unfusable: Optional[str] = None  # why the fused forward cannot read them, if it cannot
+    hooked: Optional[str] = None  # the last module found with hooks the fused forward would skip (warned once)
     incoming: StatsHandoff = field(default_factory=StatsHandoff)  # stats of this layer's input
     next_norm: Optional[torch.nn.Module] = None  # the next layer's input norm, if any
     outgoing: Optional[StatsHandoff] = None  # the next layer's incoming slot
@@ -125,17 +131,34 @@ def _attention(attn, q, k, v, attention_mask, past_key_values, kwargs):
     return out.reshape(*lead, -1)
 
 
+def attention_weights_requested() -> bool:
+    """Whether the caller asked for attention weights (``output_attentions=True``): transformers
+    records them with a hook on the attention module, whose forward the fused layer does not
+    call, so the layer then runs the model's own forward."""
+    collected = _active_collector.get() if _active_collector is not None else None
+    return bool(collected) and "attentions" in collected
+
+
 def _fusable(layer, plan: LayerPlan) -> bool:
-    """Whether the fused forward computes what the layer's modules compute; checked again whenever
-    they change (PEFT wrapping a projection after patching, or merging it back), with a warning
-    when the layer has to run unfused."""
+    """Whether the fused forward computes what the layer's own forward would: the modules it reads
+    in their place are checked again whenever they change (PEFT wrapping a projection after
+    patching, or merging it back), with a warning when the layer has to run unfused; and no
+    module whose forward it skips has hooks (warned once per module), nor are attention
+    weights asked for."""
     modules = fused_modules(layer, plan.arch)
     if modules != plan.modules:
         plan.modules, plan.unfusable = modules, why_unfusable(modules, plan.arch)
         if plan.unfusable is not None:
             warnings.warn(f"codetta: a {type(layer).__name__} runs the model's own forward, unfused: "
                           f"{plan.unfusable}", stacklevel=2)
-    return plan.unfusable is None
+    if plan.unfusable is not None:
+        return False
+    hooked = hooked_module(layer, modules, plan.arch)
+    if hooked is not None and hooked != plan.hooked:
+        warnings.warn(f"codetta: a {type(layer).__name__} runs the model's own forward, unfused: {hooked} has "
+                      "hooks or its own forward, which the fused forward would skip", stacklevel=2)
+    plan.hooked = hooked
+    return hooked is None and not attention_weights_requested()
 
 
 def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,

@@ -15,18 +15,20 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ...ops import linear_cross_entropy
-from .architectures import is_plain_linear
+from .architectures import is_hooked, is_plain_linear
 
 IGNORE_INDEX = -100
 
 
 def fused_causal_lm_forward(model, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                             inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
-    # a head that is not a plain nn.Linear (PEFT/LoRA, quantized) computes more than its weight: the model's own loss
-    unfusable = not is_plain_linear(model.lm_head)
+    # a head that is not a plain nn.Linear (PEFT/LoRA, quantized) computes more than its weight, and hooks on it
+    # expect to run: the model's own loss
+    head = model.lm_head
+    unfusable = not is_plain_linear(head) or is_hooked(head)
     if unfusable:
-        warnings.warn(f"codetta: lm_head is a {type(model.lm_head).__name__}, not a plain nn.Linear; the loss runs "
-                      "unfused", stacklevel=2)
+        why = "has hooks or its own forward" if is_plain_linear(head) else f"is a {type(head).__name__}, not a plain nn.Linear"
+        warnings.warn(f"codetta: lm_head {why}; the loss runs unfused", stacklevel=2)
     if labels is None or unfusable:  # no labels: as transformers, no loss (shift_labels only refines labels)
         return type(model).forward(model, input_ids=input_ids, attention_mask=attention_mask,
                                    position_ids=position_ids, past_key_values=past_key_values,
@@ -39,7 +41,6 @@ def fused_causal_lm_forward(model, input_ids=None, attention_mask=None, position
                           past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-    head = model.lm_head
     loss = linear_cross_entropy(outputs.last_hidden_state, head.weight, shift_labels.to(head.weight.device),
                                 bias=head.bias, ignore_index=IGNORE_INDEX,
                                 reduction="mean" if num_items is None else "sum")
