@@ -5,7 +5,9 @@
 Each variant runs in its own process (Liger's patch replaces transformers' classes for the
 whole process): forward, backward and fused AdamW on random tokens, bf16 parameters,
 random init (no downloads). Reports median step time, tokens/s, peak memory and the
-time of the first steps (compilation, tuning). Writes bench/results/train.{md,json}.
+time of the first steps (compilation, tuning); and, to see whether the host keeps the GPU
+busy, the step time with the steps issued back to back (``unsynced_step_ms``) and the
+host and GPU times of one forward call. Writes bench/results/train.{md,json}.
 """
 
 from __future__ import annotations
@@ -69,8 +71,32 @@ def run_variant(variant: str, args) -> dict:
             first = time.perf_counter() - start
             torch.cuda.reset_peak_memory_stats()
     step_s = statistics.median(times[args.warmup:])
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    # Where the host stands: the same steps issued back to back (no synchronization between
+    # them: the host runs ahead), and the host time of one forward call against its GPU time
+    # (measured with the host ahead of the GPU).
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    unsynced_ms = (time.perf_counter() - t0) * 1e3 / args.steps
+    start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU spin: the host issues the whole forward before it starts
+    t0 = time.perf_counter()
+    start_event.record()
+    loss = model(input_ids=ids, labels=ids).loss
+    end_event.record()
+    forward_host_ms = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    loss.backward()
+    opt.zero_grad(set_to_none=True)
     return {"variant": variant, "step_ms": step_s * 1e3, "tokens_per_s": args.batch * args.seq / step_s,
-            "peak_GiB": torch.cuda.max_memory_allocated() / 2**30, "first_steps_s": first, "loss": loss.item()}
+            "peak_GiB": peak, "first_steps_s": first, "loss": loss.item(), "unsynced_step_ms": unsynced_ms,
+            "forward_host_ms": forward_host_ms, "forward_gpu_ms": start_event.elapsed_time(end_event)}
 
 
 def main():

@@ -88,6 +88,7 @@ import torch.nn.functional as F
 
 from .. import epilogue as ep
 from ..kernels.rmsnorm import rmsnorm, rmsnorm_backward
+from ..kernels.scale import scale_unless_one_
 from ..kernels.softmax_grad import softmax_grad_
 from ..matmul import gemm
 from .rmsnorm import rms_rstd
@@ -342,9 +343,9 @@ def _forward_fake(x, weight, target, bias, norm_weight, ignore_index, reduction,
 @torch.library.custom_op("codetta::linear_cross_entropy_scale_", mutates_args=("dweight",))
 def _scale_(grad: torch.Tensor, dweight: torch.Tensor) -> None:
     """dweight computed in the forward times the scalar grad_output, in place (nothing when it
-    is 1: a host check, which saves a pass over the [V, d] gradient in the usual case)."""
-    if bool(grad != 1):
-        dweight.mul_(grad)
+    is 1, decided on the GPU: no host synchronization, and no pass over the [V, d] gradient in
+    the usual case)."""
+    scale_unless_one_(dweight, grad)
 
 
 @_scale_.register_fake
