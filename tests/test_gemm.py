@@ -18,7 +18,7 @@ SHAPES = [(1, 1, 1), (1, 24, 8), (37, 50, 70), (64, 48, 16), (5, 130, 33)] if IN
 
 
 def rel_err(out, ref):
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
 def tolerance(dtype, k):
@@ -189,13 +189,31 @@ def test_repeated_calls_reuse_the_plan_with_new_tensors(path, monkeypatch):
     assert len(launch._PLANS) == plans
 
 
-def test_linear_matches_torch():
-    x = torch.randn(3, 7, 40, device=DEVICE)
-    w = torch.randn(56, 40, device=DEVICE)
-    bias = torch.randn(56, device=DEVICE)
-    ref = torch.nn.functional.linear(x.double(), w.double(), bias.double())
-    assert rel_err(codetta.linear(x, w, bias), ref) < 1e-5
-    assert rel_err(codetta.linear(x, w), ref - bias.double()) < 1e-5
+@pytest.mark.parametrize("x_shape", [(3, 7, 40), (40,), (1, 40)], ids=str)
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+def test_linear_matches_torch_forward_and_backward(x_shape, with_bias):
+    """codetta.linear against F.linear in fp64: output and the gradients of x, W and b."""
+    x = torch.randn(*x_shape, device=DEVICE, requires_grad=True)
+    w = torch.randn(56, 40, device=DEVICE, requires_grad=True)
+    bias = torch.randn(56, device=DEVICE, requires_grad=True) if with_bias else None
+    leaves = [t for t in (x, w, bias) if t is not None]
+    refs = [t.detach().double().requires_grad_() for t in leaves]
+    ref = torch.nn.functional.linear(*refs[:2], refs[2] if with_bias else None)
+    y = codetta.linear(x, w, bias)
+    assert y.shape == ref.shape and rel_err(y, ref) < 1e-5
+    dy = torch.randn(ref.shape, device=DEVICE)
+    grads = torch.autograd.grad(y, leaves, dy)
+    ref_grads = torch.autograd.grad(ref, refs, dy.double())
+    for name, g, g_ref in zip("xwb", grads, ref_grads):
+        assert g.shape == g_ref.shape and rel_err(g, g_ref) < 1e-5, name
+
+
+def test_linear_custom_ops_pass_opcheck():
+    x, w, b = (torch.randn(*s, device=DEVICE, requires_grad=True) for s in ((5, 8), (6, 8), (6,)))
+    torch.library.opcheck(torch.ops.codetta.linear.default, (x, w, b))
+    torch.library.opcheck(torch.ops.codetta.linear.default, (x, w, None))
+    torch.library.opcheck(torch.ops.codetta.linear_backward.default, (torch.randn(5, 6, device=DEVICE), x.detach(),
+                                                                       w.detach(), True))
 
 
 def test_explain_reports_path():

@@ -1,9 +1,18 @@
-"""``codetta.linear``: torch.nn.functional.linear as the simplest epilogue program."""
+"""``codetta.linear``: torch.nn.functional.linear as the simplest epilogue program, with autograd.
+
+Forward y = x W^T + b (the bias added in the epilogue); backward dx = dy W (dgrad),
+dW = dy^T x (wgrad), db = sum_rows dy (in fp32, rounded once).
+"""
 
 import functools
+from typing import Optional
+
+import torch
+from torch import Tensor
 
 from .. import epilogue as ep
 from ..matmul import GemmError, gemm
+from .autograd import direct_op
 
 
 @functools.lru_cache(maxsize=None)
@@ -14,12 +23,56 @@ def _program(with_bias: bool) -> ep.Program:
     return p
 
 
-def linear(x, weight, bias=None):
-    """y = x W^T + b, equal to ``torch.nn.functional.linear`` (forward only).
-
-    x: [..., K]; weight: [N, K] as nn.Linear stores it; bias: [N] or None.
-    """
+@direct_op("codetta::linear")
+def _linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     operands = {} if bias is None else {"bias": bias}
+    return gemm(x, weight.t(), _program(bias is not None), **operands)["out"]
+
+
+@_linear_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@direct_op("codetta::linear_backward")
+def _linear_backward_op(dy: Tensor, x: Tensor, weight: Tensor, with_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dW, db; db empty without a bias)."""
+    dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+    db = dy2.sum(0, dtype=torch.float32).to(dy.dtype) if with_bias else dy.new_empty(0)
+    return gemm(dy2, weight).reshape(x.shape), gemm(dy2.t(), x2), db
+
+
+@_linear_backward_op.register_fake
+def _(dy, x, weight, with_bias):
+    return torch.empty_like(x), torch.empty_like(weight), dy.new_empty(dy.shape[-1] if with_bias else 0)
+
+
+def _setup(ctx, inputs, output):
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.with_bias = bias is not None
+
+
+def _backward(ctx, dy):
+    x, weight = ctx.saved_tensors
+    dx, dw, db = _linear_backward_op(dy, x, weight, ctx.with_bias)
+    return dx, dw, db if ctx.with_bias else None
+
+
+_linear_op.register_autograd(_backward, setup_context=_setup)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """y = x W^T + b, equal to ``torch.nn.functional.linear``, differentiable.
+
+    x: [..., K] (or [K]); weight: [N, K] as nn.Linear stores it; bias: [N] or None.
+    """
     if getattr(weight, "dim", lambda: 0)() != 2:
         raise GemmError(f"weight must be 2-d [N, K], got shape {tuple(getattr(weight, 'shape', ()))}")
-    return gemm(x, weight.t(), _program(bias is not None), **operands)["out"]
+    if bias is not None and (not isinstance(bias, Tensor) or bias.shape != (weight.shape[0],)
+                             or bias.dtype != weight.dtype):
+        raise GemmError(f"bias must be a [{weight.shape[0]}] tensor of the weight's dtype {weight.dtype}, got "
+                        + (f"{tuple(bias.shape)} {bias.dtype}" if isinstance(bias, Tensor) else type(bias).__name__))
+    if isinstance(x, Tensor) and x.dim() == 1:
+        return _linear_op(x[None], weight, bias)[0]
+    return _linear_op(x, weight, bias)
