@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from codetta.ops import linear_residual, rmsnorm_qkv_rope, swiglu_mlp  # noqa: E402
 from codetta.ops.rope import rmsnorm_qkv_rope_reference  # noqa: E402
 
+from common import require_gpu  # noqa: E402
 from ops_bench import HD, compare_passes, paper_shape, table  # noqa: E402
 
 EPS = 1e-5
@@ -79,8 +80,7 @@ def main():
     parser.add_argument("--m", default="16384,4096")
     parser.add_argument("--no-compile", action="store_true")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("block_bench needs a CUDA GPU")
+    require_gpu("block_bench")
     rows = []
     for m in (int(v) for v in args.m.split(",")):
         pos, inv_freq = rope_args(m)

@@ -16,6 +16,12 @@ import triton
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def require_gpu(script: str) -> None:
+    """Exit with a clear message where there is no CUDA GPU (the benchmark times GPU kernels)."""
+    if not torch.cuda.is_available():
+        sys.exit(f"{script} needs a CUDA GPU (on a CPU, bench/host_overhead.py and bench/ttgir_probe.py run)")
+
+
 def median_ms(fn, *, warmup=25, rep=100) -> float:
     """Median time of ``fn`` in ms on the GPU (L2 flushed between runs by do_bench)."""
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")

@@ -10,6 +10,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import codetta  # noqa: E402
 from codetta import epilogue as ep  # noqa: E402
 
+from common import require_gpu  # noqa: E402
+
+require_gpu("device_smoke")
+
 dev = "cuda"
 p = ep.Program("smoke_all")
 z = p.acc * p.row("rstd")

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import codetta  # noqa: E402
 from codetta import epilogue as ep  # noqa: E402
 
-from common import markdown_table, median_graph_ms, median_ms, write_results  # noqa: E402
+from common import markdown_table, median_graph_ms, median_ms, require_gpu, write_results  # noqa: E402
 
 SQUARE = [(s, s, s) for s in (2048, 4096, 8192)]
 LLAMA8B = [(16384, 6144, 4096), (16384, 4096, 4096), (16384, 28672, 4096), (16384, 4096, 14336)]
@@ -90,6 +90,7 @@ def main():
     parser.add_argument("--shapes", choices=SHAPES, default="all",
                         help="all: square and Llama-3-8B; quick: one of each; llama1b: the training benchmark's layers")
     args = parser.parse_args()
+    require_gpu("gemm_bench")
     dtype = torch.bfloat16
     shapes = SHAPES[args.shapes]
     programs = dict(zip(("rowscale", "swiglu", "residual_sumsq"), _programs()))

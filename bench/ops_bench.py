@@ -35,7 +35,7 @@ from codetta.ops import (  # noqa: E402
     swiglu,
 )
 
-from common import markdown_table, median_ms, write_results  # noqa: E402
+from common import markdown_table, median_ms, require_gpu, write_results  # noqa: E402
 
 HD, EPS = 128, 1e-5
 
@@ -228,8 +228,7 @@ def main():
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("ops_bench needs a CUDA GPU")
+    require_gpu("ops_bench")
     names = args.shapes.split(",")
     rows = []
     results = "ops_" + ("" if names == ["llama3-8b"] else "_".join(names) + "_") + "m" + args.m.replace(",", "_")

@@ -26,7 +26,7 @@ from codetta.kernels.swiglu import swiglu_backward  # noqa: E402
 from codetta.ops import rmsnorm, rope, swiglu  # noqa: E402
 from codetta.kernels.rmsnorm import rmsnorm as rmsnorm_rows, rmsnorm_backward, rmsnorm_stats  # noqa: E402
 
-from common import markdown_table, median_graph_ms, write_results  # noqa: E402
+from common import markdown_table, median_graph_ms, require_gpu, write_results  # noqa: E402
 
 M, D, F, HQ, HKV, HD, VOCAB, CE_ROWS = 16384, 4096, 14336, 32, 8, 128, 128256, 4096
 
@@ -108,8 +108,7 @@ def pieces():
 
 
 def main():
-    if not torch.cuda.is_available():
-        sys.exit("ops_breakdown needs a CUDA GPU")
+    require_gpu("ops_breakdown")
     rows = []
     for name, (fn, base, nbytes) in pieces().items():
         fn()  # compile, tune

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import markdown_table, write_results  # noqa: E402
+from common import markdown_table, require_gpu, write_results  # noqa: E402
 
 VARIANTS = ("hf_eager", "hf_compile", "hf_liger", "hf_codetta")
 
@@ -108,6 +108,7 @@ def main():
     parser.add_argument("--variant", choices=VARIANTS, help="run one variant here (used by the driver)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="the variants to compare, comma-separated")
     args = parser.parse_args()
+    require_gpu("train_bench")
     if args.variant:
         print(json.dumps(run_variant(args.variant, args)), flush=True)
         return

@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS, environment  # noqa: E402
+from common import RESULTS, environment, require_gpu  # noqa: E402
 from train_bench import VARIANTS, build  # noqa: E402
 
 
@@ -32,6 +32,7 @@ def main():
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--rows", type=int, default=30)
     args = parser.parse_args()
+    require_gpu("train_profile")
     start = time.perf_counter()
     model = build(args.variant)
     print(f"built {args.variant} in {time.perf_counter() - start:.1f} s", flush=True)
