@@ -156,6 +156,21 @@ def test_logits_without_labels_and_generate():
     assert torch.equal(out, out_ref)
 
 
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_evaluation_loss_and_generate_without_autograd(mode):
+    """An evaluation loss and generate() under no_grad and inference_mode (inference tensors have
+    no version counter: the RoPE tables are then made per call, not reused)."""
+    ref = tiny("LlamaForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (2, 7), device=DEVICE)
+    with mode():
+        torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss,
+                                   rtol=1e-5, atol=1e-6)
+        out_ref = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, out_ref)
+
+
 def test_gradient_checkpointing():
     ref = tiny("LlamaForCausalLM")
     model = codetta.patch(copy.deepcopy(ref))

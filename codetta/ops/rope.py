@@ -106,7 +106,10 @@ def _qk_weight_columns(q_norm_weight: Tensor, k_norm_weight: Tensor, n_q: int, n
 
 
 def _identity(t: Tensor):
-    """What makes a tensor's values the same as before, while a reference keeps its memory."""
+    """What makes a tensor's values the same as before, while a reference keeps its memory; None
+    for an inference tensor (``torch.inference_mode``), which has no version counter."""
+    if t.is_inference():
+        return None
     return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version
 
 
@@ -118,14 +121,16 @@ def rope_tables(positions: Tensor, inv_freq: Tensor, scale: float) -> tuple[Tens
 
     The last result is reused while the same positions and inv_freq come back unchanged (same
     memory, shape, strides and version counter): a model's layers all ask for the same tables,
-    forward and backward.
+    forward and backward. Inference tensors, whose changes cannot be seen, are not reused.
     """
     key = (_identity(positions), _identity(inv_freq), float(scale))
-    if _LAST_TABLES.get("key") == key:
+    reusable = None not in key
+    if reusable and _LAST_TABLES.get("key") == key:
         return _LAST_TABLES["tables"]
     theta = positions.reshape(-1, 1).double() * inv_freq.double().reshape(1, -1)
     tables = (torch.cos(theta) * scale).float(), (torch.sin(theta) * scale).float()
-    _LAST_TABLES.update(key=key, inputs=(positions, inv_freq), tables=tables)
+    if reusable:
+        _LAST_TABLES.update(key=key, inputs=(positions, inv_freq), tables=tables)
     return tables
 
 
