@@ -92,6 +92,7 @@ from ..kernels.scale import scale_unless_one_
 from ..kernels.softmax_grad import softmax_grad_
 from ..matmul import gemm
 from .rmsnorm import rms_rstd
+from .autocast import casts_under_autocast
 from .autograd import only_first_output_differentiable
 from .weight_grads import weight_grad_program
 
@@ -466,6 +467,7 @@ def _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size, l
             fail(f"{name} must be a number in [0, {high}], got {value!r}")
 
 
+@casts_under_autocast("x", "weight", "bias", "norm_weight")
 def linear_cross_entropy(x, weight, target, *, bias=None, ignore_index=-100, reduction="mean",
                          norm_weight=None, eps=1e-6, chunk_size=None, label_smoothing=0.0, z_loss=0.0):
     """Cross-entropy of the logits ``h W^T + b``, never materialized for all rows at once.

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from .. import epilogue as ep
 from ..matmul import GemmError, gemm
+from .autocast import casts_under_autocast
 from .autograd import direct_op
 
 
@@ -62,6 +63,7 @@ def _backward(ctx, dy):
 _linear_op.register_autograd(_backward, setup_context=_setup)
 
 
+@casts_under_autocast("x", "weight", "bias")
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """y = x W^T + b, equal to ``torch.nn.functional.linear``, differentiable.
 

@@ -50,6 +50,7 @@ from torch import Tensor
 from .. import epilogue as ep
 from ..kernels.rmsnorm import rmsnorm_stats
 from ..matmul import gemm
+from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .weight_grads import for_autograd, run_backward, weight_grads
 
@@ -209,6 +210,7 @@ def _rmsnorm_linear_backward(ctx, dz, _drstd):
 _rmsnorm_linear_op.register_autograd(_rmsnorm_linear_backward, setup_context=_rmsnorm_linear_setup)
 
 
+@casts_under_autocast("x", "norm_weight", "weight")
 def rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight, eps: float = 1e-6, *, stats=None) -> Tensor:
     """``F.linear(F.rms_norm(x, (d,), norm_weight, eps), W)`` with the norm folded into the GEMM.
 
@@ -292,6 +294,7 @@ def _linear_residual_backward(ctx, dx, _du, _drstd):
 _linear_residual_op.register_autograd(_linear_residual_backward, setup_context=_linear_residual_setup)
 
 
+@casts_under_autocast("a", "weight", "residual", "norm_weight", "bias")
 def linear_residual(a: Tensor, weight, residual: Tensor, norm_weight: Tensor | None = None, eps: float = 1e-6, *,
                     bias: Tensor | None = None):
     """x = a W^T (+ bias) + residual in one GEMM; with ``norm_weight`` also the next RMSNorm's (u, rstd).

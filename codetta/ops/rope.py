@@ -65,6 +65,7 @@ from ..kernels.qk_norm import qk_norm_backward
 from ..kernels.rope import rope_backward
 from ..kernels.rmsnorm import rmsnorm_stats
 from .rmsnorm import _check_norm_inputs, _weight_t, rmsnorm_linear_backward
+from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .weight_grads import for_autograd, run_backward
 
@@ -246,6 +247,7 @@ def _backward(ctx, dqkv, _drstd, _dz):
 _qkv_rope_op.register_autograd(_backward, setup_context=_setup)
 
 
+@casts_under_autocast("x", "norm_weight", "w_q", "w_k", "w_v", "bias", "q_norm_weight", "k_norm_weight")
 def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w_v: Tensor, positions: Tensor,
                      inv_freq: Tensor, *, head_dim: int, rotary_dim: int | None = None, attention_scaling: float = 1.0,
                      bias: tuple | None = None, eps: float = 1e-6, stats=None, q_norm_weight: Tensor | None = None,

@@ -42,6 +42,7 @@ from ..matmul import gemm
 from ..kernels.swiglu import swiglu_backward
 from ..kernels.rmsnorm import rmsnorm_stats
 from .rmsnorm import _check_norm_inputs, rmsnorm_linear_backward
+from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .weight_grads import for_autograd, run_backward
 
@@ -115,6 +116,7 @@ def _backward(ctx, dy, _dz, _drstd):
 _rmsnorm_swiglu_op.register_autograd(_backward, setup_context=_setup)
 
 
+@casts_under_autocast("x", "norm_weight", "w_gate", "w_up")
 def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, eps: float = 1e-6, *, stats=None):
     """``silu(h W_g^T) * (h W_u^T)`` with h = ``F.rms_norm(x, (d,), norm_weight, eps)``, fused.
 

@@ -1,0 +1,57 @@
+"""The operators under ``torch.autocast``: their GEMM operands in autocast's dtype.
+
+Mixed-precision training keeps fp32 parameters and runs the model under
+``torch.autocast(device, dtype=torch.bfloat16)``, which casts the inputs of every matmul
+(``F.linear``) to bf16. codetta's operators are GEMMs with their surroundings fused in, so
+:func:`casts_under_autocast` does the same for them: when autocast is on for the device of
+the first argument, the named tensor arguments (activations, weights, norm weights, biases)
+are cast to autocast's dtype (a differentiable cast: fp32 parameters get fp32 gradients)
+and the operator runs with autocast off. Everything it computes is then in that dtype,
+the residual stream included, as in a model cast to it; the statistics (rstd,
+logsumexp, the loss) stay fp32. Arguments that must keep their precision (RoPE's
+``inv_freq``, positions, targets, the fp32 statistics handed between operators) are not named.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+
+def _cast(value, dtype):
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast(v, dtype) for v in value)
+    return value
+
+
+def casts_under_autocast(*names: str):
+    """Decorator for an operator's public function: under autocast on the first argument's
+    device, the arguments ``names`` are cast to autocast's dtype (see the module doc)."""
+
+    def decorate(fn):
+        signature = inspect.signature(fn)
+        missing = set(names) - set(signature.parameters)
+        if missing:
+            raise TypeError(f"{fn.__name__} has no parameters {sorted(missing)}")
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            first = args[0] if args else None
+            device = first.device.type if isinstance(first, torch.Tensor) else None
+            if device is None or not torch.is_autocast_enabled(device):
+                return fn(*args, **kwargs)
+            dtype = torch.get_autocast_dtype(device)
+            bound = signature.bind(*args, **kwargs)
+            for name in names:
+                if name in bound.arguments:
+                    bound.arguments[name] = _cast(bound.arguments[name], dtype)
+            with torch.autocast(device, enabled=False):
+                return fn(*bound.args, **bound.kwargs)
+
+        return wrapper
+
+    return decorate
