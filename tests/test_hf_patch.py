@@ -7,6 +7,8 @@ state_dict, unpatch, and clear errors for what is not supported.
 """
 
 import copy
+import inspect
+import io
 import shutil
 
 import pytest
@@ -226,6 +228,26 @@ def test_parameters_and_state_dict_unchanged_and_unpatch():
     ids = torch.randint(0, VOCAB, (1, 6), device=DEVICE)
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+def test_copied_pickled_and_inspected_like_the_model():
+    """deepcopy and torch.save/torch.load of a whole patched model give patched models of their
+    own; the patched forwards keep the model's signature (generate() and the Trainer read it)."""
+    ref = tiny("LlamaForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    assert inspect.signature(model.forward).parameters.keys() == inspect.signature(ref.forward).parameters.keys()
+    layer = model.model.layers[0]
+    assert (inspect.signature(layer.forward).parameters.keys()
+            == inspect.signature(ref.model.layers[0].forward).parameters.keys())
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    for other in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+        assert other._codetta_patched == model._codetta_patched
+        assert other.model.layers[0]._codetta_plan.next_norm is other.model.layers[1].input_layernorm
+        assert_same_training_step(ref, other, input_ids=ids, labels=ids)
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
 
 
 def test_unsupported_models_and_options_are_refused_untouched():

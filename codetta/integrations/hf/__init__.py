@@ -8,14 +8,30 @@ on the classes: other models in the process are untouched.
 
 from __future__ import annotations
 
+import inspect
 import warnings
-from types import MethodType
 
 from .architectures import ARCHITECTURES, UnsupportedModelError, architecture_of, check_model, rope_fusable
 from .layer import LayerPlan, fused_decoder_forward
 from .loss import fused_causal_lm_forward
 
 __all__ = ["ARCHITECTURES", "UnsupportedModelError", "patch", "unpatch"]
+
+
+class FusedForward:
+    """A patched module's ``forward``: ``function(module, ...)``, with the signature of a bound
+    method (transformers reads it: which inputs generate() and the Trainer pass). Unlike a
+    bound method of a module-level function, it survives pickling (``torch.save`` of a whole model)."""
+
+    def __init__(self, function, module):
+        self.function, self.module = function, module
+
+    def __call__(self, *args, **kwargs):
+        return self.function(self.module, *args, **kwargs)
+
+    @property
+    def __signature__(self):
+        return inspect.Signature(list(inspect.signature(self.function).parameters.values())[1:])
 
 
 def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True, cross_entropy: bool = True):
@@ -48,21 +64,18 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
             if i + 1 < len(layers):  # this layer's last GEMM makes the next layer's norm statistics
                 plan.next_norm, plan.outgoing = layers[i + 1].input_layernorm, plans[i + 1].incoming
             layer._codetta_plan = plan
-            layer.forward = MethodType(fused_decoder_forward, layer)
+            layer.forward = FusedForward(fused_decoder_forward, layer)
     if cross_entropy:
-        model.forward = MethodType(fused_causal_lm_forward, model)
+        model.forward = FusedForward(fused_causal_lm_forward, model)
     model._codetta_patched = dict(rms_norm=rms_norm, rope=rope and rms_norm,
                                   swiglu=swiglu and rms_norm, cross_entropy=cross_entropy)
     return model
 
 
-_FUSED_FORWARDS = (fused_decoder_forward, fused_causal_lm_forward)
-
-
 def unpatch(model):
     """Undo :func:`patch`; a model that is not patched is returned unchanged."""
     for module in model.modules():
-        if getattr(module.__dict__.get("forward"), "__func__", None) in _FUSED_FORWARDS:
+        if isinstance(module.__dict__.get("forward"), FusedForward):
             del module.forward
         module.__dict__.pop("_codetta_plan", None)
     model.__dict__.pop("_codetta_patched", None)
