@@ -111,3 +111,30 @@ def test_norm_statistics_come_from_the_producers(monkeypatch):
 def test_config_rejects_what_the_decoder_cannot_run(bad, match):
     with pytest.raises(ValueError, match=match):
         cnn.DecoderConfig(**{**CFG.__dict__, **bad})
+
+
+def test_under_autocast_within_twice_the_error_of_the_unfused_bf16_model():
+    """fp32 parameters under bf16 autocast: the fused operators run in bf16 throughout (the
+    residual stream included, the first layer's statistics cast with the embeddings), i.e. the
+    computation of the unfused model in bf16, and must be within 2x its error (both against
+    float64); the fp32 parameters get fp32 gradients."""
+    ids = torch.randint(0, CFG.vocab_size, (2, 16), device=DEVICE)
+    targets = torch.roll(ids, -1, dims=1)
+
+    def loss_and_grads(model, fn, autocast):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+            loss = fn(model)
+        loss.backward()
+        return loss.double(), {n: p.grad.double() for n, p in model.named_parameters()}
+
+    def unfused(model):
+        return F.cross_entropy(reference_logits(model, ids).flatten(0, 1).float(), targets.flatten())
+
+    loss64, grads64 = loss_and_grads(make_model().double(), unfused, False)
+    loss_bf16, grads_bf16 = loss_and_grads(make_model().bfloat16(), unfused, False)
+    model = make_model()
+    loss, grads = loss_and_grads(model, lambda m: m(ids, targets), True)
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    assert abs(loss - loss64) <= 2 * abs(loss_bf16 - loss64) + 1e-4 * abs(loss64)
+    for name, g64 in grads64.items():
+        assert rel(grads[name], g64) <= 2 * rel(grads_bf16[name], g64) + 1e-6, name

@@ -9,7 +9,8 @@ are cast to autocast's dtype (a differentiable cast: fp32 parameters get fp32 gr
 and the operator runs with autocast off. Everything it computes is then in that dtype,
 the residual stream included, as in a model cast to it; the statistics (rstd,
 logsumexp, the loss) stay fp32. Arguments that must keep their precision (RoPE's
-``inv_freq``, positions, targets, the fp32 statistics handed between operators) are not named.
+``inv_freq``, positions, targets) are not named; of the norm statistics ``stats = (u, rstd)``
+handed between operators only u is cast.
 """
 
 from __future__ import annotations
@@ -47,7 +48,10 @@ def casts_under_autocast(*names: str):
             dtype = torch.get_autocast_dtype(device)
             bound = signature.bind(*args, **kwargs)
             for name in names:
-                if name in bound.arguments:
+                if name == "stats" and bound.arguments.get(name) is not None:  # (u, rstd): rstd stays fp32
+                    u, rstd = bound.arguments[name]
+                    bound.arguments[name] = (_cast(u, dtype), rstd)
+                elif name in bound.arguments:
                     bound.arguments[name] = _cast(bound.arguments[name], dtype)
             with torch.autocast(device, enabled=False):
                 return fn(*bound.args, **bound.kwargs)

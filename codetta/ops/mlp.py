@@ -109,7 +109,7 @@ def _backward(ctx, dx2, *_unused):
 _mlp_op.register_autograd(_backward, setup_context=_setup)
 
 
-@casts_under_autocast("x", "norm_weight", "w_gate", "w_up", "w_down", "next_norm_weight")
+@casts_under_autocast("x", "norm_weight", "w_gate", "w_up", "w_down", "next_norm_weight", "stats")
 def swiglu_mlp(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, eps: float = 1e-6, *,
                stats=None, next_norm_weight: Tensor | None = None, next_eps: float = 1e-6):
     """``x + (silu(h W_g^T) * (h W_u^T)) W_d^T`` with h = ``F.rms_norm(x, (d,), norm_weight, eps)``.

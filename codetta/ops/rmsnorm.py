@@ -210,7 +210,7 @@ def _rmsnorm_linear_backward(ctx, dz, _drstd):
 _rmsnorm_linear_op.register_autograd(_rmsnorm_linear_backward, setup_context=_rmsnorm_linear_setup)
 
 
-@casts_under_autocast("x", "norm_weight", "weight")
+@casts_under_autocast("x", "norm_weight", "weight", "stats")
 def rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight, eps: float = 1e-6, *, stats=None) -> Tensor:
     """``F.linear(F.rms_norm(x, (d,), norm_weight, eps), W)`` with the norm folded into the GEMM.
 

@@ -247,7 +247,8 @@ def _backward(ctx, dqkv, _drstd, _dz):
 _qkv_rope_op.register_autograd(_backward, setup_context=_setup)
 
 
-@casts_under_autocast("x", "norm_weight", "w_q", "w_k", "w_v", "bias", "q_norm_weight", "k_norm_weight")
+@casts_under_autocast("x", "norm_weight", "w_q", "w_k", "w_v", "bias", "q_norm_weight", "k_norm_weight",
+                      "stats")
 def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w_v: Tensor, positions: Tensor,
                      inv_freq: Tensor, *, head_dim: int, rotary_dim: int | None = None, attention_scaling: float = 1.0,
                      bias: tuple | None = None, eps: float = 1e-6, stats=None, q_norm_weight: Tensor | None = None,

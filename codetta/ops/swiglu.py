@@ -116,7 +116,7 @@ def _backward(ctx, dy, _dz, _drstd):
 _rmsnorm_swiglu_op.register_autograd(_backward, setup_context=_setup)
 
 
-@casts_under_autocast("x", "norm_weight", "w_gate", "w_up")
+@casts_under_autocast("x", "norm_weight", "w_gate", "w_up", "stats")
 def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, eps: float = 1e-6, *, stats=None):
     """``silu(h W_g^T) * (h W_u^T)`` with h = ``F.rms_norm(x, (d,), norm_weight, eps)``, fused.
 
