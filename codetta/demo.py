@@ -1,9 +1,9 @@
 """The main job: train a small Llama twice, as transformers builds it and patched by codetta.
 
-Both runs start from the same random weights and see the same batches of a real text
-(the Python standard library's own source files, byte-level: present on every machine,
-nothing downloaded). The demo prints the loss parity of the two runs and the throughput
-of both, and writes a PNG plot of the two loss curves.
+Both runs start from the same random weights and see the same batches of the text shipped
+with codetta (``codetta/data/corpus.txt``, written for it and dedicated to the public
+domain; byte-level, nothing downloaded). The demo prints the loss parity of the two runs
+and the throughput of both, and writes a PNG plot of the two loss curves.
 
 On a GPU the kernels are compiled (bf16); on a CPU they run in Triton's interpreter, so
 the model and the run are made small enough to finish in a few minutes (fp32).
@@ -12,8 +12,8 @@ the model and the run are made small enough to finish in a few minutes (fp32).
 from __future__ import annotations
 
 import copy
-import sysconfig
 import time
+from importlib import resources
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,17 +43,10 @@ GPU = Setup(hidden=2048, layers=8, heads=16, kv_heads=4, ffn=5632, seq=2048, bat
 CPU = Setup(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, seq=48, batch=4, steps=30, lr=3e-3, dtype=torch.float32)
 
 
-def corpus(max_bytes: int = 2_000_000) -> torch.Tensor:
-    """Bytes of the standard library's Python sources (sorted, so every machine reads the same text)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    chunks, total = [], 0
-    for path in sorted(root.glob("*.py")):
-        data = path.read_bytes()
-        chunks.append(data)
-        total += len(data)
-        if total >= max_bytes:
-            break
-    return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8).long()
+def corpus() -> torch.Tensor:
+    """The bytes of the shipped text (about 15 KB), as int64 token ids in [0, 256)."""
+    data = resources.files("codetta").joinpath("data", "corpus.txt").read_bytes()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
 def batches(data: torch.Tensor, setup: Setup, device, seed: int = 0):
@@ -122,7 +115,7 @@ def run(out: Path, steps: int | None = None) -> int:
         setup = Setup(**{**setup.__dict__, "steps": steps})
     where = torch.cuda.get_device_name() if gpu else "CPU: Triton interpreter, a small model in fp32"
     print(f"\nTraining a {setup.layers}-layer Llama (d={setup.hidden}, {setup.heads} heads, {setup.kv_heads} kv heads) "
-          f"on {where}: {setup.steps} steps of {setup.batch} x {setup.seq} bytes of the stdlib's sources.")
+          f"on {where}: {setup.steps} steps of {setup.batch} x {setup.seq} bytes of the shipped text.")
     data = corpus()
     plain = build_model(setup, device)
     patched = codetta.patch(copy.deepcopy(plain))
@@ -140,14 +133,16 @@ def run(out: Path, steps: int | None = None) -> int:
          f"Llama {setup.layers}x{setup.hidden} on {'GPU' if gpu else 'CPU (interpreter)'}")
     print(f"loss curves: {out}")
     # Two trainings drift apart step by step from rounding alone (chaotically, more in bf16):
-    # parity is judged on the mean loss of the last tenth of the run.
+    # parity is judged on the mean loss of the last tenth of the run, the gap measured against
+    # the first loss (on a GPU the model learns the short text by heart: the end losses are
+    # near zero, where a ratio of the two would measure noise).
     tail = max(1, setup.steps // 10)
     end_plain, end_fused = sum(loss_plain[-tail:]) / tail, sum(loss_fused[-tail:]) / tail
     tolerance = 0.02 if setup.dtype == torch.bfloat16 else 1e-3
-    gap = abs(end_fused - end_plain) / end_plain
-    print(f"mean loss of the last {tail} steps: {end_plain:.4f} vs {end_fused:.4f} (relative gap {gap:.1e}, "
-          f"tolerance {tolerance:.0e})")
-    if gap > tolerance:
-        print("FAILED: the patched run does not reach the unpatched run's loss")
+    gap = abs(end_fused - end_plain) / loss_plain[0]
+    print(f"mean loss of the last {tail} steps: {end_plain:.4f} vs {end_fused:.4f} (gap {gap:.1e} of the first "
+          f"loss, tolerance {tolerance:.0e})")
+    if gap > tolerance or end_fused > 0.75 * loss_fused[0]:
+        print("FAILED: the patched run does not learn as the unpatched run does")
         return 1
     return 0
