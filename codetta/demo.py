@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import copy
 import time
-from importlib import resources
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import torch
