@@ -14,6 +14,7 @@ from .. import epilogue as ep
 from ..matmul import GemmError, gemm
 from .autocast import casts_under_autocast
 from .autograd import direct_op
+from .weight_grads import weight_grad
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,7 +41,7 @@ def _linear_backward_op(dy: Tensor, x: Tensor, weight: Tensor, with_bias: bool) 
     """(dx, dW, db; db empty without a bias)."""
     dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
     db = dy2.sum(0, dtype=torch.float32).to(dy.dtype) if with_bias else dy.new_empty(0)
-    return gemm(dy2, weight).reshape(x.shape), gemm(dy2.t(), x2), db
+    return gemm(dy2, weight).reshape(x.shape), weight_grad(dy2, x2, None), db
 
 
 @_linear_backward_op.register_fake

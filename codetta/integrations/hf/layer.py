@@ -145,18 +145,19 @@ def _fusable(layer, plan: LayerPlan) -> bool:
     patching, or merging it back), with a warning when the layer has to run unfused; and no
     module whose forward it skips has hooks (warned once per module), nor are attention
     weights asked for."""
+    def warn_unfused(why):
+        warnings.warn(f"codetta: a {type(layer).__name__} runs the model's own forward, unfused: {why}", stacklevel=3)
+
     modules = fused_modules(layer, plan.arch)
     if modules != plan.modules:
         plan.modules, plan.unfusable = modules, why_unfusable(modules, plan.arch)
         if plan.unfusable is not None:
-            warnings.warn(f"codetta: a {type(layer).__name__} runs the model's own forward, unfused: "
-                          f"{plan.unfusable}", stacklevel=2)
+            warn_unfused(plan.unfusable)
     if plan.unfusable is not None:
         return False
     hooked = hooked_module(layer, modules, plan.arch)
     if hooked is not None and hooked != plan.hooked:
-        warnings.warn(f"codetta: a {type(layer).__name__} runs the model's own forward, unfused: {hooked} has "
-                      "hooks or its own forward, which the fused forward would skip", stacklevel=2)
+        warn_unfused(f"{hooked} has hooks or its own forward, which the fused forward would skip")
     plan.hooked = hooked
     return hooked is None and not attention_weights_requested()
 

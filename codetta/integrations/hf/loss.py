@@ -25,9 +25,10 @@ def fused_causal_lm_forward(model, input_ids=None, attention_mask=None, position
     # a head that is not a plain nn.Linear (PEFT/LoRA, quantized) computes more than its weight, and hooks on it
     # expect to run: the model's own loss
     head = model.lm_head
-    unfusable = not is_plain_linear(head) or is_hooked(head)
+    why = (f"is a {type(head).__name__}, not a plain nn.Linear" if not is_plain_linear(head)
+           else "has hooks or its own forward" if is_hooked(head) else None)
+    unfusable = why is not None
     if unfusable:
-        why = "has hooks or its own forward" if is_plain_linear(head) else f"is a {type(head).__name__}, not a plain nn.Linear"
         warnings.warn(f"codetta: lm_head {why}; the loss runs unfused", stacklevel=2)
     if labels is None or unfusable:  # no labels: as transformers, no loss (shift_labels only refines labels)
         return type(model).forward(model, input_ids=input_ids, attention_mask=attention_mask,
