@@ -3,20 +3,24 @@
     python bench/train_profile.py [--variant hf_codetta] [--steps 2] [--rows 30]
 
 Builds the model of bench/train_bench.py, runs three warm-up steps (compilation, tuning),
-times ``--steps`` steps unprofiled, profiles as many and prints the kernels with the most GPU time, and the total
-GPU time per step. Writes bench/results/profile_<variant>.txt.
+times ``--steps`` steps unprofiled, profiles as many and prints the kernels with the most GPU time, the total
+GPU time per step, and where the GPU sat idle between kernels (see :func:`idle_report`). Writes
+bench/results/profile_<variant>.txt.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -40,9 +44,13 @@ def main():
     ids = torch.randint(0, 128256, (args.batch, args.seq), device="cuda")
 
     def step():
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with record_function("phase:forward"):
+            loss = model(input_ids=ids, labels=ids).loss
+        with record_function("phase:backward"):
+            loss.backward()
+        with record_function("phase:optimizer"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
     for _ in range(3):
         step()
@@ -61,11 +69,65 @@ def main():
     kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
     gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / args.steps
     table = events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=70)
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        prof.export_chrome_trace(trace.name)
+        idle = idle_report(json.loads(Path(trace.name).read_text())["traceEvents"], args.steps)
     text = (f"{environment()}\nvariant {args.variant}: GPU kernel time per step {gpu_ms:.1f} ms, "
-            f"wall time per step {wall_ms:.1f} ms (unprofiled)\n{table}\n")
+            f"wall time per step {wall_ms:.1f} ms (unprofiled)\n{table}\n{idle}\n")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"profile_{args.variant}.txt").write_text(text)
     print(text)
+
+
+_GPU = ("kernel", "gpu_memcpy", "gpu_memset")
+_LAUNCH = ("cuda_runtime", "cuda_driver")
+
+
+def idle_report(events: list, steps: int, rows: int = 15) -> str:
+    """Where the GPU sat idle between consecutive kernels of the profiled steps, per step.
+
+    Each gap before a kernel is charged to the phase (forward, backward, optimizer) whose host
+    span holds that kernel's launch, and called host-bound when the launch call ended only
+    after the GPU had run dry (the GPU waited for the host to issue it); otherwise the GPU
+    waited on something else (a synchronization, a dependency, launch latency).
+    """
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in _LAUNCH and "correlation" in e.get("args", {})}
+    phases = sorted((e["ts"], e["ts"] + e["dur"], e["name"].split(":", 1)[1]) for e in events
+                    if e.get("cat") == "user_annotation" and e.get("name", "").startswith("phase:"))
+    kernels = sorted((e for e in events if e.get("cat") in _GPU and "dur" in e), key=lambda e: e["ts"])
+
+    def phase_of(ts):
+        return next((name for start, end, name in phases if start <= ts <= end), "between phases")
+
+    busy = idle = 0.0
+    by_phase = collections.Counter()
+    host_bound = collections.Counter()
+    by_kernel = collections.Counter()
+    count = collections.Counter()
+    end = None
+    for k in kernels:
+        busy += k["dur"]
+        if end is not None and k["ts"] > end:
+            gap = k["ts"] - end
+            idle += gap
+            launch = launches.get(k.get("args", {}).get("correlation"))
+            phase = phase_of(launch["ts"]) if launch else "unknown"
+            by_phase[phase] += gap
+            if launch and launch["ts"] + launch.get("dur", 0) >= end:
+                host_bound[phase] += gap
+            key = (phase, k["name"][:60])
+            by_kernel[key] += gap
+            count[key] += 1
+        end = max(end or 0.0, k["ts"] + k["dur"])
+    ms = 1e3 * steps
+    lines = [f"GPU idle between kernels: {idle / ms:.2f} ms per step (busy {busy / ms:.2f} ms)",
+             "| phase | idle ms per step | of which host-bound |", "|---|---|---|"]
+    lines += [f"| {p} | {v / ms:.2f} | {host_bound[p] / ms:.2f} |" for p, v in by_phase.most_common()]
+    lines += ["", "| phase | kernel after the gap | gaps per step | idle ms per step |", "|---|---|---|---|"]
+    lines += [f"| {p} | {name} | {count[(p, name)] / steps:.0f} | {v / ms:.3f} |"
+              for (p, name), v in by_kernel.most_common(rows)]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
