@@ -1,9 +1,10 @@
 """The operators and a patched model under torch.autocast (fp32 parameters, bf16 matmuls).
 
 Each operator under autocast must equal the same operator on inputs cast to bf16 by hand
-(its GEMM operands in autocast's dtype, the rest as given), and hand fp32 gradients to fp32
-leaves. A patched model trained under autocast must be within 2x the error of the
-unpatched model under autocast, both against the fp32 model.
+(its GEMM operands in autocast's dtype; the residual stream, norm weights and the rest as
+given), and hand fp32 gradients to fp32 leaves. A patched model trained under autocast
+must be within 2x the error of the unpatched model under autocast, both against the fp32
+model, and keep its residual stream in fp32 as the unpatched model does.
 """
 
 import copy
@@ -27,18 +28,20 @@ def qkv_rope(x, g, wq, wk, wv, positions, inv_freq):
 
 
 M, D, F = 12, 32, 48
-OPS = {  # name: (operator, its inputs: fp32 leaves, then arguments that keep their dtype)
-    "linear": (codetta.linear, lambda: (leaf(M, D), leaf(F, D), leaf(F))),
+OPS = {  # name: (operator, its inputs, which of them autocast casts to bf16: the GEMM operands)
+    "linear": (codetta.linear, lambda: (leaf(M, D), leaf(F, D), leaf(F)), "xxx"),
     "linear_residual": (lambda a, w, r, g: (lambda x, stats: (x, *stats))(*ops.linear_residual(a, w, r, g)),
-                        lambda: (leaf(M, F), leaf(D, F, scale=0.2), leaf(M, D), torch.randn(D, device=DEVICE))),
-    "rmsnorm_linear": (ops.rmsnorm_linear, lambda: (leaf(M, D), leaf(D), leaf(F, D))),
-    "rmsnorm_swiglu": (ops.rmsnorm_swiglu, lambda: (leaf(M, D), leaf(D), leaf(F, D), leaf(F, D))),
-    "swiglu_mlp": (ops.swiglu_mlp, lambda: (leaf(M, D), leaf(D), leaf(F, D), leaf(F, D), leaf(D, F, scale=0.2))),
+                        lambda: (leaf(M, F), leaf(D, F, scale=0.2), leaf(M, D), torch.randn(D, device=DEVICE)),
+                        "xx.."),
+    "rmsnorm_linear": (ops.rmsnorm_linear, lambda: (leaf(M, D), leaf(D), leaf(F, D)), "..x"),
+    "rmsnorm_swiglu": (ops.rmsnorm_swiglu, lambda: (leaf(M, D), leaf(D), leaf(F, D), leaf(F, D)), "..xx"),
+    "swiglu_mlp": (ops.swiglu_mlp, lambda: (leaf(M, D), leaf(D), leaf(F, D), leaf(F, D), leaf(D, F, scale=0.2)),
+                   "..xxx"),
     "rmsnorm_qkv_rope": (qkv_rope, lambda: (leaf(M, D), leaf(D), leaf(32, D), leaf(16, D), leaf(16, D),
                                              torch.arange(M, device=DEVICE),
-                                             1.0 / 10000 ** (torch.arange(0, 8, 2, device=DEVICE) / 8))),
+                                             1.0 / 10000 ** (torch.arange(0, 8, 2, device=DEVICE) / 8)), "..xxx.."),
     "linear_cross_entropy": (lambda x, w, t: ops.linear_cross_entropy(x, w, t),
-                             lambda: (leaf(M, D), leaf(40, D), torch.randint(0, 40, (M,), device=DEVICE))),
+                             lambda: (leaf(M, D), leaf(40, D), torch.randint(0, 40, (M,), device=DEVICE)), "xx."),
 }
 
 
@@ -48,14 +51,12 @@ def _outputs(out):
 
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_operator_under_autocast_is_the_operator_on_bf16_operands(name):
-    op, make = OPS[name]
+    op, make, casts = OPS[name]
     inputs = make()
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     with torch.autocast(DEVICE, dtype=BF16):
         out = _outputs(op(*inputs))
-    cast = [t.detach().to(BF16).requires_grad_(t.requires_grad) if t.is_floating_point() else t for t in inputs]
-    if name == "rmsnorm_qkv_rope":  # inv_freq keeps its precision (the RoPE tables are made in fp64)
-        cast[-1] = inputs[-1]
+    cast = [t.detach().to(BF16 if c == "x" else t.dtype).requires_grad_(t.requires_grad) for t, c in zip(inputs, casts)]
     expected = _outputs(op(*cast))
     for o, e in zip(out, expected):
         assert o.dtype == e.dtype and torch.equal(o, e)
@@ -83,8 +84,12 @@ def test_patched_model_under_autocast_within_twice_eager_error():
 
     loss_ref, grads_ref = step(fp32, False)
     loss_eager, grads_eager = step(eager, True)
+    streams = {}  # each layer's output: the residual stream
+    for i, layer in enumerate(patched.model.layers):
+        layer.register_forward_hook(lambda module, args, out, i=i: streams.setdefault(i, out))
     loss, grads = step(patched, True)
     assert all(p.grad.dtype == torch.float32 for p in patched.parameters())
+    assert [s.dtype for s in streams.values()] == [torch.float32] * config.num_hidden_layers
     assert abs(loss - loss_ref) <= 2 * abs(loss_eager - loss_ref) + 1e-4 * abs(loss_ref)
     for name, g_ref in grads_ref.items():
         err = ((grads[name] - g_ref).norm() / g_ref.norm()).item()
@@ -105,3 +110,76 @@ def test_patched_model_under_autocast_compiles_without_graph_break():
     torch.testing.assert_close(loss_compiled, loss, rtol=1e-6, atol=1e-6)
     loss_compiled.backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+# A wider residual stream without autocast: fp32 x with bf16 weights (what autocast hands the ops).
+
+EPS = 1e-5
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def mlp_unfused(x, g, wg, wu, wd, operand):
+    """The MLP half as transformers computes it under autocast: the norm in x's dtype, each
+    matmul on ``operand`` inputs, the residual add in x's dtype."""
+    fn = torch.nn.functional
+    h = fn.rms_norm(x, (x.shape[-1],), g, EPS).to(operand)
+    y = fn.silu(fn.linear(h, wg.to(operand))) * fn.linear(h, wu.to(operand))
+    return x + fn.linear(y, wd.to(operand))
+
+
+def test_fp32_stream_with_bf16_weights_within_twice_the_unfused_error():
+    """swiglu_mlp (norm-folded SwiGLU GEMM, producer GEMM, norm backward with the residual
+    gradient) on an fp32 x and bf16 weights: x2 and dx stay fp32, and every result is within
+    2x the error of the same mixed computation unfused (both against float64)."""
+    m, d, f = 40, 32, 48
+    x, g = torch.randn(m, d, device=DEVICE), 1 + 0.2 * torch.randn(d, device=DEVICE)
+    ws = [torch.randn(f, d, device=DEVICE) / d**0.5, torch.randn(f, d, device=DEVICE) / d**0.5,
+          torch.randn(d, f, device=DEVICE) / f**0.5]
+    dy = torch.randn(m, d, device=DEVICE)
+
+    def run(fn, stream, weights):
+        leaves = [t.to(dt).detach().requires_grad_() for t, dt in zip((x, g, *ws), (stream, stream, *[weights] * 3))]
+        out = fn(*leaves)
+        out.backward(dy.to(out.dtype))
+        return [out] + [t.grad for t in leaves]
+
+    ours = run(lambda *t: ops.swiglu_mlp(*t, eps=EPS), torch.float32, BF16)
+    eager = run(lambda *t: mlp_unfused(*t, BF16), torch.float32, BF16)
+    ref = run(lambda *t: mlp_unfused(*t, torch.float64), torch.float64, torch.float64)
+    assert [t.dtype for t in ours] == [t.dtype for t in eager] == [torch.float32] * 3 + [BF16] * 3
+    for name, a, e, r in zip(("x2", "dx", "dg", "dw_gate", "dw_up", "dw_down"), ours, eager, ref):
+        assert rel(a, r) <= 2 * rel(e, r) + 1e-6, f"{name}: {rel(a, r):.2e} vs unfused {rel(e, r):.2e}"
+
+
+def test_stream_dtypes_that_do_not_fit_are_refused():
+    x, g = torch.randn(4, 8, device=DEVICE), torch.ones(8, device=DEVICE)
+    w = torch.randn(6, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="x is torch.float16 but the weights are torch.bfloat16"):
+        ops.rmsnorm_linear(x.half(), g, w.to(BF16))
+    with pytest.raises(ValueError, match="x is torch.bfloat16 but the weights are torch.float32"):
+        ops.rmsnorm_linear(x.to(BF16), g, w)
+    with pytest.raises(ValueError, match="residual is torch.float16 but a is torch.bfloat16"):
+        ops.linear_residual(x[:, :6].to(BF16), w.t().to(BF16), x.half())
+
+
+def test_fp32_stream_ops_pass_opcheck():
+    """The fake implementations give the real ops' dtypes with an fp32 stream and bf16 weights."""
+    m, d, f = 6, 16, 8
+
+    def t(*shape, dtype=torch.float32):
+        return torch.randn(*shape, device=DEVICE).to(dtype).requires_grad_()
+
+    x, g = t(m, d), t(d)
+    utils = ("test_schema", "test_faketensor", "test_autograd_registration")
+    torch.library.opcheck(torch.ops.codetta.rmsnorm_linear.default, (x, g, [t(f, d, dtype=BF16)], EPS, None, None),
+                          test_utils=utils)
+    torch.library.opcheck(torch.ops.codetta.linear_residual.default,
+                          (t(m, f, dtype=BF16), [t(d, f, dtype=BF16)], x, None, g, EPS), test_utils=utils)
+    torch.library.opcheck(torch.ops.codetta.rmsnorm_swiglu.default,
+                          (x, g, t(f, d, dtype=BF16), t(f, d, dtype=BF16), EPS, None, None), test_utils=utils)
+    torch.library.opcheck(torch.ops.codetta.swiglu_mlp.default,
+                          (x, g, t(f, d, dtype=BF16), t(f, d, dtype=BF16), t(d, f, dtype=BF16), EPS, None, None,
+                           g.detach(), EPS), test_utils=utils)

@@ -2,7 +2,7 @@
 
 * ``rmsnorm_stats``: for a norm whose GEMM folds it (no producer GEMM before it)
 
-      u = x ⊙col g   (in x's dtype),   rstd_i = rsqrt(mean_j x_ij^2 + eps)   (fp32)
+      u = x ⊙col g   (in x's dtype or the GEMM's),   rstd_i = rsqrt(mean_j x_ij^2 + eps)   (fp32)
 
   the GEMM after the norm reads u and scales its rows by rstd (:mod:`codetta.ops.rmsnorm`);
 * ``rmsnorm``: h = x ⊙row rstd ⊙col g computed in fp32 and rounded once to x's dtype, and
@@ -116,10 +116,10 @@ def _block(gpu_block=GPU_BLOCK):
     return INTERPRET_BLOCK if interpreting() else gpu_block
 
 
-def _rows_pass(x: Tensor, norm_weight: Tensor, eps: float, normalize: bool) -> tuple[Tensor, Tensor]:
+def _rows_pass(x: Tensor, norm_weight: Tensor, eps: float, normalize: bool, dtype=None) -> tuple[Tensor, Tensor]:
     x2 = _rows(x)
     m, d = x2.shape
-    out = torch.empty(m, d, device=x.device, dtype=x.dtype)
+    out = torch.empty(m, d, device=x.device, dtype=dtype or x.dtype)
     rstd = torch.empty(m, device=x.device, dtype=torch.float32)
     if m and d:
         bm, bd, warps = _block()
@@ -130,9 +130,12 @@ def _rows_pass(x: Tensor, norm_weight: Tensor, eps: float, normalize: bool) -> t
     return out, rstd
 
 
-def rmsnorm_stats(x: Tensor, norm_weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(u [M, d] in x's dtype, rstd [M] fp32) of x [..., d] (leading dims flattened)."""
-    return _rows_pass(x, norm_weight, eps, normalize=False)
+def rmsnorm_stats(x: Tensor, norm_weight: Tensor, eps: float, dtype: Optional[torch.dtype] = None
+                  ) -> tuple[Tensor, Tensor]:
+    """(u [M, d] in ``dtype`` (default x's), rstd [M] fp32) of x [..., d] (leading dims flattened).
+    u is computed in fp32 and rounded once: with an fp32 x and a bf16 ``dtype``, u is what
+    autocast hands the next GEMM (the fp32 norm output cast to bf16)."""
+    return _rows_pass(x, norm_weight, eps, normalize=False, dtype=dtype)
 
 
 def rmsnorm(x: Tensor, norm_weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:

@@ -2,15 +2,18 @@
 
 Mixed-precision training keeps fp32 parameters and runs the model under
 ``torch.autocast(device, dtype=torch.bfloat16)``, which casts the inputs of every matmul
-(``F.linear``) to bf16. codetta's operators are GEMMs with their surroundings fused in, so
-:func:`casts_under_autocast` does the same for them: when autocast is on for the device of
-the first argument, the named tensor arguments (activations, weights, norm weights, biases)
-are cast to autocast's dtype (a differentiable cast: fp32 parameters get fp32 gradients)
-and the operator runs with autocast off. Everything it computes is then in that dtype,
-the residual stream included, as in a model cast to it; the statistics (rstd,
-logsumexp, the loss) stay fp32. Arguments that must keep their precision (RoPE's
-``inv_freq``, positions, targets) are not named; of the norm statistics ``stats = (u, rstd)``
-handed between operators only u is cast.
+(``F.linear``) to bf16 while the rest (the residual adds, the norms) stays fp32: the
+residual stream of a transformers model is then fp32. codetta's operators are GEMMs with
+their surroundings fused in, so :func:`casts_under_autocast` does what autocast would do
+to their pieces: when autocast is on for the device of the first argument, the GEMM
+operands named (activations fed to a matmul, weights, biases) are cast to autocast's dtype
+(a differentiable cast: fp32 parameters get fp32 gradients), and the operator runs with
+autocast off. The residual stream (``streams``) keeps fp32, which the operators take with
+16-bit weights (:mod:`codetta.ops.rmsnorm`), and is cast only when it is 16-bit of another
+dtype. Norm weights are not cast: the epilogues read them in fp32, as the model's own fp32
+norm does (but for ``linear_cross_entropy``'s optional final norm, which runs on its cast x). Arguments that must keep their precision (RoPE's ``inv_freq``, positions,
+targets) are not named; of the norm statistics ``stats = (u, rstd)`` handed between
+operators only u is cast.
 """
 
 from __future__ import annotations
@@ -29,13 +32,14 @@ def _cast(value, dtype):
     return value
 
 
-def casts_under_autocast(*names: str):
+def casts_under_autocast(*names: str, streams: tuple = ()):
     """Decorator for an operator's public function: under autocast on the first argument's
-    device, the arguments ``names`` are cast to autocast's dtype (see the module doc)."""
+    device, the arguments ``names`` are cast to autocast's dtype, and those in ``streams``
+    unless they are fp32 (see the module doc)."""
 
     def decorate(fn):
         signature = inspect.signature(fn)
-        missing = set(names) - set(signature.parameters)
+        missing = set(names + streams) - set(signature.parameters)
         if missing:
             raise TypeError(f"{fn.__name__} has no parameters {sorted(missing)}")
 
@@ -53,6 +57,10 @@ def casts_under_autocast(*names: str):
                     bound.arguments[name] = (_cast(u, dtype), rstd)
                 elif name in bound.arguments:
                     bound.arguments[name] = _cast(bound.arguments[name], dtype)
+            for name in streams:
+                value = bound.arguments.get(name)
+                if isinstance(value, torch.Tensor) and value.dtype != torch.float32:
+                    bound.arguments[name] = _cast(value, dtype)
             with torch.autocast(device, enabled=False):
                 return fn(*bound.args, **bound.kwargs)
 

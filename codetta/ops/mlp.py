@@ -60,17 +60,17 @@ def _mlp_op(
 
 @_mlp_op.register_fake
 def _(x, norm_weight, w_gate, w_up, w_down, eps, u, rstd, next_norm_weight, next_eps):
-    m, f = x.numel() // x.shape[-1], w_gate.shape[0]
-    stats = (x.new_empty(m, x.shape[-1]), x.new_empty(m, dtype=torch.float32)) if next_norm_weight is not None else (
-        x.new_empty(0), x.new_empty(0, dtype=torch.float32))
-    return torch.empty_like(x), *stats, x.new_empty(m, 2 * f), x.new_empty(m, dtype=torch.float32)
+    m, f, low = x.numel() // x.shape[-1], w_gate.shape[0], w_gate.dtype
+    stats = (x.new_empty(m, x.shape[-1], dtype=low), x.new_empty(m, dtype=torch.float32)) if next_norm_weight is not None \
+        else (x.new_empty(0), x.new_empty(0, dtype=torch.float32))
+    return torch.empty_like(x), *stats, x.new_empty(m, 2 * f, dtype=low), x.new_empty(m, dtype=torch.float32)
 
 
 def swiglu_mlp_backward(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, dweights_into=()):
     """(dx, dnorm_weight, dW_gate, dW_up, dW_down) given dx2 (the module doc's backward)."""
     into = list(dweights_into) or [None] * 3
     f, d = w_gate.shape
-    dx2_2 = dx2.reshape(-1, d).contiguous()
+    dx2_2 = dx2.reshape(-1, d).to(w_down.dtype).contiguous()  # x2's gradient as the GEMMs' operand
     y = z.new_empty(z.shape[0], f)
     dz, zdz = swiglu_backward(gemm(dx2_2, _weight_k([w_down])), z, y_out=y)
     dw_down = weight_grad(dx2_2, y, into[2])
@@ -109,7 +109,7 @@ def _backward(ctx, dx2, *_unused):
 _mlp_op.register_autograd(_backward, setup_context=_setup)
 
 
-@casts_under_autocast("x", "norm_weight", "w_gate", "w_up", "w_down", "next_norm_weight", "stats")
+@casts_under_autocast("w_gate", "w_up", "w_down", "stats", streams=("x",))
 def swiglu_mlp(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, eps: float = 1e-6, *,
                stats=None, next_norm_weight: Tensor | None = None, next_eps: float = 1e-6):
     """``x + (silu(h W_g^T) * (h W_u^T)) W_d^T`` with h = ``F.rms_norm(x, (d,), norm_weight, eps)``.
@@ -118,6 +118,8 @@ def swiglu_mlp(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_d
         x: [..., d]; norm_weight: [d]; w_gate, w_up: [F, d]; w_down: [d, F], as nn.Linear stores them.
         stats: optional (u, rstd) of x from :func:`codetta.ops.linear_residual`.
         next_norm_weight: [d] of the RMSNorm that will consume the output (its epsilon ``next_eps``).
+        x may be fp32 with 16-bit weights (a wider residual stream, :mod:`codetta.ops.rmsnorm`):
+        x2 is then fp32 too.
     Returns:
         x2, or (x2, (u2, rstd2)) with ``next_norm_weight``: the next norm's statistics, as
         :func:`codetta.ops.linear_residual` returns them.
@@ -126,8 +128,8 @@ def swiglu_mlp(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_d
     f, d = w_gate.shape
     if w_up.shape != w_gate.shape:
         raise ValueError(f"w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} differ")
-    if w_down.shape != (d, f) or w_down.dtype != x.dtype:
-        raise ValueError(f"w_down must be [{d}, {f}] of {x.dtype}, got {tuple(w_down.shape)} {w_down.dtype}")
+    if w_down.shape != (d, f) or w_down.dtype != w_gate.dtype:
+        raise ValueError(f"w_down must be [{d}, {f}] of {w_gate.dtype}, got {tuple(w_down.shape)} {w_down.dtype}")
     if next_norm_weight is not None and next_norm_weight.shape != (d,):
         raise ValueError(f"next_norm_weight must be [{d}], got {tuple(next_norm_weight.shape)}")
     u, rstd = stats if stats is not None else (None, None)

@@ -30,6 +30,12 @@ When x also feeds a residual branch (x2 = x + f(RMSNorm(x)), as in a block's MLP
 gradient that branch hands x, dres, can be given: the epilogue then writes dx + dres, the
 sum autograd would otherwise make in a separate pass (see :mod:`codetta.ops.mlp`).
 
+The residual stream may be wider than the GEMMs: x in fp32 with bf16 (or fp16) weights, as
+under ``torch.autocast`` with fp32 parameters, where transformers keeps the residual
+stream in fp32 and casts only each matmul's inputs. Then x, dx and the residual
+gradients stay fp32, u and h (the GEMMs' operands) are in the weights' dtype, and the
+statistics come from the fp32 x, as the model's own fp32 norm computes them.
+
 The weights may be given as several tensors (W_q, W_k, W_v) read as one, concatenated
 along the output features, without a copy: the forward GEMM reads them as parts along
 N, the dgrad GEMM as parts along K, and each weight gradient is its own GEMM.
@@ -58,12 +64,18 @@ from .weight_grads import for_autograd, run_backward, weight_grads
 # Programs
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).split(".")[-1]
+
+
 @functools.lru_cache(maxsize=None)
-def _producer(dtype: torch.dtype, with_norm: bool, with_bias: bool) -> ep.Program:
+def _producer(dtype: torch.dtype, with_norm: bool, with_bias: bool, wide: bool = False) -> ep.Program:
+    """x = acc (+ bias) + residual stored in ``dtype``, the residual's; ``wide``: fp32 x from 16-bit
+    operands (u is stored in the operands' dtype either way)."""
     name = "linear_residual" + ("_bias" if with_bias else "") + ("_rmsnorm" if with_norm else "")
-    p = ep.Program(f"{name}_{str(dtype).split('.')[-1]}")
+    p = ep.Program(f"{name}_{_dtype_name(dtype)}" + ("_wide" if wide else ""))
     x = (p.acc + p.col("bias") if with_bias else p.acc) + p.aux("residual")
-    p.store("x", x)
+    p.store("x", x, dtype=dtype if wide else None)
     if with_norm:
         stored = ep.round_to(x, dtype) if dtype != torch.float32 else x
         p.store("u", stored * p.col("norm_weight"))
@@ -79,11 +91,13 @@ def _consumer() -> ep.Program:
 
 
 @functools.lru_cache(maxsize=None)
-def _consumer_backward(with_residual_grad: bool = False) -> ep.Program:
-    p = ep.Program("rmsnorm_linear_backward" + ("_residual" if with_residual_grad else ""))
+def _consumer_backward(with_residual_grad: bool = False, dx_dtype: Optional[torch.dtype] = None) -> ep.Program:
+    """dx stored in ``dx_dtype`` (x's, when wider than the GEMM's operands), h in the operands' dtype."""
+    p = ep.Program("rmsnorm_linear_backward" + ("_residual" if with_residual_grad else "")
+                   + (f"_{_dtype_name(dx_dtype)}" if dx_dtype else ""))
     acc, r, g, x = p.acc, p.row("rstd"), p.col("norm_weight"), p.aux("x")
     dx = r * g * acc - p.row("zdz") * r * r * p.scalar("inv_d") * x
-    p.store("dx", p.aux("residual_grad") + dx if with_residual_grad else dx)
+    p.store("dx", p.aux("residual_grad") + dx if with_residual_grad else dx, dtype=dx_dtype)
     p.col_sum("dnorm_weight", acc * r * x)
     p.store("h", x * r * g)
     return p
@@ -91,6 +105,12 @@ def _consumer_backward(with_residual_grad: bool = False) -> ep.Program:
 
 # ---------------------------------------------------------------------------------------
 # Checks
+
+
+def stream_fits(stream: torch.dtype, operand: torch.dtype) -> bool:
+    """Whether a residual stream of dtype ``stream`` may feed GEMMs on ``operand`` inputs: the same
+    dtype, or an fp32 stream for 16-bit GEMMs (see the module doc)."""
+    return stream == operand or (stream == torch.float32 and operand in (torch.bfloat16, torch.float16))
 
 
 def _check_norm_inputs(x: Tensor, norm_weight: Tensor, weights: list[Tensor]):
@@ -102,8 +122,11 @@ def _check_norm_inputs(x: Tensor, norm_weight: Tensor, weights: list[Tensor]):
     for i, w in enumerate(weights):
         if w.dim() != 2 or w.shape[1] != d:
             raise ValueError(f"weight {i} must be [out_features, {d}], got {tuple(w.shape)}")
-        if w.dtype != x.dtype:
-            raise ValueError(f"weight {i} is {w.dtype} but x is {x.dtype}")
+        if w.dtype != weights[0].dtype:
+            raise ValueError(f"weight {i} is {w.dtype} but weight 0 is {weights[0].dtype}")
+    if not stream_fits(x.dtype, weights[0].dtype):
+        raise ValueError(f"x is {x.dtype} but the weights are {weights[0].dtype}: x must be in the weights' dtype, "
+                         "or fp32 with 16-bit weights")
 
 
 def _as_list(weight) -> list[Tensor]:
@@ -141,7 +164,7 @@ def _rmsnorm_linear_op(
 ) -> tuple[Tensor, Tensor]:
     x2 = x.reshape(-1, x.shape[-1])
     if u is None or rstd is None:
-        u, rstd = rmsnorm_stats(x2, norm_weight, eps)
+        u, rstd = rmsnorm_stats(x2, norm_weight, eps, weights[0].dtype)
     else:
         rstd = rstd.reshape(-1).clone()  # an output must not alias an input
     z = gemm(u.reshape(x2.shape), _weight_t(weights), _consumer(), rstd=rstd)["z"]
@@ -152,7 +175,7 @@ def _rmsnorm_linear_op(
 def _(x, norm_weight, weights, eps, u, rstd):
     n = sum(w.shape[0] for w in weights)
     m = x.numel() // x.shape[-1]
-    return x.new_empty(*x.shape[:-1], n), x.new_empty(m, dtype=torch.float32)
+    return x.new_empty(*x.shape[:-1], n, dtype=weights[0].dtype), x.new_empty(m, dtype=torch.float32)
 
 
 def row_dot(a: Tensor, b: Tensor) -> Tensor:
@@ -169,9 +192,10 @@ def rmsnorm_linear_backward(dz: Tensor, zdz: Tensor, x: Tensor, norm_weight: Ten
     (x's shape): a gradient of x from elsewhere, added to dx in the epilogue.
     """
     d = x.shape[-1]
-    x2, dz2 = x.reshape(-1, d), dz.reshape(-1, dz.shape[-1]).contiguous()
+    x2, dz2 = x.reshape(-1, d), dz.reshape(-1, dz.shape[-1]).to(weights[0].dtype).contiguous()
     extra = {} if residual_grad is None else {"residual_grad": residual_grad.reshape(-1, d)}
-    out = gemm(dz2, _weight_k(weights), _consumer_backward(residual_grad is not None), rstd=rstd,
+    program = _consumer_backward(residual_grad is not None, x.dtype if x.dtype != dz2.dtype else None)
+    out = gemm(dz2, _weight_k(weights), program, rstd=rstd,
                norm_weight=norm_weight, x=x2, zdz=zdz, inv_d=1.0 / d, **extra)
     dweights = weight_grads(dz2, out["h"], weights, dweights_into)
     return out["dx"].reshape(x.shape), out["dnorm_weight"].to(norm_weight.dtype), dweights
@@ -210,7 +234,7 @@ def _rmsnorm_linear_backward(ctx, dz, _drstd):
 _rmsnorm_linear_op.register_autograd(_rmsnorm_linear_backward, setup_context=_rmsnorm_linear_setup)
 
 
-@casts_under_autocast("x", "norm_weight", "weight", "stats")
+@casts_under_autocast("weight", "stats", streams=("x",))
 def rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight, eps: float = 1e-6, *, stats=None) -> Tensor:
     """``F.linear(F.rms_norm(x, (d,), norm_weight, eps), W)`` with the norm folded into the GEMM.
 
@@ -219,8 +243,9 @@ def rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight, eps: float = 1e-6, *,
             W_v) used as their concatenation along the output features, without a copy.
         stats: optional (u, rstd) from :func:`linear_residual` (u = x g, rstd fp32 [M]); they
             are not differentiated: the gradient of the norm flows through x and norm_weight.
+        x may be fp32 with 16-bit weights (a wider residual stream: see the module doc).
     Returns:
-        z [..., N] in x's dtype.
+        z [..., N] in the weights' dtype.
     """
     weights = _as_list(weight)
     _check_norm_inputs(x, norm_weight, weights)
@@ -241,7 +266,7 @@ def _linear_residual_op(
     operands = {"residual": residual.reshape(-1, n)}
     if bias is not None:
         operands["bias"] = bias
-    program = _producer(a.dtype, norm_weight is not None, bias is not None)
+    program = _producer(residual.dtype, norm_weight is not None, bias is not None, residual.dtype != a.dtype)
     if norm_weight is None:
         x = gemm(a2, _weight_t(weights), program, **operands)["x"]
         return x.reshape(residual.shape), x.new_empty(0), x.new_empty(0, dtype=torch.float32)
@@ -255,13 +280,14 @@ def _(a, weights, residual, bias, norm_weight, eps):
     m = residual.numel() // residual.shape[-1]
     if norm_weight is None:
         return torch.empty_like(residual), residual.new_empty(0), residual.new_empty(0, dtype=torch.float32)
-    return (torch.empty_like(residual), residual.new_empty(m, residual.shape[-1]),
+    return (torch.empty_like(residual), residual.new_empty(m, residual.shape[-1], dtype=a.dtype),
             residual.new_empty(m, dtype=torch.float32))
 
 
 def linear_residual_backward(dx: Tensor, a: Tensor, weights: list[Tensor], dweights_into=()):
-    """(da, [dW_i]) of x = a W^T + residual given dx (the residual's gradient is dx itself)."""
-    dx2 = dx.reshape(-1, dx.shape[-1]).contiguous()
+    """(da, [dW_i]) of x = a W^T + residual given dx (the residual's gradient is dx itself; the GEMMs
+    take it in a's dtype, as autograd hands a 16-bit matmul output the gradient of a wider sum)."""
+    dx2 = dx.reshape(-1, dx.shape[-1]).to(a.dtype).contiguous()
     a2 = a.reshape(-1, a.shape[-1])
     da = gemm(dx2, _weight_k(weights))
     return da.reshape(a.shape), weight_grads(dx2, a2, weights, dweights_into)
@@ -294,7 +320,7 @@ def _linear_residual_backward(ctx, dx, _du, _drstd):
 _linear_residual_op.register_autograd(_linear_residual_backward, setup_context=_linear_residual_setup)
 
 
-@casts_under_autocast("a", "weight", "residual", "norm_weight", "bias")
+@casts_under_autocast("a", "weight", "bias", streams=("residual",))
 def linear_residual(a: Tensor, weight, residual: Tensor, norm_weight: Tensor | None = None, eps: float = 1e-6, *,
                     bias: Tensor | None = None):
     """x = a W^T (+ bias) + residual in one GEMM; with ``norm_weight`` also the next RMSNorm's (u, rstd).
@@ -302,8 +328,10 @@ def linear_residual(a: Tensor, weight, residual: Tensor, norm_weight: Tensor | N
     Args:
         a: [..., K]; weight: [d, K] (or a list of [d_i, K] read as one); residual: [..., d]; bias: [d].
         norm_weight: [d] of the RMSNorm that will consume x, or None.
+        The residual may be fp32 with 16-bit a and weights: x is then fp32, u in a's dtype.
     Returns:
-        x, or (x, (u, rstd)) with u = x g [M, d] and rstd fp32 [M]: pass the pair as ``stats``
+        x (in the residual's dtype), or (x, (u, rstd)) with u = x g [M, d] in a's dtype and rstd
+        fp32 [M]: pass the pair as ``stats``
         to :func:`rmsnorm_linear` (they carry no gradient of their own).
     """
     weights = _as_list(weight)
@@ -312,8 +340,9 @@ def linear_residual(a: Tensor, weight, residual: Tensor, norm_weight: Tensor | N
     for w in weights:
         if w.dim() != 2 or w.shape[1] != a.shape[-1] or w.dtype != a.dtype:
             raise ValueError(f"weight must be [out, {a.shape[-1]}] of {a.dtype}, got {tuple(w.shape)} {w.dtype}")
-    if residual.dtype != a.dtype:
-        raise ValueError(f"residual is {residual.dtype} but a is {a.dtype}")
+    if not stream_fits(residual.dtype, a.dtype):
+        raise ValueError(f"residual is {residual.dtype} but a is {a.dtype}: the residual must be in a's dtype, "
+                         "or fp32 with 16-bit a and weights")
     for name, vec in (("norm_weight", norm_weight), ("bias", bias)):
         if vec is not None and vec.shape != (residual.shape[-1],):
             raise ValueError(f"{name} must be [{residual.shape[-1]}], got {tuple(vec.shape)}")

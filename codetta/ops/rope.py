@@ -146,7 +146,7 @@ def _qkv_rope_op(
     d = x.shape[-1]
     x2 = x.reshape(-1, d)
     if u is None or rstd is None:
-        u, rstd = rmsnorm_stats(x2, norm_weight, eps)
+        u, rstd = rmsnorm_stats(x2, norm_weight, eps, weights[0].dtype)
     else:
         rstd = rstd.reshape(-1).clone()  # an output must not alias an input
     cos, sin = rope_tables(positions, inv_freq, attention_scaling)
@@ -168,9 +168,9 @@ def _qkv_rope_op(
 @_qkv_rope_op.register_fake
 def _(x, norm_weight, weights, bias, positions, inv_freq, n_q, n_kv, head_dim, rotary_dim, attention_scaling, eps, u,
       rstd, q_norm_weight, k_norm_weight, qk_norm_eps):
-    m, n = x.numel() // x.shape[-1], (n_q + 2 * n_kv) * head_dim
-    z = x.new_empty(*x.shape[:-1], n) if q_norm_weight is not None else x.new_empty(0)
-    return x.new_empty(*x.shape[:-1], n), x.new_empty(m, dtype=torch.float32), z
+    m, n, low = x.numel() // x.shape[-1], (n_q + 2 * n_kv) * head_dim, weights[0].dtype
+    z = x.new_empty(*x.shape[:-1], n, dtype=low) if q_norm_weight is not None else x.new_empty(0)
+    return x.new_empty(*x.shape[:-1], n, dtype=low), x.new_empty(m, dtype=torch.float32), z
 
 
 def rmsnorm_qkv_rope_backward(dqkv, qkv, x, norm_weight, weights, bias, positions, inv_freq, n_q, n_kv, head_dim,
@@ -247,8 +247,7 @@ def _backward(ctx, dqkv, _drstd, _dz):
 _qkv_rope_op.register_autograd(_backward, setup_context=_setup)
 
 
-@casts_under_autocast("x", "norm_weight", "w_q", "w_k", "w_v", "bias", "q_norm_weight", "k_norm_weight",
-                      "stats")
+@casts_under_autocast("w_q", "w_k", "w_v", "bias", "stats", streams=("x",))
 def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w_v: Tensor, positions: Tensor,
                      inv_freq: Tensor, *, head_dim: int, rotary_dim: int | None = None, attention_scaling: float = 1.0,
                      bias: tuple | None = None, eps: float = 1e-6, stats=None, q_norm_weight: Tensor | None = None,
@@ -257,7 +256,7 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
 
     With ``q_norm_weight`` and ``k_norm_weight`` (Qwen3's QK-norm), q and k are RMS-normalized
     per head (weights of D entries, epsilon ``qk_norm_eps``) before RoPE, in the same
-    epilogue; the forward then also stores the pre-norm projection ([M, N], x's dtype) for the
+    epilogue; the forward then also stores the pre-norm projection ([M, N], the weights' dtype) for the
     backward: one more [M, N] write instead of recomputing the GEMM (see the module docstring).
 
     Args:

@@ -64,10 +64,10 @@ def _rmsnorm_swiglu_op(
     d, f = x.shape[-1], w_gate.shape[0]
     x2 = x.reshape(-1, d)
     if u is None or rstd is None:
-        u, rstd = rmsnorm_stats(x2, norm_weight, eps)
+        u, rstd = rmsnorm_stats(x2, norm_weight, eps, w_gate.dtype)
     else:
         rstd = rstd.reshape(-1).clone()  # an output must not alias an input
-    z = x.new_empty(x2.shape[0], 2 * f)
+    z = x.new_empty(x2.shape[0], 2 * f, dtype=w_gate.dtype)
     w_gate_up = torch.stack((w_gate, w_up), dim=1).reshape(2 * f, d)  # rows g0, u0, g1, u1, ...
     out = gemm(u.reshape(x2.shape), w_gate_up.t(), _forward_program(), rstd=rstd,
                out={"z_gate": z[:, :f], "z_up": z[:, f:]})
@@ -77,7 +77,8 @@ def _rmsnorm_swiglu_op(
 @_rmsnorm_swiglu_op.register_fake
 def _(x, norm_weight, w_gate, w_up, eps, u, rstd):
     m, f = x.numel() // x.shape[-1], w_gate.shape[0]
-    return x.new_empty(*x.shape[:-1], f), x.new_empty(m, 2 * f), x.new_empty(m, dtype=torch.float32)
+    return (x.new_empty(*x.shape[:-1], f, dtype=w_gate.dtype), x.new_empty(m, 2 * f, dtype=w_gate.dtype),
+            x.new_empty(m, dtype=torch.float32))
 
 
 def rmsnorm_swiglu_backward(dy, z, x, norm_weight, w_gate, w_up, rstd, dweights_into=()):
@@ -116,15 +117,16 @@ def _backward(ctx, dy, _dz, _drstd):
 _rmsnorm_swiglu_op.register_autograd(_backward, setup_context=_setup)
 
 
-@casts_under_autocast("x", "norm_weight", "w_gate", "w_up", "stats")
+@casts_under_autocast("w_gate", "w_up", "stats", streams=("x",))
 def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, eps: float = 1e-6, *, stats=None):
     """``silu(h W_g^T) * (h W_u^T)`` with h = ``F.rms_norm(x, (d,), norm_weight, eps)``, fused.
 
     Args:
         x: [..., d]; norm_weight: [d]; w_gate, w_up: [F, d] as nn.Linear stores them.
         stats: optional (u, rstd) from :func:`codetta.ops.linear_residual`.
+        x may be fp32 with 16-bit weights (a wider residual stream, :mod:`codetta.ops.rmsnorm`).
     Returns:
-        y [..., F] in x's dtype.
+        y [..., F] in the weights' dtype.
     """
     _check_norm_inputs(x, norm_weight, [w_gate, w_up])
     if w_gate.shape != w_up.shape:
