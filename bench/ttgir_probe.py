@@ -63,7 +63,9 @@ def compile_sm90(program, *, BM=128, BN=256, BK=64, num_b=1, warps=8, stages=3, 
         else:
             kind = kinds[name]
             signature[name] = {"scalar": "fp32", "stride": "i64"}.get(kind, "*fp32")
-            if kind.endswith("_desc"):
+            if kind == "table_desc":  # RoPE's cos/sin: fp32 [BM, P] blocks
+                signature[name] = f"tensordesc<fp32[{BM}, {program.operands[name[: -len('_desc')]].period}]>"
+            elif kind.endswith("_desc"):
                 base = name[: -len("_desc")]
                 width = (program.outputs.get(base) or program.operands[base]).width
                 bn = BN // split

@@ -224,16 +224,20 @@ def test_half_width_operands_and_outputs(ab):
     close(out["csum"], acc[:, 0::2].sum(0))
 
 
-@pytest.mark.parametrize("period", [5, 16])
-def test_tables_repeat_along_columns(period, ab):
-    """A table [M, P] is read at column j % P (FULL) or pair j % P (HALF); a strided view works too."""
+@pytest.mark.parametrize("period, strided", [(5, False), (16, True), (4, False), (8, False)])
+def test_tables_repeat_along_columns(period, strided, ab):
+    """A table [M, P] is read at column j % P (FULL) or pair j % P (HALF): through TMA blocks
+    [BM, P] repeated along the tile where P is a power of two of 16 bytes or more and the
+    tables allow it, else through pointers (a strided view, P = 5)."""
     a, b, acc = ab
-    full = torch.randn(M, 2 * period, device=DEVICE)[:, ::2]  # column stride 2: read through pointers
+    full = torch.randn(M, 2 * period, device=DEVICE)[:, ::2] if strided else torch.randn(M, period, device=DEVICE)
     half = torch.randn(M, period, device=DEVICE)
     p = ep.Program(f"tables_{period}")
     g, u = ep.pairs(p.acc)
     p.store("out", p.acc * p.table("t", period), dtype=torch.float32)
     p.store("hout", g + u * p.table("h", period, ep.HALF), dtype=torch.float32)
+    tma = not strided and period in (4, 8) and N % 2 == 0
+    assert codetta.explain(a, b, p, t=full, h=half)["path"] == ("tma" if tma else "ptr")
     out = codetta.gemm(a, b, p, t=full, h=half)
     cols, pairs = torch.arange(N) % period, torch.arange(N // 2) % period
     close(out["out"], acc * full.double().cpu()[:, cols])

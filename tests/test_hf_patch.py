@@ -138,13 +138,45 @@ def test_num_items_in_batch_and_shift_labels():
     assert_same_training_step(ref, model, input_ids=ids, shift_labels=shifted, labels=ids)
 
 
-def test_return_dict_false_gives_a_tuple_with_the_loss_first():
+def test_return_dict_false_gives_the_models_tuple_layout():
+    """(loss, logits, past_key_values): logits None but in its place, so unpacking by position works."""
     ref = tiny("LlamaForCausalLM")
     model = codetta.patch(copy.deepcopy(ref))
     ids = torch.randint(0, VOCAB, (1, 6), device=DEVICE)
     out = model(input_ids=ids, labels=ids, return_dict=False)
-    assert isinstance(out, tuple)
-    torch.testing.assert_close(out[0], ref(input_ids=ids, labels=ids).loss, rtol=1e-5, atol=1e-6)
+    expected = ref(input_ids=ids, labels=ids, return_dict=False)
+    assert isinstance(out, tuple) and len(out) == len(expected) and out[1] is None
+    torch.testing.assert_close(out[0], expected[0], rtol=1e-5, atol=1e-6)
+    assert type(out[2]) is type(expected[2])
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "training"])
+@pytest.mark.parametrize("where", ["output_hook", "input_pre_hook"])
+def test_hooks_editing_the_residual_stream_in_place(where, mode):
+    """Activation steering: a hook adds a vector to a layer's output (or the next layer's input)
+    in place. The next layer must not use the norm statistics handed on before the edit, and
+    autograd must allow the edit, as for the unpatched model."""
+    ref = tiny("LlamaForCausalLM", num_hidden_layers=3)
+    model = codetta.patch(copy.deepcopy(ref))
+    steer = torch.randn(64, device=DEVICE)
+
+    def output_hook(module, args, output):
+        output.add_(steer)
+
+    def input_pre_hook(module, args, kwargs):
+        (args[0] if args else kwargs["hidden_states"]).add_(steer)
+
+    for m in (ref, model):
+        if where == "output_hook":
+            m.model.layers[0].register_forward_hook(output_hook)
+        else:
+            m.model.layers[1].register_forward_pre_hook(input_pre_hook, with_kwargs=True)
+    ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
+    if mode == "training":
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    else:
+        with getattr(torch, mode)():
+            torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
 
 
 def test_logits_without_labels_and_generate():

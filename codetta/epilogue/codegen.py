@@ -78,7 +78,7 @@ def kernel_name(program: Program, path: str) -> str:
 def kernel_args(program: Program, path: str):
     """The kernel's runtime arguments after the GEMM's own, in order, as (name, what).
 
-    On the 'tma' path, tiles (aux operands, stores) are read and written through TMA
+    On the 'tma' path, tiles (aux operands, tables, stores) are read and written through TMA
     descriptors (``{name}_desc``); on the 'ptr' path through pointers and strides.
     """
     return program._cached(("kernel_args", path), lambda: _kernel_args(program, path))
@@ -98,7 +98,7 @@ def _kernel_args(program, path):
         elif op.kind in ("row", "col"):
             args += [(f"{op.name}_ptr", op.kind), (f"{op.name}_stride", "stride")]
         elif op.kind == "table":
-            args += _tile_args(op.name, "table", "ptr")
+            args += _tile_args(op.name, "table", path)
         else:
             args += _tile_args(op.name, "aux", path)
     for out in sorted(program.outputs.values(), key=lambda o: o.name):
@@ -187,6 +187,17 @@ def _epilogue(program: Program, w: _Writer, path: str):
             expr = (
                 f"tl.load({n}_ptr + rows64[:, None] * {n}_s0 + {c}.to(tl.int64)[None, :] * {n}_s1, "
                 f"mask=row_ok[:, None] & {ok}[None, :], other=0.0).to(tl.float32)"
+            )
+        elif op == "load_table" and path == "tma":
+            # the row's [BM, P] block once, repeated along the tile: the launcher gives the TMA path
+            # only tiles whose width is a multiple of P (a power of two), starting at a multiple of it.
+            # Read through shared memory, the table takes the accumulator's register layout: no
+            # layout conversion of the tile (a pointer load's layout costs one, 64 KiB at 128 x 256).
+            n, w_ = node.attrs[0], width_cols[node.width][3]
+            period = program.operands[n].period
+            expr = (
+                f"tl.reshape(tl.broadcast_to(tl.reshape({n}_desc.load([off_m, 0]).to(tl.float32), [BM, 1, {period}]), "
+                f"[BM, ({w_}) // {period}, {period}]), [BM, {w_}])"
             )
         elif op == "load_table":
             n = node.attrs[0]

@@ -16,8 +16,8 @@
 
 Each program takes BM rows and walks their d columns in blocks of BD; where a row's
 statistic is needed before its outputs (rmsnorm, rmsnorm_backward), a first walk computes
-it and a second one writes (the rows' second read mostly hits L2). Column strides must be
-1; rows may have any stride.
+it and a second one writes (the rows' second read mostly hits L2). Column strides of x
+must be 1 (rows may have any stride); a strided norm weight is made contiguous.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def _rows_pass(x: Tensor, norm_weight: Tensor, eps: float, normalize: bool, dtyp
     if m and d:
         bm, bd, warps = _block()
         launch(_rmsnorm_rows_kernel, (triton.cdiv(m, bm),),
-            x2, norm_weight, out, rstd, m, d, x2.stride(0), out.stride(0), float(eps),
+            x2, norm_weight.contiguous(), out, rstd, m, d, x2.stride(0), out.stride(0), float(eps),
             BM=bm, BD=bd, NORMALIZE=normalize, EMULATE_RNE=interpreting(), num_warps=warps,
         )
     return out, rstd
@@ -166,7 +166,7 @@ def rmsnorm_backward(x: Tensor, norm_weight: Tensor, rstd: Tensor, dh: Tensor, *
     grid = triton.cdiv(m, bm)
     dg_part = torch.empty(grid, d, device=x.device, dtype=torch.float32)
     launch(_rmsnorm_backward_kernel, (grid,),
-        x2, norm_weight, rstd, dh2, dx_out, dg_part, m, d, x2.stride(0), dh2.stride(0), dx_out.stride(0),
+        x2, norm_weight.contiguous(), rstd.contiguous(), dh2, dx_out, dg_part, m, d, x2.stride(0), dh2.stride(0), dx_out.stride(0),
         BM=bm, BD=bd, EMULATE_RNE=interpreting(), num_warps=warps,
     )
     return dx_out, dg_part.sum(0)

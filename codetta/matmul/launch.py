@@ -19,7 +19,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..epilogue.codegen import kernel_args, load_kernel
-from ..epilogue.ir import FULL, EpilogueError, Program
+from ..epilogue.ir import FULL, HALF, EpilogueError, Program
 from ..kernels import finish
 from . import tuning
 from .config import SharedMemory, candidates, interpreter_config
@@ -66,6 +66,19 @@ def _check_tensor(t, what, device):
         raise GemmError(f"{what} is on {t.device} but a is on {device}")
 
 
+def check_device(device: torch.device, what: str = "a") -> None:
+    """Raise GemmError unless codetta's kernels can run on ``device`` (in this process)."""
+    if device.type not in ("cuda", "cpu"):
+        raise GemmError(
+            f"{what} is on {device}; codetta's kernels run on a CUDA GPU (or on the CPU under TRITON_INTERPRET=1)"
+        )
+    if device.type == "cpu" and not interpreting():
+        raise GemmError(
+            "codetta's kernels run on a CUDA GPU; on a CPU set TRITON_INTERPRET=1 before importing "
+            "codetta (Triton's interpreter), or use codetta.epilogue.run_reference"
+        )
+
+
 def _tma_ok(t):
     """A 2-d tensor a TMA descriptor can read: unit last stride, 16-byte aligned base and strides."""
     es = t.element_size()
@@ -98,15 +111,7 @@ class _Call:
                 raise GemmError(f"b must be 2-d [K, N] (a weight W of nn.Linear is passed as W.t()), got shape {tuple(t.shape)}")
         if a.dim() < 2:
             raise GemmError(f"a must be at least 2-d [..., M, K], got shape {tuple(a.shape)}")
-        if device.type not in ("cuda", "cpu"):
-            raise GemmError(
-                f"a is on {device}; codetta's kernels run on a CUDA GPU (or on the CPU under TRITON_INTERPRET=1)"
-            )
-        if device.type == "cpu" and not interpreting():
-            raise GemmError(
-                "codetta's kernels run on a CUDA GPU; on a CPU set TRITON_INTERPRET=1 before importing "
-                "codetta (Triton's interpreter), or use codetta.epilogue.run_reference"
-            )
+        check_device(device)
         self.lead = tuple(a.shape[:-1])
         a2 = a if a.dim() == 2 else a.reshape(-1, a.shape[-1])
         self.a, self.parts, self.device = a2, parts, device
@@ -375,6 +380,9 @@ class _Plan:
                 fills[name] = lambda a, b, o, w, q, base=base: o[base]
             elif kind == "out":
                 fills[name] = lambda a, b, o, w, q, base=base: w[base][1]
+            elif kind == "table_desc":
+                block = [cfg.BM, c.program.operands[base].period]
+                fills[name] = lambda a, b, o, w, q, base=base, block=block: self.describe(o[base], block)
             elif kind in ("aux_desc", "out_desc"):
                 width = (c.program.outputs.get(base) if kind == "out_desc" else c.program.operands[base]).width
                 block = [cfg.BM, cfg.epilogue_bn if width is FULL else cfg.epilogue_bn // 2]
@@ -591,6 +599,7 @@ def _choose(call, config):
     """(path, config): TMA when every operand allows it; the config given, or tuned."""
     call.layout = _layouts(call)
     min_bn = call.program.min_block_n()
+    tma_min_bn = max(min_bn, _table_block_n(call.program))
     parts = tuple(call.part_sizes)
     tma = call.layout[2] and _tiles_tma_ok(call)
     if config is not None:
@@ -599,18 +608,18 @@ def _choose(call, config):
                 f"config {config} gives the epilogue tiles {config.epilogue_bn} wide; program "
                 f"{call.program.name!r} needs {min_bn}"
             )
-        return ("tma" if tma and _fits(config, parts) else "ptr"), config
+        return ("tma" if tma and _fits(config, parts) and config.epilogue_bn >= tma_min_bn else "ptr"), config
     if interpreting():
         size = dict(m=call.M, n=call.N, k=call.K)
-        cfg = interpreter_config(min_bn=min_bn, n_parts_sizes=parts, **size)
+        cfg = interpreter_config(min_bn=tma_min_bn, n_parts_sizes=parts, **size)
         if tma and cfg is not None:
             return "tma", cfg
         return "ptr", interpreter_config(min_bn=min_bn, **size)
-    size = dict(elem_bytes=call.a.element_size(), min_bn=min_bn, m=call.M, n=call.N,
+    size = dict(elem_bytes=call.a.element_size(), m=call.M, n=call.N,
                 smem=_shared_memory(_device_index(call.device)), **_epilogue_smem(call))
-    configs = candidates(n_parts_sizes=parts, flatten=len(call.parts) == 1, **size) if tma else []
+    configs = candidates(n_parts_sizes=parts, flatten=len(call.parts) == 1, min_bn=tma_min_bn, **size) if tma else []
     path = "tma" if configs else "ptr"
-    configs = configs or candidates(**size)
+    configs = configs or candidates(min_bn=min_bn, **size)
     if not configs:
         raise GemmError(f"program {call.program.name!r}: no tile config fits this GPU's shared memory "
                         f"({size['smem'].per_block // 1024} KiB per block)")
@@ -641,7 +650,16 @@ def _epilogue_smem(call):
     p = call.program
     aux = [call.operands[o.name].element_size() for o in p.operands.values() if o.kind == "aux"]
     stored = [call.output_dtype(o).itemsize for o in p.outputs.values() if o.kind == "store"]
+    # Tables read through TMA ([BM, P] blocks) are not counted: Triton 3.9 places them in shared
+    # memory the ring or the output staging also use (the RoPE kernel's total is unchanged).
     return dict(staged_bytes=max(aux + stored, default=None), aux_bytes=sum(aux))
+
+
+def _table_block_n(program):
+    """The narrowest epilogue tile that holds every table's period whole (TMA path): P columns,
+    or 2P for a table over the N/2 pairs."""
+    return max((o.period * (2 if o.width is HALF else 1) for o in program.operands.values() if o.kind == "table"),
+               default=1)
 
 
 def explain(a, b, epilogue: Program | None = None, *, out=None, config=None, **operands):
@@ -655,6 +673,12 @@ def _tiles_tma_ok(call):
     outputs codetta allocates are contiguous: their rows must be 16-byte multiples)."""
     p = call.program
     tiles = [call.operands[o.name] for o in p.operands.values() if o.kind == "aux"]
+    for o in p.operands.values():  # a table's [BM, P] block: P a power of two of 16 bytes to 256 elements
+        if o.kind == "table":
+            t = call.operands[o.name]
+            if o.period & (o.period - 1) or not 16 <= o.period * t.element_size() or o.period > 256:
+                return False
+            tiles.append(t)
     for o in p.outputs.values():
         if o.kind != "store":
             continue

@@ -32,6 +32,15 @@ def _cast(value, dtype):
     return value
 
 
+def _autocast_enabled(device: str) -> bool:
+    """Whether autocast is on for ``device``; False for device types autocast does not know
+    (meta): the operator then says what it makes of such tensors."""
+    try:
+        return torch.is_autocast_enabled(device)
+    except RuntimeError:
+        return False
+
+
 def casts_under_autocast(*names: str, streams: tuple = ()):
     """Decorator for an operator's public function: under autocast on the first argument's
     device, the arguments ``names`` are cast to autocast's dtype, and those in ``streams``
@@ -47,7 +56,7 @@ def casts_under_autocast(*names: str, streams: tuple = ()):
         def wrapper(*args, **kwargs):
             first = args[0] if args else None
             device = first.device.type if isinstance(first, torch.Tensor) else None
-            if device is None or not torch.is_autocast_enabled(device):
+            if device is None or not _autocast_enabled(device):
                 return fn(*args, **kwargs)
             dtype = torch.get_autocast_dtype(device)
             bound = signature.bind(*args, **kwargs)

@@ -65,13 +65,23 @@ def _unflatten(flat, layout):
     return args
 
 
+def _not_views(output):
+    """The op's outputs with views (an output reshaped from the GEMM's [M, N]) detached from their
+    bases: autograd refuses in-place changes to a view made inside a custom Function, as a user's
+    ``y.add_(...)`` or an in-place forward hook would be, but not to a plain output."""
+    def own(t):
+        return t.detach() if isinstance(t, torch.Tensor) and t._is_view() else t
+
+    return tuple(map(own, output)) if isinstance(output, tuple) else own(output)
+
+
 class _Direct(torch.autograd.Function):
     """An op's implementation with its own setup_context and backward, lists flattened."""
 
     @staticmethod
     def forward(ctx, op, layout, *flat):
         inputs = _unflatten(flat, layout)
-        output = op.impl(*inputs)
+        output = _not_views(op.impl(*inputs))
         op.setup_context(ctx, inputs, output)
         ctx.direct = (op, layout)
         return output

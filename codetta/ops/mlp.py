@@ -41,7 +41,7 @@ from ..kernels.swiglu import swiglu_backward
 from ..matmul import gemm
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
-from .rmsnorm import _check_norm_inputs, _linear_residual_op, _weight_k, rmsnorm_linear_backward
+from .rmsnorm import _check_norm_inputs, _linear_residual_op, _weight_k, given_stats, rmsnorm_linear_backward
 from .swiglu import _rmsnorm_swiglu_op
 from .weight_grads import for_autograd, run_backward, weight_grad
 
@@ -132,7 +132,7 @@ def swiglu_mlp(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_d
         raise ValueError(f"w_down must be [{d}, {f}] of {w_gate.dtype}, got {tuple(w_down.shape)} {w_down.dtype}")
     if next_norm_weight is not None and next_norm_weight.shape != (d,):
         raise ValueError(f"next_norm_weight must be [{d}], got {tuple(next_norm_weight.shape)}")
-    u, rstd = stats if stats is not None else (None, None)
+    u, rstd = given_stats(x, stats)
     x2, u2, rstd2, *_ = _mlp_op(x, norm_weight, w_gate, w_up, w_down, float(eps), u, rstd, next_norm_weight,
                                 float(next_eps))
     return x2 if next_norm_weight is None else (x2, (u2, rstd2))

@@ -55,7 +55,7 @@ from torch import Tensor
 
 from .. import epilogue as ep
 from ..kernels.rmsnorm import rmsnorm_stats
-from ..matmul import gemm
+from ..matmul import check_device, gemm
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .weight_grads import for_autograd, run_backward, weight_grads
@@ -117,6 +117,10 @@ def _check_norm_inputs(x: Tensor, norm_weight: Tensor, weights: list[Tensor]):
     if not isinstance(x, Tensor) or x.dim() < 1:
         raise ValueError(f"x must be a tensor [..., d], got {type(x).__name__}")
     d = x.shape[-1]
+    check_device(x.device, "x")
+    for name, t in (("norm_weight", norm_weight), *((f"weight {i}", w) for i, w in enumerate(weights))):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
     if norm_weight.shape != (d,):
         raise ValueError(f"norm_weight must be [{d}] for x [..., {d}], got {tuple(norm_weight.shape)}")
     for i, w in enumerate(weights):
@@ -127,6 +131,17 @@ def _check_norm_inputs(x: Tensor, norm_weight: Tensor, weights: list[Tensor]):
     if not stream_fits(x.dtype, weights[0].dtype):
         raise ValueError(f"x is {x.dtype} but the weights are {weights[0].dtype}: x must be in the weights' dtype, "
                          "or fp32 with 16-bit weights")
+
+
+def given_stats(x: Tensor, stats) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """(u, rstd) of ``stats`` (or (None, None)), checked to be x's: u [M, d], rstd [M]."""
+    if stats is None:
+        return None, None
+    u, rstd = stats
+    m, d = x.numel() // x.shape[-1], x.shape[-1]
+    if u.shape[-1] != d or u.numel() != m * d or rstd.numel() != m:
+        raise ValueError(f"stats (u {tuple(u.shape)}, rstd {tuple(rstd.shape)}) are not those of x {tuple(x.shape)}")
+    return u, rstd
 
 
 def _as_list(weight) -> list[Tensor]:
@@ -249,7 +264,7 @@ def rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight, eps: float = 1e-6, *,
     """
     weights = _as_list(weight)
     _check_norm_inputs(x, norm_weight, weights)
-    u, rstd = stats if stats is not None else (None, None)
+    u, rstd = given_stats(x, stats)
     return _rmsnorm_linear_op(x, norm_weight, weights, float(eps), u, rstd)[0]
 
 

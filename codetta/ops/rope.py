@@ -64,7 +64,7 @@ from ..matmul import gemm
 from ..kernels.qk_norm import qk_norm_backward
 from ..kernels.rope import rope_backward
 from ..kernels.rmsnorm import rmsnorm_stats
-from .rmsnorm import _check_norm_inputs, _weight_t, rmsnorm_linear_backward
+from .rmsnorm import _check_norm_inputs, _weight_t, given_stats, rmsnorm_linear_backward
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .weight_grads import for_autograd, run_backward
@@ -247,6 +247,22 @@ def _backward(ctx, dqkv, _drstd, _dz):
 _qkv_rope_op.register_autograd(_backward, setup_context=_setup)
 
 
+def _token_positions(positions: Tensor, lead: torch.Size) -> Tensor:
+    """``positions`` as one integer per token, of shape ``lead`` (x's leading dims)."""
+    if not isinstance(positions, Tensor) or positions.is_floating_point() or positions.is_complex() \
+            or positions.dtype == torch.bool:
+        raise ValueError(f"positions must be an integer tensor, got "
+                         f"{positions.dtype if isinstance(positions, Tensor) else type(positions).__name__}")
+    if positions.dim() == 1 and len(lead) > 1 and positions.numel() == lead.numel():
+        return positions.reshape(lead)
+    try:
+        if torch.broadcast_shapes(positions.shape, lead) == lead:
+            return positions.expand(lead)
+    except RuntimeError:
+        pass
+    raise ValueError(f"positions {tuple(positions.shape)} are not one per token of x's leading dims {tuple(lead)}")
+
+
 @casts_under_autocast("w_q", "w_k", "w_v", "bias", "stats", streams=("x",))
 def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w_v: Tensor, positions: Tensor,
                      inv_freq: Tensor, *, head_dim: int, rotary_dim: int | None = None, attention_scaling: float = 1.0,
@@ -261,7 +277,8 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
 
     Args:
         x: [..., d]; norm_weight: [d]; w_q: [H_q D, d]; w_k, w_v: [H_kv D, d].
-        positions: the position of every token (integers), [...] like x's leading dims.
+        positions: the position of every token (integers): x's leading dims [...], a shape that
+            broadcasts to them (HF's [1, S] position_ids), or flat [M].
         inv_freq: [rotary_dim / 2], any float dtype: the model's own rotary frequencies (HF's
             ``inv_freq``, in bf16 when the model was cast to bf16; its values are used as they are).
         head_dim: D; rotary_dim: R (default D) with D a multiple of R (partial rotary), R a
@@ -274,6 +291,8 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
     """
     weights = [w_q, w_k, w_v]
     _check_norm_inputs(x, norm_weight, weights)
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+        raise ValueError(f"head_dim must be a positive integer, got {head_dim!r}")
     rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
     nq, nk = divmod(w_q.shape[0], head_dim), divmod(w_k.shape[0], head_dim)
     if nq[1] or nk[1] or w_v.shape != w_k.shape:
@@ -282,13 +301,13 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
         raise ValueError(f"rotary_dim {rotary_dim} must be a power of two dividing head_dim {head_dim}")
     if inv_freq.shape != (rotary_dim // 2,) or not inv_freq.is_floating_point():
         raise ValueError(f"inv_freq must be floating point [{rotary_dim // 2}], got {inv_freq.dtype} {tuple(inv_freq.shape)}")
-    if positions.numel() != x.numel() // x.shape[-1] or positions.is_floating_point():
-        raise ValueError(f"positions must be integers, one per token of x {tuple(x.shape[:-1])}, got {tuple(positions.shape)}")
+    positions = _token_positions(positions, x.shape[:-1])
     b = None
     if bias is not None:
-        b = torch.cat([t.reshape(-1) for t in bias])
-        if b.shape[0] != sum(w.shape[0] for w in weights):
-            raise ValueError("bias must be (b_q, b_k, b_v) matching the weights")
+        if len(bias) != 3 or any(not isinstance(t, Tensor) or t.shape != (w.shape[0],) for t, w in zip(bias, weights)):
+            raise ValueError(f"bias must be (b_q, b_k, b_v) of shapes {[(w.shape[0],) for w in weights]}, got "
+                             f"{[tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__ for t in bias]}")
+        b = torch.cat(bias)
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("QK-norm needs both q_norm_weight and k_norm_weight (or neither)")
     if q_norm_weight is not None:
@@ -298,7 +317,7 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
                                  f"{tuple(w.shape) if isinstance(w, Tensor) else type(w).__name__}")
             if w.device != x.device:
                 raise ValueError(f"{name} is on {w.device} but x is on {x.device}")
-    u, rstd = stats if stats is not None else (None, None)
+    u, rstd = given_stats(x, stats)
     # inv_freq as given (a bf16 model holds it in bf16): the tables are made from it in fp64, and
     # the same tensor in every layer lets them all share one pair of tables (rope_tables).
     qkv = _qkv_rope_op(x, norm_weight, weights, b, positions, inv_freq, nq[0], nk[0], head_dim, rotary_dim,

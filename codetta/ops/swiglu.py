@@ -41,7 +41,7 @@ from .. import epilogue as ep
 from ..matmul import gemm
 from ..kernels.swiglu import swiglu_backward
 from ..kernels.rmsnorm import rmsnorm_stats
-from .rmsnorm import _check_norm_inputs, rmsnorm_linear_backward
+from .rmsnorm import _check_norm_inputs, given_stats, rmsnorm_linear_backward
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .weight_grads import for_autograd, run_backward
@@ -131,7 +131,7 @@ def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor,
     _check_norm_inputs(x, norm_weight, [w_gate, w_up])
     if w_gate.shape != w_up.shape:
         raise ValueError(f"w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} differ")
-    u, rstd = stats if stats is not None else (None, None)
+    u, rstd = given_stats(x, stats)
     return _rmsnorm_swiglu_op(x, norm_weight, w_gate, w_up, float(eps), u, rstd)[0]
 
 

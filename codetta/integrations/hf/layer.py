@@ -44,18 +44,27 @@ class StatsHandoff:
     """The RMSNorm statistics (u, rstd) of one residual stream tensor, from the GEMM that made
     it, for the next layer's input norm: one slot between two consecutive layers.
 
-    ``take`` returns them only for that very tensor (anything else: None, and the norm computes
-    its own), and empties the slot, so nothing is kept past the next layer's start.
+    ``take`` returns them only for that very tensor, unchanged since (anything else: None, and
+    the norm computes its own; e.g. after a forward hook changed the layer's output in place),
+    and empties the slot, so nothing is kept past the next layer's start.
     """
 
     tensor: Optional[torch.Tensor] = None
+    version: Optional[int] = None  # the tensor's version counter at put (None when traced)
     stats: Optional[tuple] = None
 
     def put(self, tensor, stats):
-        self.tensor, self.stats = tensor, stats
+        if torch.compiler.is_compiling():  # traced: an in-place change is in the graph, no counter to read
+            self.tensor, self.version, self.stats = tensor, None, stats
+        elif tensor.is_inference():  # no version counter to tell an in-place change: nothing is handed on
+            self.tensor = self.version = self.stats = None
+        else:
+            self.tensor, self.version, self.stats = tensor, tensor._version, stats
 
     def take(self, tensor):
-        stats = self.stats if self.tensor is tensor else None
+        fresh = (tensor is not None and self.tensor is tensor
+                 and (self.version is None or tensor._version == self.version))
+        stats = self.stats if fresh else None
         self.tensor = self.stats = None
         return stats
 

@@ -49,4 +49,6 @@ def fused_causal_lm_forward(model, input_ids=None, attention_mask=None, position
         loss = loss / num_items
     result = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
                                     hidden_states=outputs.hidden_states, attentions=outputs.attentions)
-    return result.to_tuple() if return_dict is False else result
+    if return_dict is False:  # to_tuple() drops None fields: keep the logits' place, as callers unpack by position
+        return (loss, None, *result.to_tuple()[1:])
+    return result

@@ -1,0 +1,143 @@
+"""Legal but unusual inputs to the operators (strided vectors, outputs edited in place, position
+layouts, an empty K), and wrong ones that must be refused with a message naming the problem.
+
+References are the unfused math in float64 (F.rms_norm, F.linear, HF's rotate_half RoPE).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import codetta
+from codetta import ops
+from conftest import DEVICE
+
+EPS = 1e-5
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def strided(t):
+    """The same values as a view with stride 2 (not contiguous)."""
+    return torch.stack((t, torch.full_like(t, float("nan"))), dim=-1)[..., 0]
+
+
+def test_strided_norm_weights():
+    """A norm weight that is a strided view (e.g. a slice of a packed parameter) is read as its values."""
+    m, d, n, f, v = 10, 24, 16, 20, 40
+    x, g = torch.randn(m, d, device=DEVICE), 1 + 0.3 * torch.randn(d, device=DEVICE)
+    w, wg, wu, wd = (torch.randn(*s, device=DEVICE) / s[1] ** 0.5 for s in ((n, d), (f, d), (f, d), (d, f)))
+    gs = strided(g)
+    assert not gs.is_contiguous()
+    h64 = F.rms_norm(x.double(), (d,), g.double(), EPS)
+    assert rel(ops.rmsnorm_linear(x, gs, w, EPS), F.linear(h64, w.double())) < 1e-5
+    assert rel(ops.rmsnorm_swiglu(x, gs, wg, wu, EPS), F.silu(F.linear(h64, wg.double())) * F.linear(h64, wu.double())) < 1e-5
+    mlp = x.double() + F.linear(F.silu(F.linear(h64, wg.double())) * F.linear(h64, wu.double()), wd.double())
+    assert rel(ops.swiglu_mlp(x, gs, wg, wu, wd, EPS), mlp) < 1e-5
+    w_head, target = torch.randn(v, d, device=DEVICE) / d**0.5, torch.randint(0, v, (m,), device=DEVICE)
+    ce = F.cross_entropy(F.linear(h64, w_head.double()), target)
+    assert rel(ops.linear_cross_entropy(x, w_head, target, norm_weight=gs, eps=EPS), ce) < 1e-5
+    xl, gl = x.clone().requires_grad_(), gs.detach().clone().requires_grad_()
+    ops.rmsnorm_linear(xl, strided(gl), w, EPS).sum().backward()
+    x64, g64 = x.double().requires_grad_(), g.double().requires_grad_()
+    F.linear(F.rms_norm(x64, (d,), g64, EPS), w.double()).sum().backward()
+    assert rel(xl.grad, x64.grad) < 1e-5 and rel(gl.grad, g64.grad) < 1e-5
+
+
+M, D, N, FF = 10, 24, 16, 20
+OUTPUT_OPS = {  # name: the operator on (x [M, D], g [D], w [N, D], w_gate, w_up [FF, D], w_down [D, FF])
+    "linear": lambda x, g, w, wg, wu, wd: codetta.linear(x, w),
+    "rmsnorm_linear": lambda x, g, w, wg, wu, wd: ops.rmsnorm_linear(x, g, w, EPS),
+    "linear_residual": lambda x, g, w, wg, wu, wd: ops.linear_residual(torch.tanh(x) @ wg.T, wd, x, g, EPS)[0],
+    "rmsnorm_swiglu": lambda x, g, w, wg, wu, wd: ops.rmsnorm_swiglu(x, g, wg, wu, EPS),
+    "swiglu_mlp": lambda x, g, w, wg, wu, wd: ops.swiglu_mlp(x, g, wg, wu, wd, EPS, next_norm_weight=g)[0],
+    "rmsnorm_qkv_rope": lambda x, g, w, wg, wu, wd: ops.rmsnorm_qkv_rope(
+        x, g, w, w[:8], w[8:], torch.arange(M, device=DEVICE), 1.0 / 100 ** torch.arange(0, 1, 0.25, device=DEVICE),
+        head_dim=8)[0],
+}
+
+
+SAVE_THEIR_OUTPUT = {"rmsnorm_linear", "rmsnorm_qkv_rope"}  # the backward reads z (zdz = sum z dz); q is a split view
+
+
+@pytest.mark.parametrize("name", sorted(OUTPUT_OPS))
+@pytest.mark.parametrize("lead", [(M,), (2, M // 2)], ids=["2d", "3d"])
+def test_outputs_edited_in_place(name, lead):
+    """y.mul_(2) on an operator's output, then backward: the gradients of 2 y, as for torch's ops;
+    or, where the backward reads the output (as torch.sigmoid's does), autograd's error."""
+    torch.manual_seed(0)
+    tensors = [torch.randn(*lead, D, device=DEVICE), 1 + 0.2 * torch.randn(D, device=DEVICE),
+               *(torch.randn(*s, device=DEVICE) / s[1] ** 0.5 for s in ((N, D), (FF, D), (FF, D), (D, FF)))]
+
+    def grads(in_place):
+        leaves = [t.clone().requires_grad_() for t in tensors]
+        y = OUTPUT_OPS[name](*leaves)
+        y = y.mul_(2.0) if in_place else y * 2.0
+        (y * torch.linspace(-1, 1, y.numel(), device=DEVICE).reshape(y.shape)).sum().backward()
+        return [t.grad for t in leaves if t.grad is not None]
+
+    expected = grads(False)
+    if name in SAVE_THEIR_OUTPUT:
+        with pytest.raises(RuntimeError, match="inplace"):  # at backward, or at the edit of a split view
+            grads(True)
+        return
+    got = grads(True)
+    assert len(got) == len(expected) > 0
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def rope_inputs(lead=(2, 3), d=24, head_dim=8):
+    x, g = torch.randn(*lead, d, device=DEVICE), torch.ones(d, device=DEVICE)
+    wq, wk, wv = (torch.randn(n, d, device=DEVICE) for n in (16, 8, 8))
+    inv_freq = 1.0 / 100 ** (torch.arange(0, head_dim, 2, device=DEVICE) / head_dim)
+    return x, g, wq, wk, wv, inv_freq
+
+
+def test_rope_position_layouts():
+    """Positions per token ([B, S]), broadcast ([1, S], HF's position_ids) or flat ([B S]) give the
+    same result; any other shape is refused."""
+    x, g, wq, wk, wv, inv_freq = rope_inputs()
+    pos = torch.tensor([[0, 1, 2], [0, 1, 2]], device=DEVICE)
+    expected = ops.rmsnorm_qkv_rope(x, g, wq, wk, wv, pos, inv_freq, head_dim=8)
+    for layout in (pos[:1], pos.reshape(-1)):
+        for a, b in zip(ops.rmsnorm_qkv_rope(x, g, wq, wk, wv, layout, inv_freq, head_dim=8), expected):
+            assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"positions \(3, 2\) are not one per token of x's leading dims \(2, 3\)"):
+        ops.rmsnorm_qkv_rope(x, g, wq, wk, wv, pos.reshape(3, 2), inv_freq, head_dim=8)
+    with pytest.raises(ValueError, match="positions must be an integer tensor"):
+        ops.rmsnorm_qkv_rope(x, g, wq, wk, wv, pos.float(), inv_freq, head_dim=8)
+
+
+def test_refused_with_a_message_naming_the_problem():
+    x, g, wq, wk, wv, inv_freq = rope_inputs(lead=(6,))
+    pos = torch.arange(6, device=DEVICE)
+    with pytest.raises(ValueError, match=r"bias must be \(b_q, b_k, b_v\) of shapes \[\(16,\), \(8,\), \(8,\)\]"):
+        ops.rmsnorm_qkv_rope(x, g, wq, wk, wv, pos, inv_freq, head_dim=8,
+                             bias=(torch.randn(20, device=DEVICE), torch.randn(4, device=DEVICE), torch.randn(8, device=DEVICE)))
+    with pytest.raises(ValueError, match="head_dim must be a positive integer, got 0"):
+        ops.rmsnorm_qkv_rope(x, g, wq, wk, wv, pos, inv_freq, head_dim=0)
+    x1, stats = ops.linear_residual(torch.randn(6, 16, device=DEVICE), torch.randn(24, 16, device=DEVICE), x, g)
+    with pytest.raises(ValueError, match=r"stats \(u \(6, 24\), rstd \(6,\)\) are not those of x \(4, 24\)"):
+        ops.rmsnorm_linear(x1[:4], g, wk, stats=stats)
+    meta = [t.to("meta") for t in (x, wk)]
+    with pytest.raises(codetta.GemmError, match="meta"):
+        codetta.linear(*meta)
+    with pytest.raises(codetta.GemmError, match="x is on meta"):
+        ops.rmsnorm_linear(meta[0], g.to("meta"), meta[1])
+    with pytest.raises(ValueError, match="weight 0 is on meta but x is on"):
+        ops.rmsnorm_linear(x, g, meta[1])
+
+
+def test_linear_with_empty_k():
+    """K = 0: y = b (or zeros), and the backward gives dW [N, 0], dx [M, 0], db = sum dy, as F.linear's."""
+    x = torch.randn(5, 0, device=DEVICE, requires_grad=True)
+    w = torch.randn(12, 0, device=DEVICE, requires_grad=True)
+    b = torch.randn(12, device=DEVICE, requires_grad=True)
+    y = codetta.linear(x, w, b)
+    torch.testing.assert_close(y, b.detach().expand(5, 12))
+    y.sum().backward()
+    assert x.grad.shape == (5, 0) and w.grad.shape == (12, 0)
+    torch.testing.assert_close(b.grad, torch.full((12,), 5.0, device=DEVICE))
