@@ -150,12 +150,13 @@ def test_return_dict_false_gives_the_models_tuple_layout():
     assert type(out[2]) is type(expected[2])
 
 
-@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "training"])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "training", "compiled"])
 @pytest.mark.parametrize("where", ["output_hook", "input_pre_hook"])
 def test_hooks_editing_the_residual_stream_in_place(where, mode):
     """Activation steering: a hook adds a vector to a layer's output (or the next layer's input)
-    in place. The next layer must not use the norm statistics handed on before the edit, and
-    autograd must allow the edit, as for the unpatched model."""
+    in place. The next layer must not use the norm statistics handed on before the edit (also
+    when torch.compile traces the hook), and autograd must allow the edit, as for the
+    unpatched model."""
     ref = tiny("LlamaForCausalLM", num_hidden_layers=3)
     model = codetta.patch(copy.deepcopy(ref))
     steer = torch.randn(64, device=DEVICE)
@@ -174,6 +175,10 @@ def test_hooks_editing_the_residual_stream_in_place(where, mode):
     ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
     if mode == "training":
         assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    elif mode == "compiled":
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
     else:
         with getattr(torch, mode)():
             torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
@@ -277,7 +282,7 @@ def test_copied_pickled_and_inspected_like_the_model():
     ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
     for other in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
         assert other._codetta_patched == model._codetta_patched
-        assert other.model.layers[0]._codetta_plan.next_norm is other.model.layers[1].input_layernorm
+        assert other.model.layers[0]._codetta_plan.next_layer is other.model.layers[1]
         assert_same_training_step(ref, other, input_ids=ids, labels=ids)
     assert_same_training_step(ref, model, input_ids=ids, labels=ids)
 

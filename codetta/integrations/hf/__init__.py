@@ -62,7 +62,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
         plans = [LayerPlan(arch, model.model.rotary_emb, rope, swiglu) for _ in layers]
         for i, (layer, plan) in enumerate(zip(layers, plans)):
             if i + 1 < len(layers):  # this layer's last GEMM makes the next layer's norm statistics
-                plan.next_norm, plan.outgoing = layers[i + 1].input_layernorm, plans[i + 1].incoming
+                plan.next_layer, plan.outgoing = layers[i + 1], plans[i + 1].incoming
             layer._codetta_plan = plan
             layer.forward = FusedForward(fused_decoder_forward, layer)
     if cross_entropy:

@@ -78,6 +78,17 @@ def is_hooked(module) -> bool:
         getattr(h, "__name__", None) != _TRANSFORMERS_RECORDER for h in module._forward_hooks.values())
 
 
+def hooks_between(layer, next_layer) -> bool:
+    """Whether hooks run between ``layer``'s forward and ``next_layer``'s (the first's forward
+    hooks, the second's pre-hooks, global ones), which may change the residual stream in
+    place (activation steering); transformers' own recorders are left out (they only record)."""
+    from torch.nn.modules import module as nn_module
+
+    return (any(getattr(h, "__name__", None) != _TRANSFORMERS_RECORDER for h in layer._forward_hooks.values())
+            or bool(next_layer._forward_pre_hooks) or bool(nn_module._global_forward_hooks)
+            or bool(nn_module._global_forward_pre_hooks))
+
+
 def hooked_module(layer, modules: tuple, arch: Architecture):
     """The path of a module whose forward the fused forward skips (its :func:`fused_modules`, the
     attention and the MLP) that :func:`is_hooked`, or None."""

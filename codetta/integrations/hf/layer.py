@@ -9,11 +9,12 @@
               layer's input-norm stats of x2            producer); x1's two gradients summed in an epilogue
 
 The next layer's input norm reads s' (a :class:`StatsHandoff` between the two layers)
-when it is given exactly x2, as in the model's own layer loop; otherwise (the first
-layer, gradient checkpointing's recomputation, a caller passing another tensor) it
-computes its statistics itself. Under gradient checkpointing no statistics are handed on
-at all, so that recomputed layers leave nothing behind; nor when the next norm's weight is
-not a plain tensor (FSDP2 shards it until the next layer's own forward).
+when it is given exactly x2, unchanged, as in the model's own layer loop; otherwise (the
+first layer, gradient checkpointing's recomputation, a caller passing another tensor, x2
+changed in place) it computes its statistics itself. Under gradient checkpointing no
+statistics are handed on at all, so that recomputed layers leave nothing behind; nor when
+the next norm's weight is not a plain tensor (FSDP2 shards it until the next layer's own
+forward), nor when hooks run between the two layers (they may change x2 in place).
 
 Attention, its mask, the KV cache and sliding windows are the model's own: codetta calls
 the attention interface the model is configured with, exactly as its attention module
@@ -31,7 +32,7 @@ from typing import Optional
 import torch
 
 from ...ops import linear_residual, rmsnorm_linear, rmsnorm_qkv_rope, swiglu_mlp
-from .architectures import Architecture, fused_modules, hooked_module, why_unfusable
+from .architectures import Architecture, fused_modules, hooked_module, hooks_between, why_unfusable
 
 try:  # transformers' collector of recorded outputs (output_attentions=True, output_hidden_states=True)
     from transformers.utils.output_capturing import _active_collector
@@ -81,7 +82,7 @@ class LayerPlan:
     unfusable: Optional[str] = None  # why the fused forward cannot read them, if it cannot
     hooked: Optional[str] = None  # the last module found with hooks the fused forward would skip (warned once)
     incoming: StatsHandoff = field(default_factory=StatsHandoff)  # stats of this layer's input
-    next_norm: Optional[torch.nn.Module] = None  # the next layer's input norm, if any
+    next_layer: Optional[torch.nn.Module] = None  # the next decoder layer, if any
     outgoing: Optional[StatsHandoff] = None  # the next layer's incoming slot
 
 
@@ -185,9 +186,12 @@ def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_id
     q, k, v = _qkv(layer, plan, x, plan.incoming.take(x), position_ids, position_embeddings, kwargs)
     a = _attention(attn, q, k, v, attention_mask, past_key_values, kwargs)
     x1, stats = linear_residual(a, attn.o_proj.weight, x, ln2.weight, ln2.variance_epsilon, bias=attn.o_proj.bias)
-    ln_next = plan.next_norm
+    ln_next = plan.next_layer.input_layernorm if plan.next_layer is not None else None
     hand_on = (
         plan.outgoing is not None
+        # hooks may change x2 in place: traced by torch.compile, there is no version counter to tell
+        # (StatsHandoff.take checks it in eager mode)
+        and not hooks_between(layer, plan.next_layer)
         and not (layer.training and getattr(layer, "gradient_checkpointing", False))
         # a plain tensor: under FSDP2 the next layer's weights are sharded (DTensor) until its own forward
         and type(ln_next.weight) in (torch.Tensor, torch.nn.Parameter)
