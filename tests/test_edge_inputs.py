@@ -122,6 +122,10 @@ def test_refused_with_a_message_naming_the_problem():
     x1, stats = ops.linear_residual(torch.randn(6, 16, device=DEVICE), torch.randn(24, 16, device=DEVICE), x, g)
     with pytest.raises(ValueError, match=r"stats \(u \(6, 24\), rstd \(6,\)\) are not those of x \(4, 24\)"):
         ops.rmsnorm_linear(x1[:4], g, wk, stats=stats)
+    with pytest.raises(ValueError, match=r"stats must be \(u in the weights' dtype torch.float32, rstd in torch.float32\)"):
+        ops.rmsnorm_linear(x1, g, wk, stats=(stats[0], stats[1].to(torch.bfloat16)))
+    with pytest.raises(ValueError, match="stats must be"):
+        ops.rmsnorm_linear(x1, g, wk.to(torch.bfloat16), stats=stats)
     meta = [t.to("meta") for t in (x, wk)]
     with pytest.raises(codetta.GemmError, match="meta"):
         codetta.linear(*meta)

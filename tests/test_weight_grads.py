@@ -9,6 +9,7 @@ accumulated gradient, autograd accumulates as usual.
 
 import contextlib
 import copy
+import warnings
 
 import pytest
 import torch
@@ -123,6 +124,33 @@ def test_outside_the_context_autograd_accumulates(added_in_gemm):
     assert added_in_gemm() == 0
     for w, ref in zip(weights, _reference_grads("rmsnorm_swiglu", weights, g, batches, out_grads)):
         assert ((w.grad.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_under_autocast_autograd_accumulates_without_warnings(added_in_gemm):
+    """Under autocast the operators get cast (non-leaf) copies of the weights: their gradients
+    reach the fp32 leaves through autograd, not through the epilogue, and nothing reads the
+    .grad of a non-leaf (PyTorch would warn)."""
+    shapes, op, _ = OPS["swiglu_mlp"]
+    weights = [torch.nn.Parameter(torch.randn(*s, device=DEVICE) / D**0.5) for s in shapes]
+    g = torch.ones(D, device=DEVICE)
+    batches = _micro_batches(2)
+    out_grads = [torch.randn(M, D, device=DEVICE) for _ in batches]
+    expected = None
+    for accumulate in (False, True):
+        for w in weights:
+            w.grad = None
+        for (x, pos), dy in zip(batches, out_grads):
+            with torch.autocast(DEVICE, dtype=torch.bfloat16), warnings.catch_warnings():
+                warnings.simplefilter("error")
+                out = op(x, g, pos, weights)
+            with accumulate_weight_grads() if accumulate else contextlib.nullcontext(), warnings.catch_warnings():
+                warnings.simplefilter("error")
+                (out.float() * dy).sum().backward()
+        grads = [w.grad.clone() for w in weights]
+        expected = expected or grads
+        for a, b in zip(grads, expected):
+            assert a.dtype == torch.float32 and torch.equal(a, b)
+    assert added_in_gemm() == 0
 
 
 def test_a_weight_with_a_post_accumulate_hook_keeps_autograd_accumulation(added_in_gemm):

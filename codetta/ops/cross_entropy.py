@@ -53,6 +53,13 @@ reduction "none" recomputes in the backward (its per-row grad_output could not b
 applied to gradients summed over rows): the forward keeps only its inputs and the
 backward runs steps 1-4 with dloss_i as the row scale, four GEMMs in all.
 
+In fp16, whose range is narrow, the forward's dz is not scaled by 1 / n_valid for "mean":
+dz_ij = p_ij - [j == t_i] is stored (values a softmax has), dW is accumulated in fp32,
+and dx, dW, db, dg are multiplied by 1 / n_valid in fp32 at the end. Scaled first, the
+small probabilities of a large batch fell below fp16's range before a loss scale
+(GradScaler's grad_output) could lift them: with 8192 counted tokens the gradients'
+errors were 7x eager's. bf16 has fp32's exponent range and keeps the scaled dz.
+
 Memory, beyond the inputs and the gradients returned: the [C, V] logits / dz buffer in
 the input dtype (rows padded to 16 bytes), the epilogue's per-tile partials (3 fp32 [C, ceil(V / BLOCK_N)]), h_c and
 dh_c [C, d]; with several chunks, an fp32 [V, d] accumulator for dW, cast to the weight's
@@ -226,11 +233,12 @@ def _add_dweight(dw, dz, h, first):
 
 
 def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs, fp32_grads=False,
-             label_smoothing=0.0, z_loss=0.0):
+             label_smoothing=0.0, z_loss=0.0, post_scale=None):
     """lse, target_logit, logit_sum (fp32 [M]; logit_sum None without label smoothing) and
     the gradients (dx, dweight, dbias, dnorm_weight) of sum_i scale_i loss_i asked for by
-    ``needs`` (None for the others), chunk by chunk. With ``fp32_grads``, dx, dbias and
-    dnorm_weight stay fp32 (they are scaled afterwards).
+    ``needs`` (None for the others), chunk by chunk, times ``post_scale`` (an fp32 scalar
+    tensor, applied in fp32 at the end; dW then accumulates in fp32). With ``fp32_grads``,
+    dx, dbias and dnorm_weight stay fp32 (they are scaled afterwards).
 
     Gradients are computed only when one is needed: then each chunk's logits are stored
     (one buffer for all chunks) and turned into dz; see the module docstring.
@@ -249,7 +257,7 @@ def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs
     n_chunks = -(-rows // chunk_size)
     dx = torch.empty(x.shape, device=x.device, dtype=torch.float32 if fp32_grads else x.dtype) if need_x else None
     if need_weight:  # several chunks add into an fp32 accumulator; one writes dW in the weight's dtype
-        dw_dtype = weight.dtype if n_chunks <= 1 else torch.float32
+        dw_dtype = weight.dtype if n_chunks <= 1 and post_scale is None else torch.float32
         dw = (torch.empty if n_chunks else torch.zeros)(weight.shape, device=x.device, dtype=dw_dtype)
     db = torch.zeros(vocab, **fp32) if need_bias else None
     dg = torch.zeros(d, **fp32) if need_norm_weight else None
@@ -274,6 +282,9 @@ def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs
             _, dg_c = rmsnorm_backward(x[c], norm_weight, rstd, gemm(dz, weight), dx_out=dx[c] if need_x else None)
             if need_norm_weight:
                 dg += dg_c
+    if post_scale is not None:
+        dw = dw * post_scale if need_weight else None
+        dx, db, dg = (t.mul_(post_scale) if t is not None else None for t in (dx, db, dg))
     grads = (
         dx,
         dw.to(weight.dtype) if need_weight else None,
@@ -327,9 +338,15 @@ def _forward(
     _check_target_values(target, weight.shape[0], ignore_index)
     valid = target != ignore_index
     needs = _in_forward(reduction, (need_x, need_weight, need_bias, need_norm_weight))
-    scale = _row_scale(torch.ones((), device=x.device), valid, reduction) if any(needs) else None
+    scale, post_scale = None, None
+    if any(needs):
+        if reduction == "mean" and x.dtype == torch.float16:  # 1 / n_valid applied after, in fp32 (module doc)
+            scale, post_scale = valid.float(), 1.0 / valid.sum().clamp_min(1).float()
+        else:
+            scale = _row_scale(torch.ones((), device=x.device), valid, reduction)
     lse, target_logit, logit_sum, grads = _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs,
-                                                   fp32_grads=True, label_smoothing=label_smoothing, z_loss=z_loss)
+                                                   fp32_grads=True, label_smoothing=label_smoothing, z_loss=z_loss,
+                                                   post_scale=post_scale)
     losses = _losses(valid, lse, target_logit, logit_sum, weight.shape[0], label_smoothing, z_loss)
     return (_reduce(losses, valid, reduction), *_grad_outputs(x, grads))
 

@@ -132,7 +132,7 @@ def swiglu_mlp(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_d
         raise ValueError(f"w_down must be [{d}, {f}] of {w_gate.dtype}, got {tuple(w_down.shape)} {w_down.dtype}")
     if next_norm_weight is not None and next_norm_weight.shape != (d,):
         raise ValueError(f"next_norm_weight must be [{d}], got {tuple(next_norm_weight.shape)}")
-    u, rstd = given_stats(x, stats)
+    u, rstd = given_stats(x, stats, w_gate.dtype)
     x2, u2, rstd2, *_ = _mlp_op(x, norm_weight, w_gate, w_up, w_down, float(eps), u, rstd, next_norm_weight,
                                 float(next_eps))
     return x2 if next_norm_weight is None else (x2, (u2, rstd2))

@@ -133,14 +133,18 @@ def _check_norm_inputs(x: Tensor, norm_weight: Tensor, weights: list[Tensor]):
                          "or fp32 with 16-bit weights")
 
 
-def given_stats(x: Tensor, stats) -> tuple[Optional[Tensor], Optional[Tensor]]:
-    """(u, rstd) of ``stats`` (or (None, None)), checked to be x's: u [M, d], rstd [M]."""
+def given_stats(x: Tensor, stats, operand_dtype: torch.dtype) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """(u, rstd) of ``stats`` (or (None, None)), checked to be x's: u [M, d] in the GEMM's
+    ``operand_dtype`` (the weights'), rstd fp32 [M]."""
     if stats is None:
         return None, None
     u, rstd = stats
     m, d = x.numel() // x.shape[-1], x.shape[-1]
     if u.shape[-1] != d or u.numel() != m * d or rstd.numel() != m:
         raise ValueError(f"stats (u {tuple(u.shape)}, rstd {tuple(rstd.shape)}) are not those of x {tuple(x.shape)}")
+    if u.dtype != operand_dtype or rstd.dtype != torch.float32:
+        raise ValueError(f"stats must be (u in the weights' dtype {operand_dtype}, rstd in torch.float32), got "
+                         f"({u.dtype}, {rstd.dtype})")
     return u, rstd
 
 
@@ -264,7 +268,7 @@ def rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight, eps: float = 1e-6, *,
     """
     weights = _as_list(weight)
     _check_norm_inputs(x, norm_weight, weights)
-    u, rstd = given_stats(x, stats)
+    u, rstd = given_stats(x, stats, weights[0].dtype)
     return _rmsnorm_linear_op(x, norm_weight, weights, float(eps), u, rstd)[0]
 
 

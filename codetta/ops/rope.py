@@ -317,7 +317,7 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
                                  f"{tuple(w.shape) if isinstance(w, Tensor) else type(w).__name__}")
             if w.device != x.device:
                 raise ValueError(f"{name} is on {w.device} but x is on {x.device}")
-    u, rstd = given_stats(x, stats)
+    u, rstd = given_stats(x, stats, weights[0].dtype)
     # inv_freq as given (a bf16 model holds it in bf16): the tables are made from it in fp64, and
     # the same tensor in every layer lets them all share one pair of tables (rope_tables).
     qkv = _qkv_rope_op(x, norm_weight, weights, b, positions, inv_freq, nq[0], nk[0], head_dim, rotary_dim,

@@ -131,7 +131,7 @@ def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor,
     _check_norm_inputs(x, norm_weight, [w_gate, w_up])
     if w_gate.shape != w_up.shape:
         raise ValueError(f"w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} differ")
-    u, rstd = given_stats(x, stats)
+    u, rstd = given_stats(x, stats, w_gate.dtype)
     return _rmsnorm_swiglu_op(x, norm_weight, w_gate, w_up, float(eps), u, rstd)[0]
 
 

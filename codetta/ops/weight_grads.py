@@ -52,10 +52,13 @@ def accumulate_weight_grads():
 
 
 def _existing_grad(w: Tensor) -> Optional[Tensor]:
-    g = w.grad
-    if (type(w) is not torch.nn.Parameter and type(w) is not torch.Tensor) or type(g) is not torch.Tensor:
+    """w's .grad to add into, or None: w must be a leaf (under autocast the operators get cast
+    copies of the weights, whose gradients autograd carries to the leaves: no accumulation
+    in the epilogue then)."""
+    if (type(w) is not torch.nn.Parameter and type(w) is not torch.Tensor) or not w.is_leaf:
         return None
-    if not w.is_leaf or getattr(w, "_post_accumulate_grad_hooks", None):
+    g = w.grad
+    if type(g) is not torch.Tensor or getattr(w, "_post_accumulate_grad_hooks", None):
         return None
     if g.shape != w.shape or g.dtype != w.dtype or g.device != w.device:
         return None
