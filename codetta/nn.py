@@ -55,8 +55,8 @@ class DecoderConfig:
                 raise ValueError(f"DecoderConfig.{name} must be a positive int, got {getattr(self, name)!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}")
-        if self.head_dim & (self.head_dim - 1):
-            raise ValueError(f"head_dim {self.head_dim} must be a power of two (RoPE runs in the QKV epilogue)")
+        if self.head_dim < 2 or self.head_dim & (self.head_dim - 1):
+            raise ValueError(f"head_dim {self.head_dim} must be a power of two, 2 or more (RoPE runs in the QKV epilogue)")
         if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
             raise ValueError("rms_norm_eps and rope_theta must be positive")
 

@@ -543,3 +543,32 @@ def test_leading_batch_dims_accept_flat_operands():
     ops["x"] = ops["x"].reshape(3, 2, 6)
     with pytest.raises(EpilogueError, match=r"'x' .* is a tile: expected \[6, 6\] \(or \[2, 3\] \+ \[6\]\), got \(3, 2, 6\)"):
         codetta.gemm(a, b, p, **ops)
+
+
+@pytest.mark.parametrize("name", ["a", "b", "epilogue", "out", "config"])
+def test_operand_names_of_gemms_own_parameters_are_refused(name):
+    with pytest.raises(EpilogueError, match=rf"operand name '{name}' is reserved"):
+        ep.Program("reserved").row(name)
+
+
+@pytest.mark.parametrize("width", [None, "half", 2])
+def test_col_index_width_is_checked(width):
+    with pytest.raises(EpilogueError, match="width must be FULL or HALF"):
+        ep.Program("col_index_width").col_index(width)
+
+
+def test_an_unusable_kernel_cache_falls_back_to_a_folder_of_the_process(tmp_path, monkeypatch):
+    """CODETTA_CACHE_DIR naming a file (or anything that cannot be written): the kernels go to a
+    temporary folder of this process, with a warning, and the GEMM still runs."""
+    from codetta.epilogue import codegen
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("CODETTA_CACHE_DIR", str(blocker))
+    monkeypatch.setattr(codegen, "_FALLBACK_DIR", [])
+    p = ep.Program("cache_fallback_probe")
+    p.store("y", p.acc * 3.0, dtype=torch.float32)
+    a, b = dyadic(8, 5), dyadic(5, 6)
+    with pytest.warns(UserWarning, match="cannot use the kernel cache"):
+        out = codetta.gemm(a, b, p)["y"]
+    torch.testing.assert_close(out, 3.0 * (a.double() @ b.double()).float())

@@ -170,6 +170,28 @@ def test_row_and_column_reductions(ab):
     close(out["csum"], (acc * w.double().cpu()[:, None]).sum(0))
 
 
+def test_max_reductions_keep_nan(ab):
+    """A NaN in a row (a diverged activation) comes out of row_max and segment_max as NaN, as
+    from torch.amax and the reference executor, not the max of the other values."""
+    a, b, acc = ab
+    x = torch.randn(M, N, device=DEVICE)
+    x[0, 5] = float("nan")
+    x[3, 40] = float("nan")
+    p = ep.Program("max_keeping_nan")
+    z = p.acc + p.aux("x")
+    p.row_max("rmax", z)
+    p.row_max("rmax_seg", z, segment=8)
+    p.store("smax", ep.segment_max(z, 8), dtype=torch.float32)
+    out = codetta.gemm(a, b, p, x=x)
+    ref = ep.run_reference(p, a, b, {"x": x})
+    z64 = acc + x.double().cpu()
+    expected = {"rmax": z64.amax(1), "rmax_seg": z64.view(M, N // 8, 8).amax(-1),
+                "smax": z64.view(M, N // 8, 8).amax(-1, keepdim=True).expand(M, N // 8, 8).reshape(M, N)}
+    for name, e in expected.items():
+        assert torch.equal(out[name].isnan().cpu(), e.isnan()) and torch.equal(ref[name].isnan().cpu(), e.isnan()), name
+        close(out[name].nan_to_num(), e.nan_to_num())
+
+
 def test_logsumexp_of_minus_infinity_rows(ab):
     """Masked logits (-inf) in some tiles, whole rows of -inf: max-subtraction must not give NaN."""
     a, b, acc = ab
@@ -224,11 +246,11 @@ def test_half_width_operands_and_outputs(ab):
     close(out["csum"], acc[:, 0::2].sum(0))
 
 
-@pytest.mark.parametrize("period, strided", [(5, False), (16, True), (4, False), (8, False)])
+@pytest.mark.parametrize("period, strided", [(5, False), (16, True), (4, False), (8, False), (256, False)])
 def test_tables_repeat_along_columns(period, strided, ab):
     """A table [M, P] is read at column j % P (FULL) or pair j % P (HALF): through TMA blocks
     [BM, P] repeated along the tile where P is a power of two of 16 bytes or more and the
-    tables allow it, else through pointers (a strided view, P = 5)."""
+    tables allow it, else through pointers (a strided view, P = 5, a pair table wider than any tile)."""
     a, b, acc = ab
     full = torch.randn(M, 2 * period, device=DEVICE)[:, ::2] if strided else torch.randn(M, period, device=DEVICE)
     half = torch.randn(M, period, device=DEVICE)

@@ -105,7 +105,8 @@ def test_norm_statistics_come_from_the_producers(monkeypatch):
     assert len(calls) == 1
 
 
-@pytest.mark.parametrize("bad, match", [(dict(head_dim=24), "power of two"), (dict(num_kv_heads=3), "multiple"),
+@pytest.mark.parametrize("bad, match", [(dict(head_dim=24), "power of two"), (dict(head_dim=1), "2 or more"),
+                                        (dict(num_kv_heads=3), "multiple"),
                                         (dict(num_layers=0), "num_layers"), (dict(hidden_size=32.0), "hidden_size"),
                                         (dict(rms_norm_eps=0.0), "positive")], ids=str)
 def test_config_rejects_what_the_decoder_cannot_run(bad, match):

@@ -1,5 +1,6 @@
 """Autotuning picks the fastest config, writes it to disk, and a second process reuses it."""
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -37,6 +38,41 @@ def test_failing_configs_are_skipped(cache_dir):
         return 1.0
 
     assert tuning.choose("k2", CONFIGS, bench) == CONFIGS[2]
+
+
+@pytest.mark.parametrize("contents", ["[1, 2]", "null", '"text"', '{"KEY": 5}', '{"KEY": {"BM": 64}}',
+                                      '{"KEY": {"BM": 64, "BN": 64, "BK": 32, "COLOUR": 1}}'])
+def test_a_damaged_cache_file_is_tuned_over(cache_dir, contents):
+    """A tuning.json that is no table, or whose entry is no config: timed again, and rewritten."""
+    key = "k_damaged"
+    hashed = f"{key}|" + hashlib.sha256(repr(CONFIGS).encode()).hexdigest()[:8]
+    (cache_dir / "tuning.json").write_text(contents.replace("KEY", hashed))
+    times = {CONFIGS[0]: 3.0, CONFIGS[1]: 2.0, CONFIGS[2]: 1.0}
+    assert tuning.choose(key, CONFIGS, times.__getitem__) == CONFIGS[2]
+    assert Config(**json.loads((cache_dir / "tuning.json").read_text())[hashed]) == CONFIGS[2]
+
+
+def test_entries_written_by_another_process_meanwhile_are_kept(cache_dir):
+    times = {CONFIGS[0]: 3.0, CONFIGS[1]: 1.0, CONFIGS[2]: 2.0}
+    tuning.choose("mine_1", CONFIGS, times.__getitem__)  # this process has read and written the file
+    table = json.loads((cache_dir / "tuning.json").read_text())
+    table["theirs"] = CONFIGS[0].as_dict()  # another process adds an entry
+    (cache_dir / "tuning.json").write_text(json.dumps(table))
+    tuning.choose("mine_2", CONFIGS, times.__getitem__)
+    keys = json.loads((cache_dir / "tuning.json").read_text()).keys()
+    assert "theirs" in keys and sum(k.startswith("mine_") for k in keys) == 2
+
+
+def test_an_unwritable_cache_keeps_the_choice_in_memory(tmp_path, monkeypatch):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("CODETTA_CACHE_DIR", str(blocker))  # not a folder: nothing can be written under it
+    monkeypatch.setenv("CODETTA_AUTOTUNE", "1")
+    monkeypatch.setattr(tuning, "_MEMORY", None)
+    times = {CONFIGS[0]: 3.0, CONFIGS[1]: 1.0, CONFIGS[2]: 2.0}
+    with pytest.warns(UserWarning, match="cannot write the tuning cache"):
+        assert tuning.choose("k_ro", CONFIGS, times.__getitem__) == CONFIGS[1]
+    assert tuning.choose("k_ro", CONFIGS, lambda cfg: pytest.fail("timed again")) == CONFIGS[1]
 
 
 def test_second_process_does_not_retune(cache_dir):

@@ -393,7 +393,7 @@ class Program:
     def _declare(self, name, kind, width=None, period=None):
         if not isinstance(name, str) or not name.isidentifier():
             raise EpilogueError(f"program {self.name!r}: operand name must be an identifier, got {name!r}")
-        if name in ("a", "b", "epilogue"):
+        if name in ("a", "b", "epilogue", "out", "config"):  # codetta.gemm's own parameters
             raise EpilogueError(f"program {self.name!r}: operand name {name!r} is reserved")
         if width is not None and not isinstance(width, Width):
             raise EpilogueError(f"program {self.name!r}: width must be FULL or HALF, got {width!r}")
@@ -447,6 +447,8 @@ class Program:
 
     def col_index(self, width=FULL):
         """The global column (or pair) index of each column, as fp32 (exact below 2^24)."""
+        if not isinstance(width, Width):
+            raise EpilogueError(f"program {self.name!r}: width must be FULL or HALF, got {width!r}")
         return Expr(self, "col_index", attrs=(width,), rows=False, width=width)
 
     # outputs --------------------------------------------------------------------

@@ -90,6 +90,7 @@ _HOPPER_32 = [
     (64, 128, 32, 8, 4, 4, 1),
     (64, 64, 32, 8, 4, 4, 1),
 ]
+WIDEST_BN = max(row[1] for row in _HOPPER_16 + _HOPPER_16_TWO_PER_SM + _HOPPER_32)  # the widest tile tried
 # The last resort where none of the above fits a GPU's shared memory (40 KiB with 16-bit inputs).
 _SMALLEST = {2: (64, 64, 64, 8, 2, 4, 1), 4: (64, 64, 32, 8, 2, 4, 1)}
 _REGISTERS_PER_SM = 65536

@@ -22,7 +22,7 @@ from ..epilogue.codegen import kernel_args, load_kernel
 from ..epilogue.ir import FULL, HALF, EpilogueError, Program
 from ..kernels import finish
 from . import tuning
-from .config import SharedMemory, candidates, interpreter_config
+from .config import WIDEST_BN, SharedMemory, candidates, interpreter_config
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_B_PARTS = 4
@@ -673,10 +673,11 @@ def _tiles_tma_ok(call):
     outputs codetta allocates are contiguous: their rows must be 16-byte multiples)."""
     p = call.program
     tiles = [call.operands[o.name] for o in p.operands.values() if o.kind == "aux"]
-    for o in p.operands.values():  # a table's [BM, P] block: P a power of two of 16 bytes to 256 elements
-        if o.kind == "table":
+    for o in p.operands.values():  # a table's [BM, P] block: P a power of two of 16 bytes or more,
+        if o.kind == "table":        # the tile it needs (P, 2P over pairs) no wider than the widest config's
             t = call.operands[o.name]
-            if o.period & (o.period - 1) or not 16 <= o.period * t.element_size() or o.period > 256:
+            width = o.period * (2 if o.width is HALF else 1)
+            if o.period & (o.period - 1) or o.period * t.element_size() < 16 or width > WIDEST_BN:
                 return False
             tiles.append(t)
     for o in p.outputs.values():

@@ -181,6 +181,13 @@ def mma_ptr(a_ptr, stride_am, stride_ak, b_ptrs, b_strides_k, b_strides_n, b_sta
 
 
 @triton.jit
+def max_keeping_nan(a, b):
+    """The combine function of a max reduction (``tl.reduce``) that is NaN where an element is,
+    as torch.amax is; ``tl.max`` skips NaN."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def cast(x, dtype: tl.constexpr, EMULATE_RNE: tl.constexpr):
     """x (fp32) converted to ``dtype``, rounded to nearest even.
 

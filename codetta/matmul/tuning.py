@@ -14,6 +14,7 @@ import json
 import os
 import tempfile
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,23 +29,45 @@ def cache_file() -> Path:
     return Path(root) / "tuning.json"
 
 
+def _read() -> dict:
+    """The cache file's table; empty when it is missing, unreadable or not a table."""
+    try:
+        table = json.loads(cache_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
 def _load() -> dict:
     global _MEMORY
     if _MEMORY is None:
-        try:
-            _MEMORY = json.loads(cache_file().read_text())
-        except (OSError, ValueError):
-            _MEMORY = {}
+        _MEMORY = _read()
     return _MEMORY
 
 
-def _save(table: dict):
+def _cached_config(entry, configs):
+    """The config an entry of the table names, if it is one of ``configs`` (anything else: None)."""
+    try:
+        cfg = Config(**entry)
+    except TypeError:  # not a config's fields (an older or damaged file)
+        return None
+    return cfg if cfg in configs else None
+
+
+def _save(key: str, entry: dict):
+    """Add ``key`` to the cache file, keeping what other processes wrote since it was read (a
+    process that tunes other shapes at the same time); an unwritable cache stays in memory."""
     path = cache_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(table, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    table = {**_read(), key: entry}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as exc:
+        warnings.warn(f"codetta: cannot write the tuning cache {path} ({exc}); set CODETTA_CACHE_DIR to a writable "
+                      "folder to keep tuning results across processes", stacklevel=3)
 
 
 def compile_in_parallel(compiles):
@@ -87,10 +110,9 @@ def choose(key: str, configs: list[Config], bench, prepare=None) -> Config:
     key = f"{key}|{hashlib.sha256(repr(configs).encode()).hexdigest()[:8]}"  # a new candidate list re-tunes
     with _LOCK:
         hit = _load().get(key)
-        if hit is not None:
-            cfg = Config(**hit)
-            if cfg in configs:
-                return cfg
+        cfg = _cached_config(hit, configs) if isinstance(hit, dict) else None
+        if cfg is not None:
+            return cfg
         if prepare is not None:
             prepare(configs)
         timings = {}
@@ -102,7 +124,6 @@ def choose(key: str, configs: list[Config], bench, prepare=None) -> Config:
         if not timings:
             return configs[0]
         best = min(timings, key=timings.get)
-        table = _load()
-        table[key] = best.as_dict()
-        _save(table)
+        _load()[key] = best.as_dict()
+        _save(key, best.as_dict())
         return best
