@@ -166,7 +166,8 @@ def rmsnorm_backward(x: Tensor, norm_weight: Tensor, rstd: Tensor, dh: Tensor, *
     grid = triton.cdiv(m, bm)
     dg_part = torch.empty(grid, d, device=x.device, dtype=torch.float32)
     launch(_rmsnorm_backward_kernel, (grid,),
-        x2, norm_weight.contiguous(), rstd.contiguous(), dh2, dx_out, dg_part, m, d, x2.stride(0), dh2.stride(0), dx_out.stride(0),
+        x2, norm_weight.contiguous(), rstd.contiguous(), dh2, dx_out, dg_part, m, d,
+        x2.stride(0), dh2.stride(0), dx_out.stride(0),
         BM=bm, BD=bd, EMULATE_RNE=interpreting(), num_warps=warps,
     )
     return dx_out, dg_part.sum(0)

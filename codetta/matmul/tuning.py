@@ -47,6 +47,8 @@ def _load() -> dict:
 
 def _cached_config(entry, configs):
     """The config an entry of the table names, if it is one of ``configs`` (anything else: None)."""
+    if not isinstance(entry, dict):
+        return None
     try:
         cfg = Config(**entry)
     except TypeError:  # not a config's fields (an older or damaged file)
@@ -110,7 +112,7 @@ def choose(key: str, configs: list[Config], bench, prepare=None) -> Config:
     key = f"{key}|{hashlib.sha256(repr(configs).encode()).hexdigest()[:8]}"  # a new candidate list re-tunes
     with _LOCK:
         hit = _load().get(key)
-        cfg = _cached_config(hit, configs) if isinstance(hit, dict) else None
+        cfg = _cached_config(hit, configs)
         if cfg is not None:
             return cfg
         if prepare is not None:

@@ -11,9 +11,10 @@ operands named (activations fed to a matmul, weights, biases) are cast to autoca
 autocast off. The residual stream (``streams``) keeps fp32, which the operators take with
 16-bit weights (:mod:`codetta.ops.rmsnorm`), and is cast only when it is 16-bit of another
 dtype. Norm weights are not cast: the epilogues read them in fp32, as the model's own fp32
-norm does (but for ``linear_cross_entropy``'s optional final norm, which runs on its cast x). Arguments that must keep their precision (RoPE's ``inv_freq``, positions,
-targets) are not named; of the norm statistics ``stats = (u, rstd)`` handed between
-operators only u is cast.
+norm does (but for ``linear_cross_entropy``'s optional final norm, which runs on its cast
+x). Arguments that must keep their precision (RoPE's ``inv_freq``, positions, targets)
+are not named; of the norm statistics ``stats = (u, rstd)`` handed between operators only
+u is cast.
 """
 
 from __future__ import annotations
