@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # What one device-tool call runs on the H200: environment, compiled-kernel checks, the test
 # suite with compiled kernels, and the benchmarks. Logs go to $OUT. Wheels carried in .whl/
-# (Liger-Kernel) are installed first when present. The device copy's .git may be older than
+# (Liger-Kernel; pytest-xdist and execnet for WORKERS=n parallel test processes) are installed
+# first when present. The device copy's .git may be older than
 # its files: pass CODETTA_CODE_COMMIT=<the sending machine's HEAD> so results name the code.
-#   M=16384,4096 OPS=a,b,c,d,e TESTS=tests VARIANTS=hf_liger,hf_codetta bash bench/device_run.sh [smoke] [test] [host] [gemm] [gemm-quick] [gemm-1b] [breakdown] [ops] [ops-compile] [ops-paper] [block] [train] [profile] [demo]
+#   M=16384,4096 OPS=a,b,c,d,e TESTS=tests WORKERS=8 VARIANTS=hf_liger,hf_codetta bash bench/device_run.sh [smoke] [test] [host] [gemm] [gemm-quick] [gemm-1b] [breakdown] [ops] [ops-compile] [ops-paper] [block] [train] [profile] [demo]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CODETTA_CACHE_DIR=/tmp/codetta-cache
 OUT=${OUT:-/tmp/out}
@@ -18,7 +19,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for step in "$@"; do
   case "$step" in
     smoke) python3 bench/device_smoke.py 2>&1 | tee "$OUT/smoke.log" ;;
-    test) CODETTA_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q ${TESTS:-tests} 2>&1 | tee "$OUT/test.log" | tail -40 ;;
+    test) CODETTA_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q ${WORKERS:+-n "$WORKERS"} ${TESTS:-tests} \
+        2>&1 | tee "$OUT/test.log" | tail -40 ;;
     host) python3 bench/host_overhead.py 2>&1 | tee "$OUT/host.log" ;;
     gemm) python3 bench/gemm_bench.py 2>&1 | tee "$OUT/gemm.log" ;;
     gemm-quick) python3 bench/gemm_bench.py --shapes quick 2>&1 | tee "$OUT/gemm.log" ;;

@@ -9,7 +9,8 @@ unfused way (the package's *_reference functions), torch.compile of that eager c
 (mode "max-autotune-no-cudagraphs"), Liger-Kernel where it has the op (when importable),
 and the SOL: the sum of the op's plain GEMMs timed
 alone with torch.matmul (forward GEMMs for "fwd"; plus the dX and dW GEMMs for "fwd+bwd").
-Ratios are time / SOL. Peak memory of each forward+backward too. Writes
+Ratios are time / SOL; "host/SOL" is the host's time to enqueue a call (above 1, the call is
+bound by Python and launches, not the GPU). Peak memory of each forward+backward too. Writes
 bench/results/ops_m<M>.{md,json} for the Llama-3-8B shapes (e.g. ops_m16384; the M list joined
 by "_"), ops_<shapes>_m<M> for others."""
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -173,9 +175,23 @@ def sol_ms(gemms, backward):
     return total
 
 
+def host_ms(step, calls=20) -> float:
+    """Host time of one ``step()`` in ms: the Python and launch cost of enqueueing its kernels,
+    timed while the GPU is held busy (a step that waits for the GPU shows that wait). Where it
+    exceeds the GPU time, the median of :func:`median_ms` measures the host, not the kernels."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1 << 28)  # ~0.13 s of GPU cycles: the queue stays non-empty while the host enqueues
+    start = time.perf_counter()
+    for _ in range(calls):
+        step()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e3
+
+
 def measure(fn, inputs, backward):
-    """(median ms, peak GiB) of fn(*inputs), with a backward from fixed random output gradients
-    (made once, so that no loss computation is timed) into fresh .grad tensors."""
+    """(median ms, host ms, peak GiB) of fn(*inputs), with a backward from fixed random output
+    gradients (made once, so that no loss computation is timed) into fresh .grad tensors."""
     outs = _differentiable(fn(*inputs))  # compile, tune
     # a scalar loss gets dL/dL = 1, as in training
     grads = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in outs] if backward else None
@@ -190,7 +206,7 @@ def measure(fn, inputs, backward):
     step()
     torch.cuda.reset_peak_memory_stats()
     ms = median_ms(step)
-    return ms, torch.cuda.max_memory_allocated() / 2**30
+    return ms, host_ms(step), torch.cuda.max_memory_allocated() / 2**30
 
 
 def compare(row, variants, make, backward):
@@ -198,11 +214,11 @@ def compare(row, variants, make, backward):
     a variant that fails is reported and left out, so that it cannot hide the others."""
     for label, fn in variants.items():
         try:
-            ms, peak = measure(fn, make(), backward)
+            ms, host, peak = measure(fn, make(), backward)
         except Exception as exc:
             print(f"{row} {label}: {type(exc).__name__}: {exc}"[:300], flush=True)
             continue
-        row[f"{label}/SOL"], row[f"{label} GiB"] = ms / row["sol_ms"], peak
+        row[f"{label}/SOL"], row[f"{label} host/SOL"], row[f"{label} GiB"] = ms / row["sol_ms"], host / row["sol_ms"], peak
     return row
 
 
