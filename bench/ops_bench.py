@@ -189,9 +189,9 @@ def host_ms(step, calls=20) -> float:
     return elapsed / calls * 1e3
 
 
-def measure(fn, inputs, backward):
-    """(median ms, host ms, peak GiB) of fn(*inputs), with a backward from fixed random output
-    gradients (made once, so that no loss computation is timed) into fresh .grad tensors."""
+def timed_step(fn, inputs, backward):
+    """A call of fn(*inputs), with a backward from fixed random output gradients (made once, so
+    that no loss computation is timed) into fresh .grad tensors; run once (compiled, tuned)."""
     outs = _differentiable(fn(*inputs))  # compile, tune
     # a scalar loss gets dL/dL = 1, as in training
     grads = [torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in outs] if backward else None
@@ -204,6 +204,12 @@ def measure(fn, inputs, backward):
             torch.autograd.backward(_differentiable(out), grads)
 
     step()
+    return step
+
+
+def measure(fn, inputs, backward):
+    """(median ms, host ms, peak GiB) of :func:`timed_step`."""
+    step = timed_step(fn, inputs, backward)
     torch.cuda.reset_peak_memory_stats()
     ms = median_ms(step)
     return ms, host_ms(step), torch.cuda.max_memory_allocated() / 2**30
