@@ -1,6 +1,8 @@
-"""A patched model under DDP and FSDP2 (2 processes, gloo) gives the loss and gradients of one process.
+"""A patched model under DDP and FSDP2 (2 processes) gives the loss and gradients of one process.
 
-Each rank runs half of the batch; the single-process reference runs the whole batch.
+On a machine with two GPUs or more, each rank runs on its own GPU (NCCL, compiled kernels);
+elsewhere on the CPU (gloo, Triton's interpreter). Each rank runs half of the batch; the
+single-process reference runs the whole batch.
 With the same number of counted tokens per rank, the mean of the ranks' losses is the
 whole batch's loss and the averaged gradients are its gradients.
 """
@@ -16,6 +18,8 @@ from conftest import DEVICE
 transformers = pytest.importorskip("transformers")
 
 BATCH, SEQ, VOCAB = 4, 10, 64
+WORLD = 2
+ON_GPUS = DEVICE == "cuda" and torch.cuda.device_count() >= WORLD
 
 
 def tiny_model():
@@ -31,46 +35,47 @@ def batch():
 
 
 def _worker(rank, world, mode, init_file, out_file):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    device = torch.device("cuda", rank) if ON_GPUS else torch.device("cpu")
+    if ON_GPUS:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if ON_GPUS else "gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
     try:
-        model = tiny_model()
+        model = tiny_model().to(device)
         if mode == "ddp":
-            wrapped = torch.nn.parallel.DistributedDataParallel(model)
+            wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if ON_GPUS else None)
         else:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
 
-            mesh = init_device_mesh("cpu", (world,))
+            mesh = init_device_mesh(device.type, (world,))
             for layer in model.model.layers:
                 fully_shard(layer, mesh=mesh)
             wrapped = fully_shard(model, mesh=mesh)
-        ids = batch().chunk(world)[rank]
+        ids = batch().chunk(world)[rank].to(device)
         loss = wrapped(input_ids=ids, labels=ids).loss
         loss.backward()
-        losses = [torch.zeros(()) for _ in range(world)]
+        losses = [torch.zeros((), device=device) for _ in range(world)]
         dist.all_gather(losses, loss.detach())
         grads = {}
         for name, p in model.named_parameters():
             g = p.grad
             if hasattr(g, "full_tensor"):  # FSDP2: a sharded DTensor
                 g = g.full_tensor()
-            grads[name] = g.detach().clone()
+            grads[name] = g.detach().cpu()
         if rank == 0:
-            torch.save({"loss": torch.stack(losses).mean(), "grads": grads}, out_file)
+            torch.save({"loss": torch.stack(losses).mean().cpu(), "grads": grads}, out_file)
     finally:
-        dist.barrier()  # no rank tears gloo down while the other still has collectives in flight
+        dist.barrier()  # no rank tears the group down while the other still has collectives in flight
         dist.destroy_process_group()
 
 
-@pytest.mark.skipif(DEVICE == "cuda", reason="the ranks run on the CPU with gloo and Triton's interpreter, which the "
-                    "GPU image's Triton 3.6 + numpy 2.5 cannot run; on GPUs this needs NCCL and two of them")
+@pytest.mark.skipif(DEVICE == "cuda" and not ON_GPUS, reason="a machine with one GPU: the ranks would need the CPU "
+                    "and Triton's interpreter, which the GPU image's Triton 3.6 + numpy 2.5 cannot run")
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-def test_two_processes_match_one(mode, tmp_path, monkeypatch):
-    # The ranks run on the CPU (gloo), so their kernels run in Triton's interpreter, also on a
-    # GPU machine: the spawned processes inherit this before they import codetta.
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_two_processes_match_one(mode, tmp_path):
     init_file, out_file = tmp_path / "init", tmp_path / "out.pt"
-    mp.spawn(_worker, args=(2, mode, str(init_file), str(out_file)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(WORLD, mode, str(init_file), str(out_file)), nprocs=WORLD, join=True)
     got = torch.load(out_file)
     model = tiny_model().to(DEVICE)  # the single-process reference: compiled kernels on a GPU
     ids = batch().to(DEVICE)
