@@ -71,6 +71,45 @@ def test_loss_and_every_gradient_match_unpatched(key):
     assert_same_training_step(ref, model, input_ids=ids, labels=ids)
 
 
+_ATTENTION_CALLS = []
+
+
+def _recording_attention(module, q, k, v, attention_mask, **kwargs):
+    """sdpa, recording every keyword argument the attention function is given (its values
+    where they are not tensors) as flash attention would read them."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    _ATTENTION_CALLS.append({key: value if not isinstance(value, torch.Tensor) else value.tolist()
+                             for key, value in kwargs.items()})
+    return sdpa_attention_forward(module, q, k, v, attention_mask, **kwargs)
+
+
+@pytest.mark.parametrize("name, overrides", [
+    ("LlamaForCausalLM", {}),
+    ("LlamaForCausalLM", dict(sliding_window=3)),  # an extra config key: Llama passes no window
+    ("MistralForCausalLM", dict(sliding_window=6)),
+    ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+    ("Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+], ids=["llama", "llama_window_key", "mistral", "qwen2_window", "qwen3_window"])
+def test_attention_function_gets_the_models_arguments(name, overrides):
+    """Packed sequences (position_ids restarting in a row, no mask): flash attention finds the
+    documents from the position_ids it is given; and each family's sliding_window, per layer."""
+    transformers.AttentionInterface.register("codetta_recording", _recording_attention)
+    transformers.masking_utils.AttentionMaskInterface.register(
+        "codetta_recording", transformers.masking_utils.sdpa_mask)
+    ref = tiny(name, attn_implementation="codetta_recording", **overrides)
+    model = codetta.patch(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (1, 12), device=DEVICE)
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]], device=DEVICE)
+    calls = []
+    for m in (ref, model):
+        _ATTENTION_CALLS.clear()
+        m(input_ids=ids, position_ids=position_ids, labels=ids)
+        calls.append(list(_ATTENTION_CALLS))
+    assert len(calls[0]) == 2 and calls[1] == calls[0]
+    assert calls[0][0]["position_ids"] == position_ids.tolist()
+
+
 @pytest.mark.parametrize("bias, rope", [(False, True), (True, True), (False, False)], ids=["fused", "fused_bias",
                                                                                            "rope_false"])
 def test_qwen3_qk_norm_fused_into_the_qkv_epilogue(bias, rope, monkeypatch):

@@ -31,13 +31,24 @@ class Architecture:
     """What differs between the supported families."""
 
     qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before RoPE (fused with RoPE)
+    # Where the attention module takes the ``sliding_window`` it passes to the attention function:
+    # None (it passes none: Llama), "config" (``config.sliding_window``: Mistral) or "module" (its
+    # own ``sliding_window``, set per layer type: Qwen2, Qwen3).
+    sliding_window: str | None = None
+
+    def attention_kwargs(self, attn) -> dict:
+        """The arguments of the attention function that the model's attention module adds."""
+        if self.sliding_window is None:
+            return {}
+        owner = attn.config if self.sliding_window == "config" else attn
+        return {"sliding_window": getattr(owner, "sliding_window", None)}
 
 
 ARCHITECTURES = {
     "LlamaForCausalLM": Architecture(),
-    "MistralForCausalLM": Architecture(),
-    "Qwen2ForCausalLM": Architecture(),
-    "Qwen3ForCausalLM": Architecture(qk_norm=True),
+    "MistralForCausalLM": Architecture(sliding_window="config"),
+    "Qwen2ForCausalLM": Architecture(sliding_window="module"),
+    "Qwen3ForCausalLM": Architecture(qk_norm=True, sliding_window="module"),
 }
 
 

@@ -126,8 +126,11 @@ def _qkv(layer, plan: LayerPlan, x, stats, position_ids, position_embeddings, kw
     return q.flatten(-2), k.flatten(-2), v
 
 
-def _attention(attn, q, k, v, attention_mask, past_key_values, kwargs):
-    """The model's attention on [..., heads * head_dim] q, k, v, as its attention module runs it."""
+def _attention(attn, arch: Architecture, q, k, v, attention_mask, past_key_values, kwargs):
+    """The model's attention on [..., heads * head_dim] q, k, v, as its attention module runs it:
+    the same attention function with the same arguments (``kwargs``: what the decoder layer
+    passes its attention module, position_ids and use_cache included: flash attention reads
+    packed sequences' boundaries from position_ids)."""
     lead = q.shape[:-1]
     q, k, v = (t.reshape(*lead, -1, attn.head_dim).transpose(1, 2) for t in (q, k, v))
     if past_key_values is not None:
@@ -135,9 +138,8 @@ def _attention(attn, q, k, v, attention_mask, past_key_values, kwargs):
     modeling = _modeling(attn)
     interface = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
                                                                modeling.eager_attention_forward)
-    sliding_window = getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
     out, _ = interface(attn, q, k, v, attention_mask, dropout=0.0 if not attn.training else attn.attention_dropout,
-                       scaling=attn.scaling, sliding_window=sliding_window, **kwargs)
+                       scaling=attn.scaling, **arch.attention_kwargs(attn), **kwargs)
     return out.reshape(*lead, -1)
 
 
@@ -184,7 +186,8 @@ def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_id
     attn, mlp, ln2 = layer.self_attn, layer.mlp, layer.post_attention_layernorm
     x = hidden_states
     q, k, v = _qkv(layer, plan, x, plan.incoming.take(x), position_ids, position_embeddings, kwargs)
-    a = _attention(attn, q, k, v, attention_mask, past_key_values, kwargs)
+    a = _attention(attn, plan.arch, q, k, v, attention_mask, past_key_values,
+                   dict(position_ids=position_ids, use_cache=use_cache, **kwargs))
     x1, stats = linear_residual(a, attn.o_proj.weight, x, ln2.weight, ln2.variance_epsilon, bias=attn.o_proj.bias)
     ln_next = plan.next_layer.input_layernorm if plan.next_layer is not None else None
     hand_on = (
