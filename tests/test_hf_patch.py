@@ -10,6 +10,7 @@ import copy
 import inspect
 import io
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -68,7 +69,12 @@ def test_loss_and_every_gradient_match_unpatched(key):
     ref = tiny(name, **overrides)
     model = codetta.patch(copy.deepcopy(ref))
     ids = torch.randint(0, VOCAB, (2, 13), device=DEVICE)
-    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    # fused, not matched by the model's own forward running in its place
+    assert not [str(w.message) for w in seen if "codetta" in str(w.message)]
+    assert all(layer._codetta_plan.unfusable is None for layer in model.model.layers)
 
 
 _ATTENTION_CALLS = []
@@ -175,6 +181,81 @@ def test_num_items_in_batch_and_shift_labels():
     assert_same_training_step(ref, model, input_ids=ids, labels=ids, num_items_in_batch=n)
     shifted = torch.roll(ids, -1, dims=1)
     assert_same_training_step(ref, model, input_ids=ids, shift_labels=shifted, labels=ids)
+
+
+def test_loss_options_the_model_takes():
+    """An ``ignore_index`` passed to the model (it goes on to its loss), ``logits_to_keep`` with
+    labels for the kept positions, and a ``loss_function`` set on the model (run unfused, warned)."""
+    ref = tiny("LlamaForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids % 5, ignore_index=0)
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids[:, -3:], logits_to_keep=3)
+    kept = torch.tensor([0, 4, 8], device=DEVICE)
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids[:, kept], logits_to_keep=kept)
+
+    def smoothed(logits, labels, vocab_size, **kwargs):
+        shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), shifted.flatten(), label_smoothing=0.1)
+
+    ref.loss_function = model.loss_function = smoothed
+    with pytest.warns(UserWarning, match="loss_function"):
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+
+
+def _with_hook(module):
+    module.register_forward_hook(lambda mod, args, out: (out[0] * 0.9, out[1] * 0.9))
+    return module
+
+
+def _half_positions(rotary):
+    cls = type(rotary)
+    rotary.__class__ = type(f"Custom{cls.__name__}", (cls,),
+                            {"forward": lambda self, x, position_ids: cls.forward(self, x, position_ids // 2)})
+    return rotary
+
+
+def _context_extended(rotary):
+    config = copy.deepcopy(rotary.config)
+    config.rope_parameters = dict(rope_type="linear", rope_theta=10000.0, factor=4.0)
+    return type(rotary)(config).to(rotary.inv_freq.device)
+
+
+@pytest.mark.parametrize("change, fused", [(_context_extended, True), (_with_hook, False), (_half_positions, False)],
+                         ids=["replaced", "hooked", "own_forward"])
+@pytest.mark.parametrize("when", ["before_patch", "after_patch"])
+def test_the_models_rotary_embedding_as_it_is_at_each_call(change, fused, when):
+    """RoPE follows the model's rotary_emb as it is when the model runs: a new one (context
+    extension) is read; one with hooks or a forward of its own makes the layers apply the
+    model's own position_embeddings, with a warning."""
+    ref = tiny("LlamaForCausalLM")
+    model = copy.deepcopy(ref)
+    if when == "after_patch":
+        codetta.patch(model)
+    for m in (ref, model):
+        torch.manual_seed(1)
+        m.model.rotary_emb = change(m.model.rotary_emb)
+    if when == "before_patch":
+        codetta.patch(model)
+    ids = torch.randint(0, VOCAB, (2, 12), device=DEVICE)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    assert any("rotary_emb" in str(w.message) for w in seen) == (not fused)
+
+
+def test_a_layer_called_with_position_embeddings_alone_applies_them():
+    """Llama's own layer reads only the (cos, sin) it is given; a pipeline stage may call it without
+    position_ids. The patched layer then applies those, not positions of its own invention."""
+    ref = tiny("LlamaForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    x = torch.randn(2, 8, 64, device=DEVICE, requires_grad=True)
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]], device=DEVICE)  # two packed documents
+    cos_sin = ref.model.rotary_emb(x, positions)
+    outs = [m.model.layers[0](x, position_embeddings=cos_sin) for m in (ref, model)]
+    grads = [torch.autograd.grad(out.square().sum(), x)[0] for out in outs]
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-5)
 
 
 def test_return_dict_false_gives_the_models_tuple_layout():
@@ -338,6 +419,13 @@ def test_unsupported_models_and_options_are_refused_untouched():
     assert "forward" not in gelu.model.layers[0].__dict__
     with pytest.raises(ValueError, match="need rms_norm"):
         codetta.patch(tiny("LlamaForCausalLM"), rms_norm=False)
+    with pytest.raises(UnsupportedModelError, match="float64"):
+        codetta.patch(tiny("LlamaForCausalLM").double())
+    custom_layer = tiny("LlamaForCausalLM")
+    _wrap(custom_layer, "model.layers.1", _with_own_forward)  # the fused forward would replace its forward
+    with pytest.raises(UnsupportedModelError, match="forward of its own"):
+        codetta.patch(custom_layer)
+    assert all("forward" not in layer.__dict__ for layer in custom_layer.model.layers)
 
 
 class LoraLike(torch.nn.Module):
@@ -381,10 +469,34 @@ def _scaled(linear):
     return new
 
 
+def _with_own_forward(module):
+    """The module as an instance of a subclass (defined here, outside transformers) whose forward
+    computes something else: half of its class's output; an RMSNorm Gemma's way, (1 + w)."""
+    cls = type(module)
+    if cls.__name__.endswith("RMSNorm"):
+        def forward(self, x):
+            return cls.forward(self, x) + (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+    else:
+        def forward(self, *args, **kwargs):
+            out = cls.forward(self, *args, **kwargs)
+            return (out[0] * 0.5, *out[1:]) if isinstance(out, tuple) else out * 0.5
+    new = copy.copy(module)
+    new.__class__ = type(f"Custom{cls.__name__}", (cls,), {"forward": forward})
+    return new
+
+
+def _gelu(act):
+    return torch.nn.GELU(approximate="tanh")
+
+
 UNFUSABLE = {
     "lora_wrapper": ("model.layers.1.self_attn.v_proj", LoraLike),
     "linear_subclass_with_own_forward": ("model.layers.0.mlp.up_proj", _scaled),
     "lora_lm_head": ("lm_head", LoraLike),
+    "attention_with_own_forward": ("model.layers.1.self_attn", _with_own_forward),
+    "mlp_with_own_forward": ("model.layers.0.mlp", _with_own_forward),
+    "norm_with_own_forward": ("model.layers.1.post_attention_layernorm", _with_own_forward),
+    "activation_replaced": ("model.layers.0.mlp.act_fn", _gelu),
 }
 
 

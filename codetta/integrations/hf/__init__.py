@@ -11,7 +11,8 @@ from __future__ import annotations
 import inspect
 import warnings
 
-from .architectures import ARCHITECTURES, UnsupportedModelError, architecture_of, check_model, rope_fusable
+from .architectures import (ARCHITECTURES, UnsupportedModelError, architecture_of, check_model, model_classes,
+                            rope_fusable)
 from .layer import LayerPlan, fused_decoder_forward
 from .loss import fused_causal_lm_forward
 
@@ -51,7 +52,8 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
     arch = architecture_of(model)
     if (rope or swiglu) and not rms_norm:
         raise ValueError("rope and swiglu fusion need rms_norm=True (the norm is folded into their GEMMs)")
-    check_model(model, arch)
+    classes = model_classes(model)
+    check_model(model, arch, classes)
     unpatch(model)
     if rms_norm:
         layers = list(model.model.layers)
@@ -59,7 +61,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
             rope = False
             warnings.warn(f"codetta.patch: head_dim {layers[0].self_attn.head_dim} is not a power of two; RoPE runs "
                           "as the model's own code after the norm-folded QKV GEMM", stacklevel=2)
-        plans = [LayerPlan(arch, model.model.rotary_emb, rope, swiglu) for _ in layers]
+        plans = [LayerPlan(arch, classes, model.model, rope, swiglu) for _ in layers]
         for i, (layer, plan) in enumerate(zip(layers, plans)):
             if i + 1 < len(layers):  # this layer's last GEMM makes the next layer's norm statistics
                 plan.next_layer, plan.outgoing = layers[i + 1], plans[i + 1].incoming

@@ -7,19 +7,25 @@ QK-norm, RMSNorms over ``head_dim`` with one epsilon) and ``mlp`` with ``gate_pr
 ``up_proj``, ``down_proj`` and SiLU. A new architecture of that shape is one more entry in :data:`ARCHITECTURES`.
 
 The fused forward reads the projections' ``weight`` and ``bias`` and the norms' ``weight``
-and ``variance_epsilon`` directly. That computes what the modules compute only when each
-projection is a plain ``nn.Linear`` (a subclass is fine if it keeps ``nn.Linear.forward``,
-as FSDP2's do), not a wrapper whose forward adds something (PEFT's LoRA layers) or
-computes otherwise (quantized layers), and each norm an RMSNorm without an offset.
-:func:`why_unfusable` says when a layer's modules are not so; such a layer runs the
-model's own forward instead (see :mod:`codetta.integrations.hf.layer`).
+and ``variance_epsilon`` directly, and replaces the forwards of the layer, its attention
+and its MLP. That computes what the modules compute only when each projection is a plain
+``nn.Linear`` (a subclass is fine if it keeps ``nn.Linear.forward``, as FSDP2's do), not a
+wrapper whose forward adds something (PEFT's LoRA layers) or computes otherwise (quantized
+layers), when the attention, the MLP and each norm run the forward of the model's own
+class (:class:`ModelClasses`), and the MLP's activation is SiLU. :func:`why_unfusable` says
+when a layer's modules are not so; such a layer runs the model's own forward instead (see
+:mod:`codetta.integrations.hf.layer`). A decoder layer whose class has a forward of its
+own is refused at patch time: the fused forward would replace it.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
+from transformers import activations
 
 
 class UnsupportedModelError(ValueError):
@@ -52,18 +58,50 @@ ARCHITECTURES = {
 }
 
 
+@dataclass(frozen=True)
+class ModelClasses:
+    """A model's own transformers classes, whose forwards the fused forward computes."""
+
+    layer: type
+    attention: type
+    mlp: type
+    rms_norm: type
+    rotary: type  # the rotary embedding (inv_freq, attention_scaling)
+
+    @property
+    def modeling(self) -> ModuleType:
+        """The transformers module that defines them (attention functions, apply_rotary_pos_emb)."""
+        return sys.modules[self.layer.__module__]
+
+
+def model_classes(model) -> ModelClasses:
+    """The classes of the modeling module that defines the model's class: for LlamaForCausalLM,
+    LlamaDecoderLayer, LlamaAttention, LlamaMLP, LlamaRMSNorm and LlamaRotaryEmbedding of
+    ``modeling_llama``."""
+    modeling = sys.modules[type(model).__module__]
+    family = type(model).__name__.removesuffix("ForCausalLM")
+    roles = ("DecoderLayer", "Attention", "MLP", "RMSNorm", "RotaryEmbedding")
+    missing = [family + role for role in roles if not isinstance(getattr(modeling, family + role, None), type)]
+    if missing:
+        raise UnsupportedModelError(f"{type(model).__name__} is not defined beside {missing} (a transformers "
+                                    "modeling module). Nothing was patched.")
+    return ModelClasses(*(getattr(modeling, family + role) for role in roles))
+
+
 _PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                 "mlp.up_proj", "mlp.down_proj")
 _NORMS = ("input_layernorm", "post_attention_layernorm")
 _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+_REPLACED = ("self_attn", "mlp", "mlp.act_fn")  # modules whose forward the fused forward computes itself
 
 
 def _fused_paths(arch: Architecture) -> tuple:
-    return (*_PROJECTIONS, *_NORMS, *(_QK_NORMS if arch.qk_norm else ()))
+    return (*_REPLACED, *_PROJECTIONS, *_NORMS, *(_QK_NORMS if arch.qk_norm else ()))
 
 
 def fused_modules(layer, arch: Architecture) -> tuple:
-    """The modules of a layer whose parameters the fused forward reads in their place."""
+    """The modules of a layer whose forward the fused forward computes in their place, reading
+    their parameters."""
     return tuple(layer.get_submodule(path) for path in _fused_paths(arch))
 
 
@@ -72,11 +110,7 @@ def is_plain_linear(module) -> bool:
     return isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward
 
 
-def _is_plain_rmsnorm(module) -> bool:
-    return type(module).__name__.endswith("RMSNorm") and not getattr(module, "offset", 0.0)
-
-
-_SKIPPED = ("self_attn", "mlp")  # modules whose forward the fused forward replaces, besides fused_modules'
+_SILU = (torch.nn.SiLU, *(cls for cls in (getattr(activations, "SiLUActivation", None),) if cls is not None))
 _TRANSFORMERS_RECORDER = "output_capturing_hook"  # transformers' recorder of attentions and hidden states
 
 
@@ -100,23 +134,34 @@ def hooks_between(layer, next_layer) -> bool:
             or bool(nn_module._global_forward_pre_hooks))
 
 
-def hooked_module(layer, modules: tuple, arch: Architecture):
-    """The path of a module whose forward the fused forward skips (its :func:`fused_modules`, the
-    attention and the MLP) that :func:`is_hooked`, or None."""
-    for path, module in zip((*_SKIPPED, *_fused_paths(arch)), (*map(layer.get_submodule, _SKIPPED), *modules)):
+def hooked_module(modules: tuple, arch: Architecture):
+    """The path of one of a layer's :func:`fused_modules` (whose forwards the fused forward skips)
+    that :func:`is_hooked`, or None."""
+    for path, module in zip(_fused_paths(arch), modules):
         if is_hooked(module):
             return path
     return None
 
 
-def why_unfusable(modules: tuple, arch: Architecture):
-    """None when the fused forward can read these :func:`fused_modules` in their place, else why not."""
+def class_name(module) -> str:
+    """The module's class with its module path (PEFT's LoRA layer, for one, is also named Linear)."""
+    return f"{type(module).__module__}.{type(module).__qualname__}"
+
+
+def why_unfusable(modules: tuple, arch: Architecture, classes: ModelClasses):
+    """None when the fused forward computes what these :func:`fused_modules` compute, else why not."""
+    own = {"self_attn": classes.attention, "mlp": classes.mlp}
     for path, module in zip(_fused_paths(arch), modules):
         if path in _PROJECTIONS:
             if not is_plain_linear(module):
-                return f"{path} is a {type(module).__name__}, not a plain nn.Linear"
-        elif not _is_plain_rmsnorm(module):
-            return f"{path} is a {type(module).__name__}, not an RMSNorm without offset"
+                return f"{path} is a {class_name(module)}, not a plain torch.nn.Linear"
+        elif path == "mlp.act_fn":
+            if not isinstance(module, _SILU):
+                return f"{path} is a {type(module).__name__}, not SiLU"
+        else:
+            cls = own.get(path, classes.rms_norm)
+            if type(module).forward is not cls.forward:
+                return f"{path} is a {type(module).__name__} whose forward is not {cls.__name__}'s"
     return None
 
 
@@ -137,7 +182,7 @@ def _need(obj, path, what):
     return obj
 
 
-def check_model(model, arch: Architecture):
+def check_model(model, arch: Architecture, classes: ModelClasses):
     """Raise UnsupportedModelError unless every layer has the shape the fused forward assumes."""
     config = model.config
     act = getattr(config, "hidden_act", "silu")
@@ -145,14 +190,22 @@ def check_model(model, arch: Architecture):
         raise UnsupportedModelError(f"the MLP activation is {act!r}; codetta fuses SwiGLU (silu). Nothing was patched.")
     if getattr(config, "mlp_bias", False):
         raise UnsupportedModelError("mlp_bias=True is not supported (SwiGLU without biases). Nothing was patched.")
+    dtype = next(model.parameters()).dtype
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise UnsupportedModelError(f"the model is in {dtype}; codetta's kernels take float16, bfloat16 and "
+                                    "float32. Nothing was patched.")
     rotary = _need(model, "model.rotary_emb.inv_freq", type(model).__name__)
     if rotary.dim() != 1:
         raise UnsupportedModelError(f"rotary inv_freq of shape {tuple(rotary.shape)} is not supported (e.g. mrope)")
     for i, layer in enumerate(_need(model, "model.layers", type(model).__name__)):
         what = f"layer {i} ({type(layer).__name__})"
+        if type(layer).forward is not classes.layer.forward:
+            raise UnsupportedModelError(f"{what} has a forward of its own (not {classes.layer.__name__}'s), which the "
+                                        "fused forward would replace. Nothing was patched.")
         for path in ("input_layernorm.weight", "input_layernorm.variance_epsilon", "post_attention_layernorm.weight",
                      "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                     "self_attn.head_dim", "self_attn.scaling", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+                     "self_attn.head_dim", "self_attn.scaling", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+                     "mlp.act_fn"):
             _need(layer, path, what)
         attn = layer.self_attn
         if arch.qk_norm:
@@ -168,6 +221,16 @@ def check_model(model, arch: Architecture):
         if attn.q_proj.out_features % attn.head_dim:
             raise UnsupportedModelError(f"{what}: q_proj's {attn.q_proj.out_features} outputs are no whole number of "
                                         f"heads of {attn.head_dim}. Nothing was patched.")
+
+
+def why_rotary_unfusable(rotary, classes: ModelClasses):
+    """None when the fused RoPE computes what the model's rotary embedding module does (its
+    class's forward, from inv_freq and attention_scaling, no hooks), else why not."""
+    if type(rotary).forward is not classes.rotary.forward:
+        return f"rotary_emb is a {type(rotary).__name__} whose forward is not {classes.rotary.__name__}'s"
+    if is_hooked(rotary):
+        return "rotary_emb has hooks or its own forward"
+    return None
 
 
 def rope_fusable(layer) -> bool:

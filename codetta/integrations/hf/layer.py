@@ -24,7 +24,6 @@ the model's own PyTorch code on the output of a norm-folded GEMM.
 
 from __future__ import annotations
 
-import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional
@@ -32,7 +31,8 @@ from typing import Optional
 import torch
 
 from ...ops import linear_residual, rmsnorm_linear, rmsnorm_qkv_rope, swiglu_mlp
-from .architectures import Architecture, fused_modules, hooked_module, hooks_between, why_unfusable
+from .architectures import (Architecture, ModelClasses, fused_modules, hooked_module, hooks_between,
+                            why_rotary_unfusable, why_unfusable)
 
 try:  # transformers' collector of recorded outputs (output_attentions=True, output_hidden_states=True)
     from transformers.utils.output_capturing import _active_collector
@@ -75,27 +75,16 @@ class LayerPlan:
     """What the fused forward of one layer does (stored on the layer while it is patched)."""
 
     arch: Architecture
-    rotary: torch.nn.Module  # the model's rotary embedding: inv_freq, attention_scaling
+    classes: ModelClasses
+    base_model: torch.nn.Module  # the model's decoder stack: its rotary_emb (inv_freq, attention_scaling), as it is now
     fuse_rope: bool
     fuse_swiglu: bool
-    modules: tuple = ()  # the layer's projections and norms as last seen (architectures.fused_modules)
+    modules: tuple = ()  # the layer's modules as last seen (architectures.fused_modules)
     unfusable: Optional[str] = None  # why the fused forward cannot read them, if it cannot
     hooked: Optional[str] = None  # the last module found with hooks the fused forward would skip (warned once)
     incoming: StatsHandoff = field(default_factory=StatsHandoff)  # stats of this layer's input
     next_layer: Optional[torch.nn.Module] = None  # the next decoder layer, if any
     outgoing: Optional[StatsHandoff] = None  # the next layer's incoming slot
-
-
-def _modeling(module):
-    """The transformers modeling module that defines ``module``'s class (its attention helpers)."""
-    return sys.modules[type(module).__module__]
-
-
-def _positions(position_ids, lead_shape, device, kwargs):
-    if position_ids is None:
-        cache_position = kwargs.get("cache_position")
-        position_ids = cache_position if cache_position is not None else torch.arange(lead_shape[-1], device=device)
-    return position_ids.expand(lead_shape)
 
 
 def _qkv(layer, plan: LayerPlan, x, stats, position_ids, position_embeddings, kwargs):
@@ -104,14 +93,21 @@ def _qkv(layer, plan: LayerPlan, x, stats, position_ids, position_embeddings, kw
     weights = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
     biases = (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)
     has_bias = biases[0] is not None
-    if plan.fuse_rope:
+    rotary = plan.base_model.rotary_emb
+    why_not = why_rotary_unfusable(rotary, plan.classes) if plan.fuse_rope else None
+    if why_not is not None:
+        warnings.warn(f"codetta: {why_not}; RoPE runs as the model's own code on its position_embeddings",
+                      stacklevel=4)
+    # The fused RoPE needs the tokens' positions, which the model passes; a layer called with its
+    # position_embeddings alone applies those, as the model's own layer does.
+    if plan.fuse_rope and why_not is None and position_ids is not None:
         qk_norm = {}
         if plan.arch.qk_norm:  # the modules' own weights: their gradients land there
             qk_norm = dict(q_norm_weight=attn.q_norm.weight, k_norm_weight=attn.k_norm.weight,
                            qk_norm_eps=attn.q_norm.variance_epsilon)
         return rmsnorm_qkv_rope(
-            x, ln.weight, *weights, _positions(position_ids, x.shape[:-1], x.device, kwargs), plan.rotary.inv_freq,
-            head_dim=attn.head_dim, attention_scaling=plan.rotary.attention_scaling,
+            x, ln.weight, *weights, position_ids.expand(x.shape[:-1]), rotary.inv_freq,
+            head_dim=attn.head_dim, attention_scaling=rotary.attention_scaling,
             bias=biases if has_bias else None, eps=ln.variance_epsilon, stats=stats, **qk_norm,
         )
     qkv = rmsnorm_linear(x, ln.weight, list(weights), ln.variance_epsilon, stats=stats)
@@ -122,11 +118,11 @@ def _qkv(layer, plan: LayerPlan, x, stats, position_ids, position_embeddings, kw
     if plan.arch.qk_norm:
         q, k = attn.q_norm(q.reshape(heads)), attn.k_norm(k.reshape(heads))
     cos, sin = position_embeddings
-    q, k = _modeling(attn).apply_rotary_pos_emb(q.reshape(heads), k.reshape(heads), cos, sin, unsqueeze_dim=2)
+    q, k = plan.classes.modeling.apply_rotary_pos_emb(q.reshape(heads), k.reshape(heads), cos, sin, unsqueeze_dim=2)
     return q.flatten(-2), k.flatten(-2), v
 
 
-def _attention(attn, arch: Architecture, q, k, v, attention_mask, past_key_values, kwargs):
+def _attention(attn, plan: LayerPlan, q, k, v, attention_mask, past_key_values, kwargs):
     """The model's attention on [..., heads * head_dim] q, k, v, as its attention module runs it:
     the same attention function with the same arguments (``kwargs``: what the decoder layer
     passes its attention module, position_ids and use_cache included: flash attention reads
@@ -135,11 +131,11 @@ def _attention(attn, arch: Architecture, q, k, v, attention_mask, past_key_value
     q, k, v = (t.reshape(*lead, -1, attn.head_dim).transpose(1, 2) for t in (q, k, v))
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, attn.layer_idx)
-    modeling = _modeling(attn)
+    modeling = plan.classes.modeling
     interface = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
                                                                modeling.eager_attention_forward)
     out, _ = interface(attn, q, k, v, attention_mask, dropout=0.0 if not attn.training else attn.attention_dropout,
-                       scaling=attn.scaling, **arch.attention_kwargs(attn), **kwargs)
+                       scaling=attn.scaling, **plan.arch.attention_kwargs(attn), **kwargs)
     return out.reshape(*lead, -1)
 
 
@@ -162,12 +158,12 @@ def _fusable(layer, plan: LayerPlan) -> bool:
 
     modules = fused_modules(layer, plan.arch)
     if modules != plan.modules:
-        plan.modules, plan.unfusable = modules, why_unfusable(modules, plan.arch)
+        plan.modules, plan.unfusable = modules, why_unfusable(modules, plan.arch, plan.classes)
         if plan.unfusable is not None:
             warn_unfused(plan.unfusable)
     if plan.unfusable is not None:
         return False
-    hooked = hooked_module(layer, modules, plan.arch)
+    hooked = hooked_module(modules, plan.arch)
     if hooked is not None and hooked != plan.hooked:
         warn_unfused(f"{hooked} has hooks or its own forward, which the fused forward would skip")
     plan.hooked = hooked
@@ -186,7 +182,7 @@ def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_id
     attn, mlp, ln2 = layer.self_attn, layer.mlp, layer.post_attention_layernorm
     x = hidden_states
     q, k, v = _qkv(layer, plan, x, plan.incoming.take(x), position_ids, position_embeddings, kwargs)
-    a = _attention(attn, plan.arch, q, k, v, attention_mask, past_key_values,
+    a = _attention(attn, plan, q, k, v, attention_mask, past_key_values,
                    dict(position_ids=position_ids, use_cache=use_cache, **kwargs))
     x1, stats = linear_residual(a, attn.o_proj.weight, x, ln2.weight, ln2.variance_epsilon, bias=attn.o_proj.bias)
     ln_next = plan.next_layer.input_layernorm if plan.next_layer is not None else None

@@ -1,8 +1,9 @@
 """The causal-LM forward with the LM head and the loss fused (no [tokens, vocab] logits).
 
 Same loss as transformers' ``ForCausalLMLoss``: labels shifted left by one (or the
-``shift_labels`` given), ``ignore_index`` -100, mean over the counted tokens, or the sum
-divided by ``num_items_in_batch`` when the trainer passes it. With labels, the output's
+``shift_labels`` given), ``ignore_index`` -100 (or the one passed), mean over the counted
+tokens, or the sum divided by ``num_items_in_batch`` when the trainer passes it; over the
+positions ``logits_to_keep`` selects. A model with another ``loss_function`` runs its own. With labels, the output's
 ``logits`` is None: not materializing them is the point. Without labels the model's own
 forward runs.
 """
@@ -15,22 +16,37 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ...ops import linear_cross_entropy
-from .architectures import is_hooked, is_plain_linear
+from .architectures import class_name, is_hooked, is_plain_linear
+
+try:
+    from transformers.loss.loss_utils import ForCausalLMLoss
+except ImportError:  # no such module: nothing to compare the model's loss_function with
+    ForCausalLMLoss = None
 
 IGNORE_INDEX = -100
 
 
+def why_loss_unfusable(model):
+    """None when the fused loss computes what the model's own does, else why not: a head that is
+    not a plain nn.Linear (PEFT/LoRA, quantized) computes more than its weight, hooks on it
+    expect to run, and a loss_function set on the model (or another config.loss_type) is not
+    transformers' causal-LM cross-entropy."""
+    head = model.lm_head
+    if not is_plain_linear(head):
+        return f"lm_head is a {class_name(head)}, not a plain torch.nn.Linear"
+    if is_hooked(head):
+        return "lm_head has hooks or its own forward"
+    if ForCausalLMLoss is not None and model.loss_function is not ForCausalLMLoss:
+        return f"the model's loss_function is {getattr(model.loss_function, '__name__', model.loss_function)!r}"
+    return None
+
+
 def fused_causal_lm_forward(model, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                             inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
-    # a head that is not a plain nn.Linear (PEFT/LoRA, quantized) computes more than its weight, and hooks on it
-    # expect to run: the model's own loss
-    head = model.lm_head
-    why = (f"is a {type(head).__name__}, not a plain nn.Linear" if not is_plain_linear(head)
-           else "has hooks or its own forward" if is_hooked(head) else None)
-    unfusable = why is not None
-    if unfusable:
-        warnings.warn(f"codetta: lm_head {why}; the loss runs unfused", stacklevel=2)
-    if labels is None or unfusable:  # no labels: as transformers, no loss (shift_labels only refines labels)
+    why = why_loss_unfusable(model) if labels is not None else None
+    if why is not None:
+        warnings.warn(f"codetta: {why}; the loss runs unfused", stacklevel=2)
+    if labels is None or why is not None:  # no labels: as transformers, no loss (shift_labels only refines labels)
         return type(model).forward(model, input_ids=input_ids, attention_mask=attention_mask,
                                    position_ids=position_ids, past_key_values=past_key_values,
                                    inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
@@ -40,10 +56,14 @@ def fused_causal_lm_forward(model, input_ids=None, attention_mask=None, position
     return_dict = kwargs.pop("return_dict", None)
     outputs = model.model(return_dict=True, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+    ignore_index = kwargs.get("ignore_index", IGNORE_INDEX)  # as the model, which passes kwargs to its loss too
     if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-    loss = linear_cross_entropy(outputs.last_hidden_state, head.weight, shift_labels.to(head.weight.device),
-                                bias=head.bias, ignore_index=IGNORE_INDEX,
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    # the positions whose logits the model computes (logits_to_keep = k > 0: the last k; 0: all)
+    kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    head = model.lm_head
+    loss = linear_cross_entropy(outputs.last_hidden_state[:, kept, :], head.weight, shift_labels.to(head.weight.device),
+                                bias=head.bias, ignore_index=ignore_index,
                                 reduction="mean" if num_items is None else "sum")
     if num_items is not None:
         loss = loss / num_items
