@@ -4,7 +4,7 @@
 # (Liger-Kernel; pytest-xdist and execnet for WORKERS=n parallel test processes) are installed
 # first when present. The device copy's .git may be older than
 # its files: pass CODETTA_CODE_COMMIT=<the sending machine's HEAD> so results name the code.
-#   M=16384,4096 OPS=a,b,c,d,e TESTS=tests WORKERS=8 VARIANTS=hf_liger,hf_codetta bash bench/device_run.sh [smoke] [test] [host] [host-profile] [gemm] [gemm-quick] [gemm-1b] [breakdown] [ops] [ops-compile] [ops-paper] [block] [train] [profile] [demo]
+#   M=16384,4096 OPS=a,b,c,d,e TESTS=tests WORKERS=8 VARIANTS=hf_liger,hf_codetta bash bench/device_run.sh [smoke] [test] [host] [op-profile] [gemm] [gemm-quick] [gemm-1b] [breakdown] [ops] [ops-compile] [ops-paper] [block] [train] [profile] [demo]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CODETTA_CACHE_DIR=/tmp/codetta-cache
 OUT=${OUT:-/tmp/out}
@@ -22,7 +22,7 @@ for step in "$@"; do
     test) CODETTA_AUTOTUNE=0 timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q ${WORKERS:+-n "$WORKERS"} ${TESTS:-tests} \
         2>&1 | tee "$OUT/test.log" | tail -40 ;;
     host) python3 bench/host_overhead.py 2>&1 | tee "$OUT/host.log" ;;
-    host-profile) python3 bench/host_profile.py --m "${M:-4096}" --ops "${OPS:-a,b}" 2>&1 | tee "$OUT/host_profile.log" | head -60 ;;
+    op-profile) python3 bench/op_profile.py --m "${M:-4096}" --ops "${OPS:-a,b}" 2>&1 | tee "$OUT/op_profile.log" | head -60 ;;
     gemm) python3 bench/gemm_bench.py 2>&1 | tee "$OUT/gemm.log" ;;
     gemm-quick) python3 bench/gemm_bench.py --shapes quick 2>&1 | tee "$OUT/gemm.log" ;;
     gemm-1b) python3 bench/gemm_bench.py --shapes llama1b 2>&1 | tee "$OUT/gemm.log" ;;

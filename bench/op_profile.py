@@ -1,11 +1,12 @@
-"""Where the host time of an op's call goes: cProfile of codetta's forward+backward.
+"""Where the time of an op's call goes: its GPU kernels, and cProfile of its host work.
 
-    python bench/host_profile.py [--m 4096] [--ops a,b] [--calls 200] [--top 40]
+    python bench/op_profile.py [--m 4096] [--ops a,b] [--calls 40] [--top 40]
 
-The ops and inputs of bench/ops_bench.py (Llama-3-8B shapes). Kernels are launched as in
-training; the GPU is kept busy so that the profile holds the host's work (Python, PyTorch's
-dispatcher, Triton's launcher), not waits. Prints the functions with the most time of their
-own and with the most time inclusive, and writes them to bench/results/host_profile_m<M>.txt.
+The ops and inputs of bench/ops_bench.py (Llama-3-8B shapes), codetta's forward+backward.
+GPU: torch.profiler's time per kernel, per call. Host: the GPU is kept busy so that the
+profile holds the host's work (Python, PyTorch's dispatcher, Triton's launcher), not waits;
+the functions with the most time of their own and with the most time inclusive. Writes
+bench/results/op_profile_m<M>.txt.
 """
 
 from __future__ import annotations
@@ -25,7 +26,21 @@ from common import RESULTS, environment, require_gpu  # noqa: E402
 from ops_bench import SHAPES, cases, host_ms, timed_step  # noqa: E402
 
 
-def profile(step, calls, top):
+def kernels(step, calls):
+    """torch.profiler's GPU kernels of ``calls`` steps: a table of time per call."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in rows) / calls / 1e3
+    lines = [f"GPU kernels: {total:.3f} ms per call", "| ms per call | launches per call | kernel |", "|---|---|---|"]
+    lines += [f"| {e.device_time_total / calls / 1e3:.3f} | {e.count / calls:g} | {e.key[:90]} |" for e in rows]
+    return "\n".join(lines)
+
+
+def host_profile(step, calls, top):
     profiler = cProfile.Profile()
     torch.cuda.synchronize()
     torch.cuda._sleep(1 << 30)  # the GPU stays busy (~0.5 s): the profile holds no wait for a kernel
@@ -48,7 +63,7 @@ def main():
     parser.add_argument("--calls", type=int, default=40, help="few enough that the launch queue never fills")
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args()
-    require_gpu("host_profile")
+    require_gpu("op_profile")
     report = [str(environment())]
     for name, (make, ours, _, _) in cases(args.m, SHAPES["llama3-8b"]).items():
         if name[0] not in args.ops.split(","):
@@ -56,9 +71,9 @@ def main():
         step = timed_step(ours, make(), backward=True)
         head = f"== {name}, M = {args.m}, forward+backward: host {host_ms(step):.3f} ms per call"
         print(head, flush=True)
-        report += [head, profile(step, args.calls, args.top)]
+        report += [head, kernels(step, args.calls), host_profile(step, args.calls, args.top)]
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"host_profile_m{args.m}.txt"
+    path = RESULTS / f"op_profile_m{args.m}.txt"
     path.write_text("\n".join(report))
     print("\n".join(report[1:]))
 
