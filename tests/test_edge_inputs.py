@@ -1,5 +1,6 @@
 """Legal but unusual inputs to the operators (strided vectors, outputs edited in place, position
-layouts, an empty K), and wrong ones that must be refused with a message naming the problem.
+layouts, empty dims, inf and NaN, eps = 0), and wrong ones that must be refused with a message
+naming the problem.
 
 References are the unfused math in float64 (F.rms_norm, F.linear, HF's rotate_half RoPE).
 """
@@ -119,6 +120,10 @@ def test_refused_with_a_message_naming_the_problem():
                              bias=(torch.randn(20, device=DEVICE), torch.randn(4, device=DEVICE), torch.randn(8, device=DEVICE)))
     with pytest.raises(ValueError, match="head_dim must be a positive integer, got 0"):
         ops.rmsnorm_qkv_rope(x, g, wq, wk, wv, pos, inv_freq, head_dim=0)
+    w12 = [torch.randn(n * 12, 24, device=DEVICE) for n in (2, 1, 1)]
+    with pytest.raises(ValueError, match="QK-norm needs a head_dim that is a power of two"):
+        ops.rmsnorm_qkv_rope(x, g, *w12, pos, inv_freq[:2], head_dim=12, rotary_dim=4,
+                             q_norm_weight=torch.ones(12, device=DEVICE), k_norm_weight=torch.ones(12, device=DEVICE))
     x1, stats = ops.linear_residual(torch.randn(6, 16, device=DEVICE), torch.randn(24, 16, device=DEVICE), x, g)
     with pytest.raises(ValueError, match=r"stats \(u \(6, 24\), rstd \(6,\)\) are not those of x \(4, 24\)"):
         ops.rmsnorm_linear(x1[:4], g, wk, stats=stats)
@@ -145,3 +150,115 @@ def test_linear_with_empty_k():
     y.sum().backward()
     assert x.grad.shape == (5, 0) and w.grad.shape == (12, 0)
     torch.testing.assert_close(b.grad, torch.full((12,), 5.0, device=DEVICE))
+
+
+def _fp64_grads(fn, ref, inputs):
+    """(codetta's output and gradients, the fp64 reference's) of fn and ref on inputs, from a random
+    upstream gradient; inputs may hold empty dims."""
+    def run(f, ins, upstream):
+        out = f(*ins)
+        out.backward(upstream.to(out.dtype))
+        return [out, *(t.grad if t.grad is not None else torch.zeros_like(t) for t in ins)]
+
+    ins = [t.detach().requires_grad_() for t in inputs]
+    upstream = torch.randn_like(fn(*ins))
+    return run(fn, ins, upstream), run(ref, [t.detach().double().requires_grad_() for t in inputs], upstream)
+
+
+def _rms(x, g):
+    return F.rms_norm(x, (x.shape[-1],), g, EPS)
+
+
+EMPTY = {  # name -> (codetta, fp64 math, input shapes): a dim of 0 somewhere
+    "swiglu_no_rows": (lambda x, g, wg, wu: ops.rmsnorm_swiglu(x, g, wg, wu, EPS),
+                       lambda x, g, wg, wu: F.silu(F.linear(_rms(x, g), wg)) * F.linear(_rms(x, g), wu),
+                       [(0, 8), (8,), (6, 8), (6, 8)]),
+    "swiglu_no_features": (lambda x, g, wg, wu: ops.rmsnorm_swiglu(x, g, wg, wu, EPS),
+                           lambda x, g, wg, wu: F.silu(F.linear(_rms(x, g), wg)) * F.linear(_rms(x, g), wu),
+                           [(3, 8), (8,), (0, 8), (0, 8)]),
+    "linear_no_outputs": (lambda x, w: codetta.linear(x, w), lambda x, w: F.linear(x, w), [(3, 8), (0, 8)]),
+    "rmsnorm_linear_no_outputs": (lambda x, g, w: ops.rmsnorm_linear(x, g, w, EPS),
+                                  lambda x, g, w: F.linear(_rms(x, g), w), [(3, 8), (8,), (0, 8)]),
+    "rmsnorm_linear_an_empty_part": (lambda x, g, w, w0: ops.rmsnorm_linear(x, g, [w, w0], EPS),
+                                     lambda x, g, w, w0: F.linear(_rms(x, g), torch.cat([w, w0])),
+                                     [(3, 8), (8,), (5, 8), (0, 8)]),
+    "linear_residual_empty_k": (lambda a, w, r: ops.linear_residual(a, w, r), lambda a, w, r: F.linear(a, w) + r,
+                                [(3, 0), (8, 0), (3, 8)]),
+    "swiglu_mlp_no_features": (lambda x, g, wg, wu, wd: ops.swiglu_mlp(x, g, wg, wu, wd, EPS),
+                               lambda x, g, wg, wu, wd: x + F.linear(F.silu(F.linear(_rms(x, g), wg))
+                                                                     * F.linear(_rms(x, g), wu), wd),
+                               [(3, 8), (8,), (0, 8), (0, 8), (8, 0)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EMPTY))
+def test_empty_dims_as_pytorch(name):
+    """No rows, no output features, an empty weight part or an empty K: what PyTorch computes
+    (zeros and empty gradients where a dim is 0), forward and backward."""
+    fn, ref, shapes = EMPTY[name]
+    inputs = [torch.randn(*s, device=DEVICE) for s in shapes]
+    got, expected = _fp64_grads(fn, ref, inputs)
+    for g, e in zip(got, expected):
+        assert g.shape == e.shape
+        if e.numel():
+            assert rel(g, e) < 1e-5
+
+
+def test_rope_leaves_unrotated_columns_alone():
+    """An inf or NaN in a v column (or a q column past rotary_dim) stays in its column, forward and
+    backward, as in PyTorch: a rotation by 0 would spread it into the column's partner."""
+    x, g, wq, wk, wv, inv_freq = rope_inputs(lead=(5,))
+    pos = torch.arange(5, device=DEVICE)
+    bias = [torch.zeros(w.shape[0], device=DEVICE) for w in (wq, wk, wv)]
+    bias[2][1] = float("inf")  # v column 1 (its rotate_half partner would be column 5)
+    bias[0][7] = float("nan")  # q column 7: past rotary_dim 4 (partner 5)
+    dv = torch.zeros(5, wv.shape[0], device=DEVICE)
+    dv[:, 2] = float("inf")  # backward: an inf gradient on v column 2 only
+    results = []
+    for dtype, fn in ((torch.float32, ops.rmsnorm_qkv_rope), (torch.float64, ops.rope.rmsnorm_qkv_rope_reference)):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (wq, wk, wv)]
+        out = fn(x.to(dtype), g.to(dtype), *leaves, pos, inv_freq[:2].to(dtype), head_dim=8, rotary_dim=4,
+                 bias=tuple(b.to(dtype) for b in bias), eps=EPS)
+        torch.autograd.backward(out, [torch.ones_like(out[0]), torch.ones_like(out[1]), dv.to(dtype)])
+        results.append([*out, *(t.grad for t in leaves)])
+    assert results[0][2][:, 1].isinf().all() and results[0][0][:, 7].isnan().all()
+    for got, expected in zip(*results):  # where the values are finite: the same places as PyTorch's
+        assert torch.equal(got.isfinite(), expected.isfinite())
+
+
+def test_qk_norm_weight_gradients_with_zero_eps_and_odd_rows():
+    """qk_norm_eps = 0 with a row count no multiple of the backward kernel's row block: finite weight
+    gradients equal to the fp64 ones (padded rows must not make r = inf poison the sums)."""
+    m, d, hd = 7, 16, 8
+    x, g = torch.randn(m, d, device=DEVICE), 1 + 0.1 * torch.randn(d, device=DEVICE)
+    wq, wk, wv = (torch.randn(n * hd, d, device=DEVICE) / d**0.5 for n in (2, 1, 1))
+    qw, kw = (1 + 0.1 * torch.randn(hd, device=DEVICE) for _ in range(2))
+    inv_freq = 1.0 / 100 ** (torch.arange(0, hd, 2, device=DEVICE) / hd)
+    pos = torch.arange(m, device=DEVICE)
+    args = dict(head_dim=hd, eps=EPS, qk_norm_eps=0.0)
+    leaves = [t.clone().requires_grad_() for t in (qw, kw)]
+    out = ops.rmsnorm_qkv_rope(x, g, wq, wk, wv, pos, inv_freq, q_norm_weight=leaves[0], k_norm_weight=leaves[1],
+                               **args)
+    upstream = [torch.randn_like(t) for t in out[:2]]  # q and k: what the norm weights reach
+    torch.autograd.backward(out[:2], upstream)
+    leaves64 = [t.double().requires_grad_() for t in (qw, kw)]
+    ref = ops.rope.rmsnorm_qkv_rope_reference(*(t.double() for t in (x, g, wq, wk, wv)), pos, inv_freq.double(),
+                                              q_norm_weight=leaves64[0], k_norm_weight=leaves64[1], **args)
+    torch.autograd.backward(ref[:2], [u.double() for u in upstream])
+    for got, expected in zip(leaves, leaves64):
+        assert torch.isfinite(got.grad).all() and rel(got.grad, expected.grad) < 1e-5
+
+
+def test_no_double_backward_and_torch_func():
+    """backward(create_graph=True) through an operator raises (its second-order terms would be
+    missing); vmap runs codetta.linear through PyTorch's per-sample fallback."""
+    x = torch.randn(6, 16, device=DEVICE, requires_grad=True)
+    w = torch.randn(20, 16, device=DEVICE, requires_grad=True)
+    target = torch.randint(0, 20, (6,), device=DEVICE)
+    for loss in (ops.linear_cross_entropy(x, w, target), ops.rmsnorm_linear(x, torch.ones(16, device=DEVICE), w).sum(),
+                 codetta.linear(x, w).square().sum()):
+        with pytest.raises(RuntimeError, match="no second derivative"):
+            torch.autograd.grad(loss, x, create_graph=True)
+    xs = torch.randn(3, 6, 16, device=DEVICE)
+    torch.testing.assert_close(torch.vmap(lambda t: codetta.linear(t, w.detach()))(xs), xs @ w.detach().t(),
+                               rtol=1e-5, atol=1e-5)

@@ -62,8 +62,8 @@ def _qk_norm_backward_kernel(
         g_in = tl.load(dzn_ptr + rows64 * s_dzn + cols, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + rows64 * s_z + cols, mask=mask, other=0.0).to(tl.float32)
         if normed:
-            r = tl.rsqrt(tl.sum(z * z, axis=1) / D + eps)[:, None]  # masked rows: z = 0, zhat = 0
-            zhat = z * r
+            r = tl.rsqrt(tl.sum(z * z, axis=1) / D + eps)[:, None]
+            zhat = tl.where(row_ok[:, None], z * r, 0.0)  # masked rows: 0 (r is inf there when eps = 0)
             g = w * g_in
             c = (tl.sum(g * zhat, axis=1) / D)[:, None]
             d = cast(r * (g - zhat * c), out_ty, EMULATE_RNE)

@@ -11,7 +11,7 @@ so the gradient of z is the transposed rotation of dqkv:
 
     dz_t = cos_t dqkv_t + sin_t dqkv_{t+R/2},   dz_{t+R/2} = cos_t dqkv_{t+R/2} - sin_t dqkv_t
 
-and every other column passes through. The kernel also returns zdz_i = sum_k qkv_ik dqkv_ik
+and every other column passes through as it is. The kernel also returns zdz_i = sum_k qkv_ik dqkv_ik
 (fp32): a rotation keeps inner products, so this equals sum_k z_ik dz_ik when s = 1 and
 is what the RMSNorm backward needs (with s, qkv . dqkv = z . dz too, since qkv = s R z
 and dz = s R^T dqkv).
@@ -66,8 +66,11 @@ def _rope_backward_kernel(
     s = tl.load(sin + rows64 * s_table + freq[None, :], mask=ok & rotated, other=0.0)
 
     out_ty = dz.dtype.element_ty
-    tl.store(dz + rows64 * s_dz + first[None, :], cast(c * d1 + s * d2, out_ty, EMULATE_RNE), mask=ok)
-    tl.store(dz + rows64 * s_dz + second[None, :], cast(c * d2 - s * d1, out_ty, EMULATE_RNE), mask=ok)
+    # unrotated pairs pass through as they are (a rotation by 0 would turn an inf partner into NaN)
+    dz1 = tl.where(rotated, c * d1 + s * d2, d1)
+    dz2 = tl.where(rotated, c * d2 - s * d1, d2)
+    tl.store(dz + rows64 * s_dz + first[None, :], cast(dz1, out_ty, EMULATE_RNE), mask=ok)
+    tl.store(dz + rows64 * s_dz + second[None, :], cast(dz2, out_ty, EMULATE_RNE), mask=ok)
     if WITH_ZDZ:
         q1 = tl.load(qkv + rows64 * s_qkv + first[None, :], mask=ok, other=0.0).to(tl.float32)
         q2 = tl.load(qkv + rows64 * s_qkv + second[None, :], mask=ok, other=0.0).to(tl.float32)

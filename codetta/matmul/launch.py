@@ -522,9 +522,19 @@ def gemm(a, b, epilogue: Program | None = None, *, out=None, config=None, **oper
     """
     program = epilogue if epilogue is not None else _plain_program()
     out = out or {}
+    b = _without_empty_parts(b)
     plan = _plan(a, b, program, operands, out, config)
     results = _trivial(_Call(a, b, program, operands, out)) if plan is None else plan.execute(a, b, operands, out)
     return results["out"] if epilogue is None else results
+
+
+def _without_empty_parts(b):
+    """A list of B parts without those that hold no element (a [K, 0] part along N, a [0, N] part
+    along K: they add nothing, and no TMA descriptor takes them); as given when all or none do."""
+    if isinstance(b, Interleaved) or not isinstance(b, (list, tuple)):
+        return b
+    kept = [t for t in b if not isinstance(t, torch.Tensor) or t.numel()]
+    return kept if 0 < len(kept) < len(b) else b
 
 
 def _trivial(call):
@@ -664,7 +674,8 @@ def _table_block_n(program):
 
 def explain(a, b, epilogue: Program | None = None, *, out=None, config=None, **operands):
     """The path ('tma' or 'ptr') and config ``gemm`` would launch with these arguments (tunes if needed)."""
-    plan = _plan(a, b, epilogue if epilogue is not None else _plain_program(), operands, out or {}, config)
+    plan = _plan(a, _without_empty_parts(b), epilogue if epilogue is not None else _plain_program(), operands,
+                 out or {}, config)
     return {"path": None, "config": None} if plan is None else {"path": plan.path, "config": plan.cfg}
 
 

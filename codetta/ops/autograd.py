@@ -27,9 +27,20 @@ def only_first_output_differentiable(ctx, outputs):
     ctx.mark_non_differentiable(*outputs[1:])
 
 
+def refuse_double_backward(name: str, grads) -> None:
+    """In an op's backward: raise when it runs under ``backward(create_graph=True)`` (grad mode
+    on), whose second-order terms would be silently missing: the kernels' gradients are not
+    differentiable. Not while torch.compile traces the backward (its tensors are not plain)."""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling() and all(
+            type(g) in _PLAIN for g in grads if isinstance(g, torch.Tensor)):
+        raise RuntimeError(f"{name}: codetta's operators have no second derivative; backward with "
+                           "create_graph=True (double backward) through them is not supported")
+
+
 def _runs_directly(args) -> bool:
-    """Not under torch.compile, and every tensor argument (also in lists) a plain Tensor or Parameter."""
-    if torch.compiler.is_compiling():
+    """Not under torch.compile nor a torch.func transform (vmap, grad: its wrapped tensors look
+    plain), and every tensor argument (also in lists) a plain Tensor or Parameter."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return False
     for a in args:
         if isinstance(a, list):
@@ -89,6 +100,7 @@ class _Direct(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         op, layout = ctx.direct
+        refuse_double_backward(op.op._qualname, grads)
         result = op.backward(ctx, *grads)
         flat = []
         for g, n in zip(result, layout):

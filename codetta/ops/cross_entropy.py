@@ -100,8 +100,9 @@ from ..kernels.softmax_grad import softmax_grad_
 from ..matmul import gemm
 from .rmsnorm import rms_rstd
 from .autocast import casts_under_autocast
-from .autograd import only_first_output_differentiable
+from .autograd import only_first_output_differentiable, refuse_double_backward
 from .weight_grads import weight_grad_program
+from . import shapes
 
 _REDUCTIONS = ("mean", "sum", "none")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -417,6 +418,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _autograd_backward(ctx, grad_loss, *_grad_gradients):
+    refuse_double_backward("codetta::linear_cross_entropy", (grad_loss,))
     needs = ctx.needs_input_grad[:2] + ctx.needs_input_grad[3:5]  # x, weight, bias, norm_weight
     if any(ctx.in_forward):
         if any(n and not f for n, f in zip(needs, ctx.in_forward)):
@@ -512,11 +514,11 @@ def linear_cross_entropy(x, weight, target, *, bias=None, ignore_index=-100, red
     """
     _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size, label_smoothing, z_loss)
     vocab, d = weight.shape
-    rows = x.numel() // d if d else 0
-    chunk = default_chunk_size(vocab, x.dtype, rows=rows, d=d) if chunk_size is None else chunk_size
+    x2 = shapes.rows(x)
+    chunk = default_chunk_size(vocab, x.dtype, rows=x2.shape[0], d=d) if chunk_size is None else chunk_size
     grad = torch.is_grad_enabled()
     needs = [grad and t is not None and t.requires_grad for t in (x, weight, bias, norm_weight)]
-    loss, *_ = _forward(x.reshape(-1, d), weight, target.reshape(-1).long(), bias, norm_weight,
+    loss, *_ = _forward(x2, weight, target.reshape(-1).long(), bias, norm_weight,
                         int(ignore_index), reduction, float(eps), float(label_smoothing), float(z_loss), chunk, *needs)
     return loss.reshape(target.shape) if reduction == "none" else loss
 

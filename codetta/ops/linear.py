@@ -15,6 +15,7 @@ from ..matmul import GemmError, gemm
 from .autocast import casts_under_autocast
 from .autograd import direct_op
 from .weight_grads import weight_grad
+from .shapes import rows
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,8 +40,7 @@ def _(x, weight, bias):
 @direct_op("codetta::linear_backward")
 def _linear_backward_op(dy: Tensor, x: Tensor, weight: Tensor, with_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dW, db; db empty without a bias)."""
-    dy2 = dy.reshape(-1, dy.shape[-1])
-    x2 = x.reshape(dy2.shape[0], x.shape[-1])  # not (-1, K): K may be 0
+    dy2, x2 = rows(dy), rows(x)
     db = dy2.sum(0, dtype=torch.float32).to(dy.dtype) if with_bias else dy.new_empty(0)
     return gemm(dy2, weight).reshape(x.shape), weight_grad(dy2, x2, None), db
 

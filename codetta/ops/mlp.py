@@ -44,6 +44,7 @@ from .autograd import direct_op, only_first_output_differentiable
 from .rmsnorm import _check_norm_inputs, _linear_residual_op, _weight_k, given_stats, rmsnorm_linear_backward
 from .swiglu import _rmsnorm_swiglu_op
 from .weight_grads import for_autograd, run_backward, weight_grad
+from .shapes import rows
 
 
 @direct_op("codetta::swiglu_mlp")
@@ -70,7 +71,7 @@ def swiglu_mlp_backward(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, dwei
     """(dx, dnorm_weight, dW_gate, dW_up, dW_down) given dx2 (the module doc's backward)."""
     into = list(dweights_into) or [None] * 3
     f, d = w_gate.shape
-    dx2_2 = dx2.reshape(-1, d).to(w_down.dtype).contiguous()  # x2's gradient as the GEMMs' operand
+    dx2_2 = rows(dx2).to(w_down.dtype).contiguous()  # x2's gradient as the GEMMs' operand
     y = z.new_empty(z.shape[0], f)
     dz, zdz = swiglu_backward(gemm(dx2_2, _weight_k([w_down])), z, y_out=y)
     dw_down = weight_grad(dx2_2, y, into[2])

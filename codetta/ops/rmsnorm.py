@@ -59,6 +59,7 @@ from ..matmul import check_device, gemm
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .weight_grads import for_autograd, run_backward, weight_grads
+from .shapes import rows
 
 # ---------------------------------------------------------------------------------------
 # Programs
@@ -158,8 +159,10 @@ def _weight_t(weights: list[Tensor]):
 
 
 def _weight_k(weights: list[Tensor]):
-    """The dgrad GEMM's B: W, or the W_i read as one along K."""
-    return weights[0] if len(weights) == 1 else list(weights)
+    """The dgrad GEMM's B: W, or the W_i read as one along K (those with rows: with none, one
+    [0, d] W reads as K = 0, where several would read as parts along N)."""
+    held = [w for w in weights if w.shape[0]] or weights[:1]
+    return held[0] if len(held) == 1 else held
 
 
 def rstd_from_sumsq(sumsq: Tensor, d: int, eps: float) -> Tensor:
@@ -181,7 +184,7 @@ def rms_rstd(x: Tensor, eps: float) -> Tensor:
 def _rmsnorm_linear_op(
     x: Tensor, norm_weight: Tensor, weights: list[Tensor], eps: float, u: Optional[Tensor], rstd: Optional[Tensor]
 ) -> tuple[Tensor, Tensor]:
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = rows(x)
     if u is None or rstd is None:
         u, rstd = rmsnorm_stats(x2, norm_weight, eps, weights[0].dtype)
     else:
@@ -199,7 +202,7 @@ def _(x, norm_weight, weights, eps, u, rstd):
 
 def row_dot(a: Tensor, b: Tensor) -> Tensor:
     """sum_k a_ik b_ik in fp32, [M] (zdz of the norm backward)."""
-    return (a.reshape(-1, a.shape[-1]).float() * b.reshape(-1, b.shape[-1]).float()).sum(-1)
+    return (rows(a).float() * rows(b).float()).sum(-1)
 
 
 def rmsnorm_linear_backward(dz: Tensor, zdz: Tensor, x: Tensor, norm_weight: Tensor, weights: list[Tensor], rstd: Tensor,
@@ -211,8 +214,8 @@ def rmsnorm_linear_backward(dz: Tensor, zdz: Tensor, x: Tensor, norm_weight: Ten
     (x's shape): a gradient of x from elsewhere, added to dx in the epilogue.
     """
     d = x.shape[-1]
-    x2, dz2 = x.reshape(-1, d), dz.reshape(-1, dz.shape[-1]).to(weights[0].dtype).contiguous()
-    extra = {} if residual_grad is None else {"residual_grad": residual_grad.reshape(-1, d)}
+    x2, dz2 = rows(x), rows(dz).to(weights[0].dtype).contiguous()
+    extra = {} if residual_grad is None else {"residual_grad": rows(residual_grad)}
     program = _consumer_backward(residual_grad is not None, x.dtype if x.dtype != dz2.dtype else None)
     out = gemm(dz2, _weight_k(weights), program, rstd=rstd,
                norm_weight=norm_weight, x=x2, zdz=zdz, inv_d=1.0 / d, **extra)
@@ -280,9 +283,8 @@ def rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight, eps: float = 1e-6, *,
 def _linear_residual_op(
     a: Tensor, weights: list[Tensor], residual: Tensor, bias: Optional[Tensor], norm_weight: Optional[Tensor], eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    a2 = a.reshape(-1, a.shape[-1])
-    n = residual.shape[-1]
-    operands = {"residual": residual.reshape(-1, n)}
+    a2 = rows(a)
+    operands = {"residual": rows(residual)}
     if bias is not None:
         operands["bias"] = bias
     program = _producer(residual.dtype, norm_weight is not None, bias is not None, residual.dtype != a.dtype)
@@ -290,7 +292,7 @@ def _linear_residual_op(
         x = gemm(a2, _weight_t(weights), program, **operands)["x"]
         return x.reshape(residual.shape), x.new_empty(0), x.new_empty(0, dtype=torch.float32)
     out = gemm(a2, _weight_t(weights), program, norm_weight=norm_weight, **operands)
-    rstd = rstd_from_sumsq(out["sumsq"], n, eps)
+    rstd = rstd_from_sumsq(out["sumsq"], residual.shape[-1], eps)
     return out["x"].reshape(residual.shape), out["u"], rstd
 
 
@@ -306,8 +308,8 @@ def _(a, weights, residual, bias, norm_weight, eps):
 def linear_residual_backward(dx: Tensor, a: Tensor, weights: list[Tensor], dweights_into=()):
     """(da, [dW_i]) of x = a W^T + residual given dx (the residual's gradient is dx itself; the GEMMs
     take it in a's dtype, as autograd hands a 16-bit matmul output the gradient of a wider sum)."""
-    dx2 = dx.reshape(-1, dx.shape[-1]).to(a.dtype).contiguous()
-    a2 = a.reshape(-1, a.shape[-1])
+    dx2 = rows(dx).to(a.dtype).contiguous()
+    a2 = rows(a)
     da = gemm(dx2, _weight_k(weights))
     return da.reshape(a.shape), weight_grads(dx2, a2, weights, dweights_into)
 
@@ -332,7 +334,7 @@ def _linear_residual_setup(ctx, inputs, output):
 def _linear_residual_backward(ctx, dx, _du, _drstd):
     a, *weights = ctx.saved_tensors
     da, dws = run_backward(ctx, weights, _linear_residual_backward_op, linear_residual_backward, dx, a, weights)
-    dbias = dx.reshape(-1, dx.shape[-1]).sum(0) if ctx.has_bias else None
+    dbias = rows(dx).sum(0) if ctx.has_bias else None
     return da, for_autograd(dws), dx, dbias, None, None
 
 

@@ -14,7 +14,7 @@ theta = position_i * inv_freq_t:
 
 (times HF's ``attention_scaling``). In the epilogue, these are column pairs inside
 segments of R columns (``epilogue.pairs(z, segment=R)``); v heads and the columns past R
-of a head get frequency 0: a rotation by exactly 0, the identity.
+of a head are left as they are.
 
 Angles. theta reaches 10^6 radians at positions near 2^20, where fp32 products are off
 by up to 0.06 radians (as Hugging Face's own fp32 tables are). The per-token tables
@@ -68,6 +68,7 @@ from .rmsnorm import _check_norm_inputs, _weight_t, given_stats, rmsnorm_linear_
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .weight_grads import for_autograd, run_backward
+from .shapes import rows
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,9 +86,10 @@ def _forward_program(rotary_dim: int, with_bias: bool, qk_norm_dim: int = 0) -> 
         z = ep.where(normed, z * r * p.col("qk_weight"), z)
     x1, x2 = ep.pairs(z, segment=rotary_dim)
     rotated = p.col("rotated", ep.HALF).ne(0)  # q and k pairs inside the rotary dims
-    cos = ep.where(rotated, p.table("cos", rotary_dim // 2, ep.HALF), 1.0)
-    sin = ep.where(rotated, p.table("sin", rotary_dim // 2, ep.HALF), 0.0)
-    p.store("qkv", ep.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin, segment=rotary_dim))
+    cos, sin = p.table("cos", rotary_dim // 2, ep.HALF), p.table("sin", rotary_dim // 2, ep.HALF)
+    # the other pairs (v, columns past R) as they are: a rotation by 0 would turn an inf partner into NaN
+    p.store("qkv", ep.join(ep.where(rotated, x1 * cos - x2 * sin, x1), ep.where(rotated, x2 * cos + x1 * sin, x2),
+                           segment=rotary_dim))
     return p
 
 
@@ -143,8 +145,7 @@ def _qkv_rope_op(
     qk_norm_eps: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(qkv, rstd, z): z is the pre-QK-norm projection [..., N] with QK-norm, else empty."""
-    d = x.shape[-1]
-    x2 = x.reshape(-1, d)
+    x2 = rows(x)
     if u is None or rstd is None:
         u, rstd = rmsnorm_stats(x2, norm_weight, eps, weights[0].dtype)
     else:
@@ -179,14 +180,13 @@ def rmsnorm_qkv_rope_backward(dqkv, qkv, x, norm_weight, weights, bias, position
     """(dx, dnorm_weight, [dW_q, dW_k, dW_v], dbias, dq_norm_weight, dk_norm_weight) given dqkv (the
     module doc's backward). Without QK-norm it reads the output qkv; with QK-norm the pre-norm z
     instead (qkv unused)."""
-    n = dqkv.shape[-1]
-    dqkv2 = dqkv.reshape(-1, n)
+    dqkv2 = rows(dqkv)
     cos, sin = rope_tables(positions, inv_freq, attention_scaling)
     qk_norm = q_norm_weight is not None
-    dz, zdz = rope_backward(dqkv2, None if qk_norm else qkv.reshape(-1, n), cos, sin,
+    dz, zdz = rope_backward(dqkv2, None if qk_norm else rows(qkv), cos, sin,
                             n_rotated=(n_q + n_kv) * head_dim, head_dim=head_dim)
     if qk_norm:  # dz above is dzn; QK-norm's backward in place gives dz and zdz from the pre-norm z
-        dz, zdz, dqw, dkw = qk_norm_backward(dz, z.reshape(-1, n), q_norm_weight, k_norm_weight, n_q=n_q, n_kv=n_kv,
+        dz, zdz, dqw, dkw = qk_norm_backward(dz, rows(z), q_norm_weight, k_norm_weight, n_q=n_q, n_kv=n_kv,
                                              eps=qk_norm_eps, out=dz)
     else:
         dqw, dkw = dqkv.new_empty(0, dtype=torch.float32), dqkv.new_empty(0, dtype=torch.float32)
@@ -284,7 +284,8 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
         head_dim: D; rotary_dim: R (default D) with D a multiple of R (partial rotary), R a
             power of two. attention_scaling: HF's factor on cos and sin (rope scaling types).
         bias: optional (b_q, b_k, b_v) (Qwen2). stats: optional (u, rstd) from linear_residual.
-        q_norm_weight, k_norm_weight: optional [D] each, both or neither (QK-norm, Qwen3).
+        q_norm_weight, k_norm_weight: optional [D] each, both or neither (QK-norm, Qwen3; D a
+            power of two).
         qk_norm_eps: QK-norm's epsilon (Qwen3: config.rms_norm_eps).
     Returns:
         (q, k, v): [..., H_q D], [..., H_kv D], [..., H_kv D], views of one qkv tensor.
@@ -311,6 +312,9 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("QK-norm needs both q_norm_weight and k_norm_weight (or neither)")
     if q_norm_weight is not None:
+        if head_dim & (head_dim - 1):
+            raise ValueError(f"QK-norm needs a head_dim that is a power of two (the epilogue sums whole heads as "
+                             f"power-of-two segments), got {head_dim}")
         for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
             if not isinstance(w, Tensor) or w.shape != (head_dim,):
                 raise ValueError(f"{name} must be a tensor [head_dim = {head_dim}], got "

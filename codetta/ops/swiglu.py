@@ -45,6 +45,7 @@ from .rmsnorm import _check_norm_inputs, given_stats, rmsnorm_linear_backward
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .weight_grads import for_autograd, run_backward
+from .shapes import rows
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,7 +63,7 @@ def _rmsnorm_swiglu_op(
     x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, eps: float, u: Optional[Tensor], rstd: Optional[Tensor]
 ) -> tuple[Tensor, Tensor, Tensor]:
     d, f = x.shape[-1], w_gate.shape[0]
-    x2 = x.reshape(-1, d)
+    x2 = rows(x)
     if u is None or rstd is None:
         u, rstd = rmsnorm_stats(x2, norm_weight, eps, w_gate.dtype)
     else:
@@ -83,7 +84,7 @@ def _(x, norm_weight, w_gate, w_up, eps, u, rstd):
 
 def rmsnorm_swiglu_backward(dy, z, x, norm_weight, w_gate, w_up, rstd, dweights_into=()):
     """(dx, dnorm_weight, dW_gate, dW_up) given dy (the module doc's steps 1 and 2)."""
-    dz, zdz = swiglu_backward(dy.reshape(z.shape[0], -1).to(z.dtype), z)
+    dz, zdz = swiglu_backward(dy.reshape(z.shape[0], z.shape[1] // 2).to(z.dtype), z)
     dx, dg, (dwg, dwu) = rmsnorm_linear_backward(dz, zdz, x, norm_weight, [w_gate, w_up], rstd, dweights_into)
     return dx, dg, dwg, dwu
 
