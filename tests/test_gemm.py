@@ -212,8 +212,9 @@ def test_linear_custom_ops_pass_opcheck():
     x, w, b = (torch.randn(*s, device=DEVICE, requires_grad=True) for s in ((5, 8), (6, 8), (6,)))
     torch.library.opcheck(torch.ops.codetta.linear.default, (x, w, b))
     torch.library.opcheck(torch.ops.codetta.linear.default, (x, w, None))
-    torch.library.opcheck(torch.ops.codetta.linear_backward.default, (torch.randn(5, 6, device=DEVICE), x.detach(),
-                                                                       w.detach(), True))
+    for needs in ((True, True), (False, True), (True, False)):  # dx, dW: what autograd asks for
+        torch.library.opcheck(torch.ops.codetta.linear_backward.default, (torch.randn(5, 6, device=DEVICE), x.detach(),
+                                                                           w.detach(), True, *needs))
 
 
 def test_explain_reports_path():

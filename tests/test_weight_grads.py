@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import codetta
 import codetta.ops.weight_grads as weight_grads
 from codetta.ops import (
     accumulate_weight_grads,
@@ -111,6 +112,55 @@ def test_second_micro_batch_adds_into_grad_in_the_gemm(name, added_in_gemm):
         assert w.grad is first  # added in place, not replaced
         err = ((w.grad.double() - ref).norm() / ref.norm()).item()
         assert err < 1e-5, err
+
+
+@pytest.fixture
+def wgrad_gemms(monkeypatch):
+    """The number of wgrad GEMMs run (any program)."""
+    calls = []
+    gemm = weight_grads.gemm
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return gemm(*args, **kwargs)
+
+    monkeypatch.setattr(weight_grads, "gemm", counting)
+    return lambda: len(calls)
+
+
+@pytest.mark.parametrize("name", [*OPS, "linear"])
+def test_frozen_weights_cost_no_gradient_gemm(name, wgrad_gemms):
+    """A weight that requires no gradient (frozen, as in partial fine-tuning) gets none and costs
+    no wgrad GEMM; the others' gradients and x's are those of the fp64 math."""
+    shapes, op, reference = OPS.get(name) or ([(24, D)], lambda x, g, pos, w: codetta.linear(x, w[0]),
+                                              lambda x, g, pos, w: F.linear(x, w[0]))
+    weights = [torch.nn.Parameter(torch.randn(*s, device=DEVICE) / D**0.5) for s in shapes]
+    weights[0].requires_grad_(False)
+    g = 1 + 0.2 * torch.randn(D, device=DEVICE)
+    (x, pos), = _micro_batches(1)
+    x.requires_grad_()
+    out = op(x, g, pos, weights)
+    dy = torch.randn_like(out)
+    (out * dy).sum().backward()
+    assert wgrad_gemms() == len(weights) - 1 and weights[0].grad is None
+    x64 = x.detach().double().requires_grad_()
+    w64 = [w.detach().double().requires_grad_(w.requires_grad) for w in weights]
+    (reference(x64, g.double(), pos, w64) * dy.double()).sum().backward()
+    for got, ref in zip([x, *weights[1:]], [x64, *w64[1:]]):
+        assert ((got.grad.double() - ref.grad).norm() / ref.grad.norm()).item() < 1e-5
+
+
+def test_frozen_weight_under_torch_compile(wgrad_gemms):
+    """Through the registered op (torch.compile): autograd says which gradients it needs."""
+    x = torch.randn(M, D, device=DEVICE, requires_grad=True)
+    w = torch.randn(24, D, device=DEVICE) / D**0.5
+    b = torch.randn(24, device=DEVICE, requires_grad=True)
+    out = torch.compile(codetta.linear, backend="aot_eager", fullgraph=True)(x, w, b)
+    dy = torch.randn_like(out)
+    (out * dy).sum().backward()
+    assert wgrad_gemms() == 0
+    torch.testing.assert_close(x.grad, dy @ w, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b.grad, dy.sum(0), rtol=1e-5, atol=1e-5)
 
 
 def test_outside_the_context_autograd_accumulates(added_in_gemm):

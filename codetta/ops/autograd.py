@@ -37,6 +37,13 @@ def refuse_double_backward(name: str, grads) -> None:
                            "create_graph=True (double backward) through them is not supported")
 
 
+def arguments_needing_grad(ctx) -> tuple:
+    """In an op's backward, on either route: ``ctx.needs_input_grad`` per argument of the op
+    (the direct Function's ctx has two arguments of its own first). For ops without list
+    arguments (the direct route flattens lists)."""
+    return ctx.needs_input_grad[2:] if getattr(ctx, "direct", None) is not None else ctx.needs_input_grad
+
+
 def _runs_directly(args) -> bool:
     """Not under torch.compile nor a torch.func transform (vmap, grad: its wrapped tensors look
     plain), and every tensor argument (also in lists) a plain Tensor or Parameter."""

@@ -13,7 +13,7 @@ from torch import Tensor
 from .. import epilogue as ep
 from ..matmul import GemmError, gemm
 from .autocast import casts_under_autocast
-from .autograd import direct_op
+from .autograd import arguments_needing_grad, direct_op
 from .weight_grads import weight_grad
 from .shapes import rows
 
@@ -38,16 +38,20 @@ def _(x, weight, bias):
 
 
 @direct_op("codetta::linear_backward")
-def _linear_backward_op(dy: Tensor, x: Tensor, weight: Tensor, with_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dW, db; db empty without a bias)."""
+def _linear_backward_op(dy: Tensor, x: Tensor, weight: Tensor, with_bias: bool, need_dx: bool,
+                        need_dw: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dW, db), each empty where not needed (no GEMM for a frozen weight or an input
+    without gradient; db without a bias)."""
     dy2, x2 = rows(dy), rows(x)
     db = dy2.sum(0, dtype=torch.float32).to(dy.dtype) if with_bias else dy.new_empty(0)
-    return gemm(dy2, weight).reshape(x.shape), weight_grad(dy2, x2, None), db
+    dx = gemm(dy2, weight).reshape(x.shape) if need_dx else dy.new_empty(0)
+    return dx, weight_grad(dy2, x2, None) if need_dw else dy.new_empty(0), db
 
 
 @_linear_backward_op.register_fake
-def _(dy, x, weight, with_bias):
-    return torch.empty_like(x), torch.empty_like(weight), dy.new_empty(dy.shape[-1] if with_bias else 0)
+def _(dy, x, weight, with_bias, need_dx, need_dw):
+    return (torch.empty_like(x) if need_dx else dy.new_empty(0), torch.empty_like(weight) if need_dw else dy.new_empty(0),
+            dy.new_empty(dy.shape[-1] if with_bias else 0))
 
 
 def _setup(ctx, inputs, output):
@@ -58,8 +62,9 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dy):
     x, weight = ctx.saved_tensors
-    dx, dw, db = _linear_backward_op(dy, x, weight, ctx.with_bias)
-    return dx, dw, db if ctx.with_bias else None
+    need_dx, need_dw = arguments_needing_grad(ctx)[:2]
+    dx, dw, db = _linear_backward_op(dy, x, weight, ctx.with_bias, need_dx, need_dw)
+    return dx if need_dx else None, dw if need_dw else None, db if ctx.with_bias else None
 
 
 _linear_op.register_autograd(_backward, setup_context=_setup)

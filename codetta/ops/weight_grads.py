@@ -66,20 +66,29 @@ def _existing_grad(w: Tensor) -> Optional[Tensor]:
 
 
 def run_backward(ctx, weights: list[Tensor], op, math, *args):
-    """An operator's backward: ``op(*args)``, its registered backward op; or, inside
-    :func:`accumulate_weight_grads` and when some weight has a .grad to add into,
-    ``math(*args, dweights_into=[that .grad or None per weight])``, the same computation as
-    a plain function, whose weight gradients for those weights come back empty.
+    """An operator's backward: ``op(*args)``, its registered backward op; or, when some weight is
+    frozen (requires no gradient) or, inside :func:`accumulate_weight_grads`, has a .grad to
+    add into, ``math(*args, dweights_into=[per weight: an empty tensor, that .grad, or None])``,
+    the same computation as a plain function, whose weight gradients for those weights come
+    back empty (a frozen weight's wgrad GEMM is not run).
 
     Only on the direct eager route (``ctx.direct``, see :mod:`codetta.ops.autograd`) with
     grad mode off: the registered ops stay pure, so torch.compile and tensor subclasses
     keep autograd's own accumulation.
     """
-    if _ENABLED[0] and getattr(ctx, "direct", None) is not None and not torch.is_grad_enabled():
-        into = [_existing_grad(w) for w in weights]
+    if getattr(ctx, "direct", None) is not None and not torch.is_grad_enabled():
+        into = [_gradient_into(w) for w in weights]
         if any(t is not None for t in into):
             return math(*args, dweights_into=into)
     return op(*args)
+
+
+def _gradient_into(w: Tensor) -> Optional[Tensor]:
+    """Where w's gradient goes (see :func:`weight_grads`): nowhere (an empty tensor: no GEMM) for a
+    frozen weight, its .grad inside :func:`accumulate_weight_grads`, else None (a new tensor)."""
+    if not w.requires_grad:
+        return w.new_empty(0)
+    return _existing_grad(w) if _ENABLED[0] else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,18 +101,21 @@ def weight_grad_program(dtype: torch.dtype, accumulate: bool) -> ep.Program:
 
 def weight_grads(dz: Tensor, h: Tensor, weights: list[Tensor], dweights_into=()) -> list[Tensor]:
     """dW_i = dz_i^T h for the column blocks dz_i of dz [M, sum N_i] (one per weight [N_i, d]),
-    h [M, d]; where ``dweights_into`` gives a tensor, dW_i is added into it instead and
-    comes back empty (see :func:`for_autograd`)."""
+    h [M, d]; where ``dweights_into`` gives a tensor, dW_i is added into it instead (nothing
+    is computed for an empty one: a frozen weight) and comes back empty (see
+    :func:`for_autograd`)."""
     parts = torch.split(dz, [w.shape[0] for w in weights], dim=-1)
     into = list(dweights_into) or [None] * len(weights)
     return [weight_grad(part, h, t) for part, t in zip(parts, into)]
 
 
 def weight_grad(dz: Tensor, h: Tensor, into: Optional[Tensor]) -> Tensor:
-    """dz^T h [N, d] for dz [M, N], h [M, d]; with ``into``, added into it instead, and an empty
-    tensor returned."""
+    """dz^T h [N, d] for dz [M, N], h [M, d]; with ``into``, added into it instead (an empty
+    ``into``: not computed), and an empty tensor returned."""
     if into is None:
         return gemm(dz.t(), h)
+    if into.numel() == 0:
+        return h.new_empty(0)
     gemm(dz.t(), h, weight_grad_program(into.dtype, True), dw=into)
     return h.new_empty(0)
 
