@@ -116,6 +116,33 @@ def test_attention_function_gets_the_models_arguments(name, overrides):
     assert calls[0][0]["position_ids"] == position_ids.tolist()
 
 
+def _errors(model, ref64, ids):
+    """(loss, every parameter gradient) relative errors of ``model`` against the fp64 model's."""
+    loss64, grads64 = loss_and_grads(ref64, input_ids=ids, labels=ids)
+    loss, grads = loss_and_grads(model, input_ids=ids, labels=ids)
+    errors = {name: ((grads[name].double() - g).norm() / g.norm()).item() for name, g in grads64.items()}
+    return abs(loss.double() - loss64).item() / loss64.item(), errors
+
+
+@pytest.mark.parametrize("key", ["llama", "mistral_sliding", "qwen2_bias", "qwen3_qk_norm"])
+def test_bf16_model_within_twice_the_unpatched_error(key):
+    """A model cast to bf16: the loss and every gradient of the patched model are within 2x the
+    unpatched bf16 model's error, both against the same model in fp64 (plus a floor of a
+    quarter of bf16's epsilon, for gradients the unpatched model happens to hit closely)."""
+    name, overrides = MODELS[key]
+    ref = tiny(name, **overrides)
+    ref64 = copy.deepcopy(ref).double()
+    ref16 = copy.deepcopy(ref).to(torch.bfloat16)
+    model = codetta.patch(copy.deepcopy(ref16))
+    ids = torch.randint(0, VOCAB, (2, 16), device=DEVICE)
+    loss_err_ref, errs_ref = _errors(ref16, ref64, ids)
+    loss_err, errs = _errors(model, ref64, ids)
+    floor = 2e-3
+    assert loss_err <= 2 * loss_err_ref + floor
+    worse = {n: (errs[n], errs_ref[n]) for n in errs_ref if errs[n] > 2 * errs_ref[n] + floor}
+    assert not worse, worse
+
+
 @pytest.mark.parametrize("bias, rope", [(False, True), (True, True), (False, False)], ids=["fused", "fused_bias",
                                                                                            "rope_false"])
 def test_qwen3_qk_norm_fused_into_the_qkv_epilogue(bias, rope, monkeypatch):
