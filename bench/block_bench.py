@@ -2,7 +2,7 @@
 
     python bench/block_bench.py [--d 2048,4096,8192] [--m 16384] [--no-compile]
 
-The block runs from one layer's O-projection to the next layer's QKV (ANCHORS.md's "f"):
+The block runs from one layer's O-projection to the next layer's QKV (the peers' op "f"):
 
     x1 = x + a W_o^T;  y = SwiGLU(RMSNorm(x1) W_gu^T);  x2 = x1 + y W_d^T;  q, k, v = RoPE(RMSNorm(x2) W_qkv^T)
 

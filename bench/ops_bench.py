@@ -3,7 +3,7 @@
     python bench/ops_bench.py [--m 16384,4096] [--no-compile] [--compile-mode MODE] [--ops a,b,c,d,e]
                               [--shapes llama3-8b,paper-d2048,paper-d4096,paper-d8192]
 
-Per op (ANCHORS.md's a-e at Llama-3-8B shapes, or the CODA paper's at d = 2048, 4096, 8192:
+Per op (the peers' ops a-e at Llama-3-8B shapes, or the CODA paper's at d = 2048, 4096, 8192:
 FFN = round_up(8d/3, 256), vocabulary 32768): codetta, eager PyTorch written the usual
 unfused way (the package's *_reference functions), torch.compile of that eager code
 (mode "max-autotune-no-cudagraphs"), Liger-Kernel where it has the op (when importable),
@@ -244,7 +244,7 @@ def table(rows):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--m", default="16384", help="tokens, comma-separated (the loss op uses half of them, as ANCHORS)")
+    parser.add_argument("--m", default="16384", help="tokens, comma-separated (the loss op uses half of them, as the peers' anchors)")
     parser.add_argument("--ops", default="a,b,c,d,e")
     parser.add_argument("--shapes", default="llama3-8b", help=f"comma-separated, of {sorted(SHAPES)}")
     parser.add_argument("--no-compile", action="store_true")

@@ -9,13 +9,22 @@ tests and small demos).
 """
 
 import os as _os
+import sys as _sys
+import warnings as _warnings
 
 import torch as _torch
 
-if not _torch.cuda.is_available():
+if not _torch.cuda.is_available() and "TRITON_INTERPRET" not in _os.environ:
     # No GPU: run the real kernels in Triton's CPU interpreter. This must be decided before
-    # Triton decorates codetta's kernels, i.e. here; set TRITON_INTERPRET yourself to override.
-    _os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Triton decorates any kernel, its own library's included (at ``import triton``); set
+    # TRITON_INTERPRET yourself to override.
+    if "triton" in _sys.modules:
+        _warnings.warn("codetta: there is no CUDA GPU, and triton was imported before codetta (torch.compile and "
+                       "transformers' models import it), so Triton's CPU interpreter can no longer be turned on: "
+                       "codetta's kernels will refuse to run. Set TRITON_INTERPRET=1 in the environment, or import "
+                       "codetta first.", stacklevel=2)
+    else:
+        _os.environ["TRITON_INTERPRET"] = "1"
 
 from . import epilogue  # noqa: E402
 from .epilogue import EpilogueError, Program, kernel_source, run_reference  # noqa: E402
@@ -25,19 +34,30 @@ from .ops import linear  # noqa: E402
 __version__ = "0.1.0"
 
 
-def patch(model, **options):
-    """Patch a Hugging Face causal LM in place to run codetta's fused operators; see
-    :func:`codetta.integrations.hf.patch` (imports transformers on first use)."""
-    from .integrations.hf import patch as _patch
+def _hf():
+    """codetta.integrations.hf, imported on first use (it needs transformers)."""
+    try:
+        from .integrations import hf
+    except ModuleNotFoundError as e:
+        if e.name != "transformers":
+            raise
+        raise ModuleNotFoundError('codetta.patch needs transformers: pip install "codetta[hf]"',
+                                  name="transformers") from e
+    return hf
 
-    return _patch(model, **options)
+
+def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True, cross_entropy: bool = True):
+    """Patch a Hugging Face causal LM (Llama, Mistral, Qwen2, Qwen3) in place to run codetta's
+    fused operators, and return it: ``rms_norm`` folds every RMSNorm into the GEMMs around it,
+    ``rope`` and ``swiglu`` run in the QKV and gate/up epilogues (they need ``rms_norm``),
+    ``cross_entropy`` fuses the LM head with the loss when labels are given. See
+    :func:`codetta.integrations.hf.patch`."""
+    return _hf().patch(model, rms_norm=rms_norm, rope=rope, swiglu=swiglu, cross_entropy=cross_entropy)
 
 
 def unpatch(model):
     """Undo :func:`patch`."""
-    from .integrations.hf import unpatch as _unpatch
-
-    return _unpatch(model)
+    return _hf().unpatch(model)
 
 __all__ = [
     "Config", "EpilogueError", "GemmError", "Program", "epilogue", "explain", "gemm", "interleave", "kernel_source",

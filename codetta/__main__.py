@@ -1,12 +1,13 @@
-"""``python -m codetta demo``: codetta doing its work, on whatever device is present.
+"""codetta demo: codetta doing its work, on whatever device is present.
 
 1. One fused GEMM+epilogue program (RMSNorm folded into a GEMM, SwiGLU in its epilogue),
    checked against PyTorch and, on a GPU, timed against cuBLAS.
 2. A small Llama trained twice, as transformers builds it and patched by codetta: loss
-   parity, throughput, and a PNG of both loss curves (:mod:`codetta.demo`).
+   parity, throughput, and a PNG of both loss curves (codetta/demo.py).
 
 On a machine without a CUDA GPU the real Triton kernels run in Triton's CPU interpreter
-on small shapes; on a GPU they are compiled.
+on small shapes; on a GPU they are compiled. The demo needs transformers, tqdm and
+matplotlib (pip install "codetta[demo]").
 """
 
 from __future__ import annotations
@@ -93,21 +94,53 @@ def fused_program_check(args):
 
 
 def demo(args):
-    from pathlib import Path
-
     from . import demo as training_demo
 
-    return fused_program_check(args) or training_demo.run(Path(args.out), steps=args.steps)
+    return fused_program_check(args) or training_demo.run(args.out, steps=args.steps)
+
+
+MIN_STEPS = 10
+
+
+def _steps(text: str) -> int:
+    steps = int(text)
+    if steps < MIN_STEPS:
+        raise argparse.ArgumentTypeError(f"at least {MIN_STEPS} steps (the parity check compares the runs' last "
+                                         f"tenth, after they have learned something), got {steps}")
+    return steps
+
+
+def _plot_path(text: str):
+    from pathlib import Path
+
+    path = Path(text)
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{path.parent} is not a folder (the plot is written after the training)")
+    return path
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="codetta", description=__doc__)
+    parser = argparse.ArgumentParser(prog="codetta", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="run a fused GEMM+epilogue program, check it, time it on a GPU")
+    d = sub.add_parser("demo", help="check a fused GEMM+epilogue program (timed on a GPU), then train a small "
+                                    "Llama plain and patched: loss parity, throughput, a plot")
     d.add_argument("--show-source", action="store_true", help="print the generated Triton kernel")
-    d.add_argument("--out", default="codetta_demo_loss.png", help="where to write the loss-curve plot")
-    d.add_argument("--steps", type=int, default=None, help="training steps (default: by device)")
-    return demo(parser.parse_args(argv))
+    d.add_argument("--out", type=_plot_path, default="codetta_demo_loss.png",
+                   help="where to write the loss-curve plot")
+    d.add_argument("--steps", type=_steps, default=None, help=f"training steps, at least {MIN_STEPS} (default: by device)")
+    missing = _missing_extras()
+    args = parser.parse_args(argv)
+    if missing:
+        print(f"codetta demo needs {', '.join(missing)}: pip install \"codetta[demo]\"", file=sys.stderr)
+        return 2
+    return demo(args)
+
+
+def _missing_extras() -> list[str]:
+    from importlib.util import find_spec
+
+    return [name for name in ("transformers", "tqdm", "matplotlib") if find_spec(name) is None]
 
 
 if __name__ == "__main__":

@@ -106,12 +106,13 @@ def plot(curves: dict, path: Path, title: str):
 
 
 def run(out: Path, steps: int | None = None) -> int:
+    """Train both runs, print the comparison, write the plot to ``out``; 0 when the losses agree."""
     import codetta
 
     gpu = torch.cuda.is_available()
     device = "cuda" if gpu else "cpu"
     setup = GPU if gpu else CPU
-    if steps:
+    if steps is not None:
         setup = Setup(**{**setup.__dict__, "steps": steps})
     where = torch.cuda.get_device_name() if gpu else "CPU: Triton interpreter, a small model in fp32"
     print(f"\nTraining a {setup.layers}-layer Llama (d={setup.hidden}, {setup.heads} heads, {setup.kv_heads} kv heads) "
@@ -134,15 +135,16 @@ def run(out: Path, steps: int | None = None) -> int:
     print(f"loss curves: {out}")
     # Two trainings drift apart step by step from rounding alone (chaotically, more in bf16):
     # parity is judged on the mean loss of the last tenth of the run, the gap measured against
-    # the first loss (on a GPU the model learns the short text by heart: the end losses are
-    # near zero, where a ratio of the two would measure noise).
+    # the first loss (a ratio of two end losses would weigh that noise by how far both learned).
     tail = max(1, setup.steps // 10)
     end_plain, end_fused = sum(loss_plain[-tail:]) / tail, sum(loss_fused[-tail:]) / tail
     tolerance = 0.02 if setup.dtype == torch.bfloat16 else 1e-3
     gap = abs(end_fused - end_plain) / loss_plain[0]
     print(f"mean loss of the last {tail} steps: {end_plain:.4f} vs {end_fused:.4f} (gap {gap:.1e} of the first "
           f"loss, tolerance {tolerance:.0e})")
-    if gap > tolerance or end_fused > 0.75 * loss_fused[0]:
-        print("FAILED: the patched run does not learn as the unpatched run does")
+    if gap > tolerance:
+        print("FAILED: the patched run's loss is not the unpatched run's")
         return 1
+    if end_plain > 0.75 * loss_plain[0]:
+        print("(neither run has learned much yet: give it more --steps for a meaningful comparison)")
     return 0

@@ -2,7 +2,7 @@
 
 A block runs from one layer's O-projection to the next layer's QKV projection, so that the
 GEMM that makes a residual stream also makes the statistics of the norm that reads it
-(DESIGN.md). With x the residual stream [..., d], per layer l:
+(:mod:`codetta.ops.rmsnorm`). With x the residual stream [..., d], per layer l:
 
     q, k, v = RoPE(RMSNorm_l(x) W_qkv^T)          rmsnorm_qkv_rope, reading (u, rstd) of x
     a       = SDPA(q, k, v), causal               torch.nn.functional.scaled_dot_product_attention

@@ -8,6 +8,10 @@ checked against torch. Values are small multiples of 1/4 where a comparison is e
 every product and sum of them is exact in fp32.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -177,6 +181,8 @@ def test_program_that_writes_nothing_is_refused():
         codetta.gemm(dyadic(8, 5), dyadic(5, 6), p, r=dyadic(8))
     with pytest.raises(EpilogueError, match="writes nothing"):
         codetta.kernel_source(p, "ptr")
+    with pytest.raises(EpilogueError, match=r"path must be one of \['ptr', 'tma'\], got 'bogus'"):
+        codetta.kernel_source(operand_program(), "bogus")
 
 
 def test_unknown_operand_is_refused():
@@ -572,3 +578,22 @@ def test_an_unusable_kernel_cache_falls_back_to_a_folder_of_the_process(tmp_path
     with pytest.warns(UserWarning, match="cannot use the kernel cache"):
         out = codetta.gemm(a, b, p)["y"]
     torch.testing.assert_close(out, 3.0 * (a.double() @ b.double()).float())
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="without a GPU only: codetta then needs Triton's interpreter")
+@pytest.mark.parametrize("first", ["import codetta", "import triton; import codetta"])
+def test_interpreter_switched_on_at_import_or_a_clear_error(first):
+    """Without a GPU, importing codetta turns Triton's interpreter on, which works only before
+    triton is imported: after it, a warning at import and a clear error at the first kernel,
+    not Triton's internal one."""
+    script = (f"{first}\nimport torch\n"
+              "print(codetta.linear(torch.ones(2, 3), torch.ones(4, 3)).sum().item())")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if first == "import codetta":
+        assert done.returncode == 0 and done.stdout.strip() == "24.0", done.stderr
+    else:
+        assert done.returncode != 0
+        assert "triton was imported before codetta" in done.stderr
+        assert "GemmError" in done.stderr and "TRITON_INTERPRET=1" in done.stderr

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .ir import FULL, HALF, Program
+from .ir import FULL, HALF, EpilogueError, Program
 
 _TL_DTYPE = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16"}
 
@@ -367,6 +367,8 @@ _MAINLOOP = {
 
 def kernel_source(program: Program, path: str) -> str:
     """The Triton source of ``program`` fused into the GEMM kernel; path is 'tma' or 'ptr'."""
+    if path not in _MAINLOOP:
+        raise EpilogueError(f"path must be one of {sorted(_MAINLOOP)}, got {path!r}")
     program.check()
     w = _Writer()
     _epilogue(program, w, path)

@@ -74,8 +74,9 @@ def check_device(device: torch.device, what: str = "a") -> None:
         )
     if device.type == "cpu" and not interpreting():
         raise GemmError(
-            "codetta's kernels run on a CUDA GPU; on a CPU set TRITON_INTERPRET=1 before importing "
-            "codetta (Triton's interpreter), or use codetta.epilogue.run_reference"
+            "codetta's kernels run on a CUDA GPU; on a CPU they need Triton's interpreter: set TRITON_INTERPRET=1 "
+            "in the environment before Python imports triton (importing codetta before triton, torch.compile or "
+            "transformers' models does it), or use codetta.epilogue.run_reference"
         )
 
 
@@ -511,7 +512,7 @@ def gemm(a, b, epilogue: Program | None = None, *, out=None, config=None, **oper
             ``interleave(b0, b1)``: two [K, N/2] whose columns alternate.
         epilogue: a :class:`codetta.epilogue.Program`; None means a plain GEMM.
         out: optional name -> tensor to write outputs into (checked: shape, dtype, device).
-        config: a :class:`codetta.gemm.Config` to use instead of tuning.
+        config: a :class:`codetta.Config` to use instead of tuning.
         **operands: the program's operands by name (and, for accumulating stores, the
             tensor to add into).
 

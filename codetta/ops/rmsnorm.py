@@ -1,6 +1,6 @@
 """RMSNorm folded into the GEMMs around it, forward and backward.
 
-Notation (DESIGN.md §2): x [M, d] is the residual stream, g [d] the norm weight,
+Notation: x [M, d] is the residual stream, g [d] the norm weight,
 r_i = rsqrt(mean_j x_ij^2 + eps), h = x ⊙row r ⊙col g = RMSNorm(x) and a linear layer
 z = h W^T with W [N, d] as nn.Linear stores it.
 

@@ -11,7 +11,7 @@ the epilogue scales rows by r, writes y and keeps z = [z_g | z_u] ([M, 2F], gate
 up block) for the backward. W_gu is a copy made per call (2 F d elements read and written,
 about 2% of the GEMM at d = 4096): ``codetta.interleave`` reads the two weights without a
 copy, but as two dots of half width per tile, which read each A tile from shared memory
-twice; on an H200 that made the whole op 1.22x its GEMM time (bench/results/ops.md).
+twice; on an H200 that made the whole op 1.22x its GEMM time (an earlier ops_bench run).
 
 Backward, given dy [M, F] (s = sigmoid(z_g), fp32 math):
 

@@ -20,9 +20,10 @@ __all__ = ["ARCHITECTURES", "UnsupportedModelError", "patch", "unpatch"]
 
 
 class FusedForward:
-    """A patched module's ``forward``: ``function(module, ...)``, with the signature of a bound
-    method (transformers reads it: which inputs generate() and the Trainer pass). Unlike a
-    bound method of a module-level function, it survives pickling (``torch.save`` of a whole model)."""
+    """A patched module's ``forward``: ``function(module, ...)``, with the signature of the module's
+    own bound ``forward`` (transformers reads it: which inputs generate() and the Trainer pass,
+    under the names the installed version uses, e.g. the KV cache's). Unlike a bound method of
+    a module-level function, it survives pickling (``torch.save`` of a whole model)."""
 
     def __init__(self, function, module):
         self.function, self.module = function, module
@@ -32,7 +33,7 @@ class FusedForward:
 
     @property
     def __signature__(self):
-        return inspect.Signature(list(inspect.signature(self.function).parameters.values())[1:])
+        return inspect.signature(type(self.module).forward.__get__(self.module))
 
 
 def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True, cross_entropy: bool = True):

@@ -122,15 +122,24 @@ def _qkv(layer, plan: LayerPlan, x, stats, position_ids, position_embeddings, kw
     return q.flatten(-2), k.flatten(-2), v
 
 
-def _attention(attn, plan: LayerPlan, q, k, v, attention_mask, past_key_values, kwargs):
+_CACHE_NAMES = ("cache", "past_key_values")  # the KV cache's argument: transformers 5.24 renamed it
+
+
+def _attention(attn, plan: LayerPlan, q, k, v, attention_mask, kwargs):
     """The model's attention on [..., heads * head_dim] q, k, v, as its attention module runs it:
     the same attention function with the same arguments (``kwargs``: what the decoder layer
     passes its attention module, position_ids and use_cache included: flash attention reads
-    packed sequences' boundaries from position_ids)."""
+    packed sequences' boundaries from position_ids), after the KV cache's update. The cache
+    comes as ``cache`` (transformers >= 5.24, whose update also takes the attention's keyword
+    arguments) or ``past_key_values`` (earlier)."""
     lead = q.shape[:-1]
     q, k, v = (t.reshape(*lead, -1, attn.head_dim).transpose(1, 2) for t in (q, k, v))
-    if past_key_values is not None:
-        k, v = past_key_values.update(k, v, attn.layer_idx)
+    kwargs = dict(kwargs)
+    caches = {name: kwargs.pop(name) for name in _CACHE_NAMES if name in kwargs}
+    if caches.get("cache") is not None:
+        k, v = caches["cache"].update(k, v, attn.layer_idx, kwargs=kwargs)
+    elif caches.get("past_key_values") is not None:
+        k, v = caches["past_key_values"].update(k, v, attn.layer_idx)
     modeling = plan.classes.modeling
     interface = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
                                                                modeling.eager_attention_forward)
@@ -170,20 +179,19 @@ def _fusable(layer, plan: LayerPlan) -> bool:
     return hooked is None and not attention_weights_requested()
 
 
-def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
-                          use_cache=False, position_embeddings=None, **kwargs):
-    """Drop-in for the layer's ``forward`` (same arguments, same result, the norms folded)."""
+def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_ids=None, use_cache=False,
+                          position_embeddings=None, **kwargs):
+    """Drop-in for the layer's ``forward`` (same arguments, same result, the norms folded); the KV
+    cache comes in ``kwargs`` under the name the installed transformers uses."""
     plan: LayerPlan = layer._codetta_plan
     if not _fusable(layer, plan):
         plan.incoming.take(None)  # the statistics handed to this layer go unused
         return type(layer).forward(layer, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                   past_key_values=past_key_values, use_cache=use_cache,
-                                   position_embeddings=position_embeddings, **kwargs)
+                                   use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
     attn, mlp, ln2 = layer.self_attn, layer.mlp, layer.post_attention_layernorm
     x = hidden_states
     q, k, v = _qkv(layer, plan, x, plan.incoming.take(x), position_ids, position_embeddings, kwargs)
-    a = _attention(attn, plan, q, k, v, attention_mask, past_key_values,
-                   dict(position_ids=position_ids, use_cache=use_cache, **kwargs))
+    a = _attention(attn, plan, q, k, v, attention_mask, dict(position_ids=position_ids, use_cache=use_cache, **kwargs))
     x1, stats = linear_residual(a, attn.o_proj.weight, x, ln2.weight, ln2.variance_epsilon, bias=attn.o_proj.bias)
     ln_next = plan.next_layer.input_layernorm if plan.next_layer is not None else None
     hand_on = (

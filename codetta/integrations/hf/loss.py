@@ -41,21 +41,22 @@ def why_loss_unfusable(model):
     return None
 
 
-def fused_causal_lm_forward(model, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                            inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+def fused_causal_lm_forward(model, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
+                            labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+    """Drop-in for the causal LM's ``forward``; the KV cache (``cache`` or ``past_key_values``, as
+    the installed transformers names it) is passed through in ``kwargs``."""
     why = why_loss_unfusable(model) if labels is not None else None
     if why is not None:
         warnings.warn(f"codetta: {why}; the loss runs unfused", stacklevel=2)
     if labels is None or why is not None:  # no labels: as transformers, no loss (shift_labels only refines labels)
         return type(model).forward(model, input_ids=input_ids, attention_mask=attention_mask,
-                                   position_ids=position_ids, past_key_values=past_key_values,
-                                   inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
-                                   logits_to_keep=logits_to_keep, **kwargs)
+                                   position_ids=position_ids, inputs_embeds=inputs_embeds, labels=labels,
+                                   use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
     shift_labels = kwargs.pop("shift_labels", None)
     num_items = kwargs.pop("num_items_in_batch", None)
     return_dict = kwargs.pop("return_dict", None)
     outputs = model.model(return_dict=True, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+                          inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
     ignore_index = kwargs.get("ignore_index", IGNORE_INDEX)  # as the model, which passes kwargs to its loss too
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
@@ -67,8 +68,9 @@ def fused_causal_lm_forward(model, input_ids=None, attention_mask=None, position
                                 reduction="mean" if num_items is None else "sum")
     if num_items is not None:
         loss = loss / num_items
-    result = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                                    hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    # the base model's outputs but its last hidden state (the cache's field is named as the installed transformers names it)
+    result = CausalLMOutputWithPast(loss=loss, logits=None,
+                                    **{k: v for k, v in outputs.items() if k != "last_hidden_state"})
     if return_dict is False:  # to_tuple() drops None fields: keep the logits' place, as callers unpack by position
         return (loss, None, *result.to_tuple()[1:])
     return result
