@@ -40,7 +40,9 @@ def _bars(ax, labels, series, target=None, top=None):
 def _ratio_plot(name: str, label_of, title: str, target: float):
     data = json.loads((RESULTS / f"{name}.json").read_text())
     rows = data["rows"]
-    variants = [k[: -len("/SOL")] for k in dict.fromkeys(k for r in rows for k in r) if k.endswith("/SOL")]
+    # GPU-time ratios per variant (the host-time columns, "<variant> host/SOL", are not plotted)
+    variants = [k[: -len("/SOL")] for k in dict.fromkeys(k for r in rows for k in r)
+                if k.endswith("/SOL") and not k.endswith(" host/SOL")]
     fig, ax = plt.subplots(figsize=(9, 4.5))
     top = 2.5
     _bars(ax, [label_of(r) for r in rows], {v: [r.get(f"{v}/SOL") for r in rows] for v in variants}, target, top)
@@ -50,6 +52,7 @@ def _ratio_plot(name: str, label_of, title: str, target: float):
     fig.tight_layout()
     fig.savefig(RESULTS / f"{name}.png", dpi=120)
     plt.close(fig)
+    print(f"wrote {RESULTS / name}.png")
 
 
 def plot_train():
@@ -67,6 +70,7 @@ def plot_train():
     fig.tight_layout()
     fig.savefig(RESULTS / "train.png", dpi=120)
     plt.close(fig)
+    print(f"wrote {RESULTS / 'train.png'}")
 
 
 def main():

@@ -31,6 +31,8 @@ from torch import Tensor, nn
 from .kernels.rmsnorm import rmsnorm_stats
 from .ops import linear_cross_entropy, linear_residual, rmsnorm_qkv_rope, swiglu_mlp
 
+__all__ = ["Decoder", "DecoderConfig", "DecoderLayer"]
+
 
 @dataclass(frozen=True)
 class DecoderConfig:

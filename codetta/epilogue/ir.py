@@ -38,6 +38,9 @@ class EpilogueError(ValueError):
 
 
 class Width(enum.Enum):
+    """The width of an operand or output: the GEMM's N columns (FULL) or N / 2 (HALF: values
+    over column pairs, as :func:`pairs` makes them)."""
+
     FULL = "full"
     HALF = "half"
 
@@ -220,10 +223,12 @@ floor = _make_unary("floor", "largest integer <= x")
 
 
 def maximum(x, y):
+    """Elementwise max(x, y) (fp32; NaN if either is)."""
     return _binary("maximum", x, y)
 
 
 def minimum(x, y):
+    """Elementwise min(x, y) (fp32; NaN if either is)."""
     return _binary("minimum", x, y)
 
 
@@ -358,12 +363,12 @@ class Program:
     """
 
     name: str
-    _nodes: list = field(default_factory=list, repr=False)
-    operands: dict = field(default_factory=dict)
-    outputs: dict = field(default_factory=dict)
-    _acc: Expr | None = field(default=None, repr=False)
-    _analysis: dict = field(default_factory=dict, repr=False)
-    _loads: dict = field(default_factory=dict, repr=False)
+    _nodes: list = field(default_factory=list, repr=False, init=False)
+    operands: dict = field(default_factory=dict, init=False)
+    outputs: dict = field(default_factory=dict, init=False)
+    _acc: Expr | None = field(default=None, repr=False, init=False)
+    _analysis: dict = field(default_factory=dict, repr=False, init=False)
+    _loads: dict = field(default_factory=dict, repr=False, init=False)
 
     def __post_init__(self):
         if not self.name.isidentifier():
