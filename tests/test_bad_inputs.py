@@ -597,3 +597,12 @@ def test_interpreter_switched_on_at_import_or_a_clear_error(first):
         assert done.returncode != 0
         assert "triton was imported before codetta" in done.stderr
         assert "GemmError" in done.stderr and "TRITON_INTERPRET=1" in done.stderr
+
+
+def test_patch_without_transformers_says_what_to_install():
+    """codetta itself needs only torch, triton and numpy; codetta.patch names the extra it needs."""
+    script = ("import sys\nsys.modules['transformers'] = None  # as if not installed\nimport codetta\n"
+              "try:\n    codetta.patch(object())\nexcept ModuleNotFoundError as e:\n    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0 and 'pip install "codetta[hf]"' in done.stdout, done.stderr
