@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .kernels.rmsnorm import rmsnorm_stats
 from .ops import linear_cross_entropy, linear_residual, rmsnorm_qkv_rope, swiglu_mlp
 
 __all__ = ["Decoder", "DecoderConfig", "DecoderLayer"]
@@ -121,7 +120,7 @@ class Decoder(nn.Module):
         """The residual stream after the last layer (before the final norm), [B, S, d]."""
         x = F.embedding(input_ids, self.embed)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
-        stats = rmsnorm_stats(x, self.layers[0].input_norm, self.cfg.rms_norm_eps) if len(self.layers) else None
+        stats = None  # the first layer's QKV operator makes its norm's statistics itself (inside the custom op)
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
             x, stats = layer(x, stats, positions, self.inv_freq, next_norm)
