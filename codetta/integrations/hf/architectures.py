@@ -80,12 +80,13 @@ def model_classes(model) -> ModelClasses:
     ``modeling_llama``."""
     modeling = sys.modules[type(model).__module__]
     family = type(model).__name__.removesuffix("ForCausalLM")
-    roles = ("DecoderLayer", "Attention", "MLP", "RMSNorm", "RotaryEmbedding")
-    missing = [family + role for role in roles if not isinstance(getattr(modeling, family + role, None), type)]
+    found = {family + role: getattr(modeling, family + role, None)
+             for role in ("DecoderLayer", "Attention", "MLP", "RMSNorm", "RotaryEmbedding")}
+    missing = [name for name, cls in found.items() if not isinstance(cls, type)]
     if missing:
         raise UnsupportedModelError(f"{type(model).__name__} is not defined beside {missing} (a transformers "
                                     "modeling module). Nothing was patched.")
-    return ModelClasses(*(getattr(modeling, family + role) for role in roles))
+    return ModelClasses(*found.values())
 
 
 _PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -110,7 +111,7 @@ def is_plain_linear(module) -> bool:
     return isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward
 
 
-_SILU = (torch.nn.SiLU, *(cls for cls in (getattr(activations, "SiLUActivation", None),) if cls is not None))
+_SILU = tuple(cls for cls in (torch.nn.SiLU, getattr(activations, "SiLUActivation", None)) if cls is not None)
 _TRANSFORMERS_RECORDER = "output_capturing_hook"  # transformers' recorder of attentions and hidden states
 
 
