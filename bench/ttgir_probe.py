@@ -47,7 +47,7 @@ def compile_sm90(program, *, BM=128, BN=256, BK=64, num_b=1, warps=8, stages=3, 
                   A_KM=False, B_KN=False, INTERPRET=False, PRECISION="tf32", a_s0=0, a_s1=0)
     signature = {}
     for name in kernel.arg_names:
-        if name in _CONSTEXPRS or name in ("a_s0", "a_s1"):
+        if name in _CONSTEXPRS or name in ("stride_a0", "stride_a1"):
             signature[name] = "constexpr"
         elif name == "a":
             signature[name] = f"tensordesc<bf16[{BM}, {BK}]>"
@@ -56,7 +56,7 @@ def compile_sm90(program, *, BM=128, BN=256, BK=64, num_b=1, warps=8, stages=3, 
             signature[name] = f"tensordesc<bf16[{BN}, {BK}]>" if used else "constexpr"
             if not used:
                 consts[name] = None
-        elif name in ("b_s0", "b_s1", "b_starts", "b_ends"):
+        elif name in ("stride_b0", "stride_b1", "b_starts", "b_ends"):
             signature[name] = tuple(["i32"] * num_b)
         elif name in ("M", "N", "K"):
             signature[name] = "i32"

@@ -11,6 +11,7 @@ every product and sum of them is exact in fp32.
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -606,3 +607,93 @@ def test_patch_without_transformers_says_what_to_install():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 0 and 'pip install "codetta[hf]"' in done.stdout, done.stderr
+
+
+def test_out_for_a_plain_gemm_may_be_one_tensor():
+    a, b = dyadic(9, 8), dyadic(8, 12)
+    out = torch.full((9, 12), float("nan"), device=DEVICE)
+    assert codetta.gemm(a, b, out=out) is out
+    assert torch.equal(out, a @ b)
+    with pytest.raises(GemmError, match="out must be a dict"):
+        codetta.gemm(a, b, store_program(), out=out)
+    with pytest.raises(GemmError, match="out must be a dict"):
+        codetta.gemm(a, b, out=[out])
+
+
+@pytest.mark.parametrize("out_kind", ["store", "accumulate"])
+def test_outputs_whose_elements_overlap_are_refused(out_kind):
+    a, b = dyadic(9, 8), dyadic(8, 12)
+    overlapping = torch.zeros(1, 12, device=DEVICE).expand(9, 12)
+    if out_kind == "store":
+        with pytest.raises(EpilogueError, match="overlap in memory"):
+            codetta.gemm(a, b, store_program(), out={"y": overlapping})
+    else:
+        p = ep.Program("accumulate_overlapping")
+        p.store("y", p.acc, dtype=torch.float32, accumulate=True)
+        with pytest.raises(EpilogueError, match="overlap in memory"):
+            codetta.gemm(a, b, p, y=overlapping)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(BM=24), "BM must be a power of two"),
+    (dict(BK=8), "BK must be a power of two"),
+    (dict(num_warps=3), "num_warps must be a power of two"),
+    (dict(EPI_SPLIT=4), "EPI_SPLIT must be a power of two in \\[1, 2\\]"),
+    (dict(STAGES=0), "STAGES must be a positive integer"),
+    (dict(GROUP_M=1.5), "GROUP_M must be a positive integer"),
+    (dict(FLATTEN=1), "FLATTEN must be a bool"),
+])
+def test_config_values_are_checked(fields, message):
+    with pytest.raises(ValueError, match=message):
+        codetta.Config(**{**dict(BM=16, BN=16, BK=16), **fields})
+
+
+def test_config_must_be_a_config():
+    with pytest.raises(GemmError, match="config must be a codetta.Config"):
+        codetta.gemm(dyadic(9, 8), dyadic(8, 12), config={"BM": 16})
+
+
+def test_gemm_says_it_does_not_track_gradients():
+    a, b = dyadic(9, 8).requires_grad_(), dyadic(8, 12)
+    with pytest.warns(UserWarning, match="does not track gradients"):
+        y = codetta.gemm(a, b)
+    assert y.grad_fn is None
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        codetta.gemm(a, b)  # no graph is recorded here: nothing to say
+        codetta.gemm(a.detach(), b)
+    assert not caught
+
+
+def test_reference_executor_reads_b_and_a_as_gemm_does():
+    """interleave(b0, b1), B in parts along K and a with batch dims: the reference executor
+    gives what codetta.gemm gives, in the same shapes."""
+    p = ep.Program("reference_layouts")
+    y = p.acc * p.row("r")
+    p.store("y", y, dtype=torch.float32)
+    p.row_sum("s", y)
+    p.row_sum("seg", y, segment=4)
+    cases = {
+        "interleave": (dyadic(6, 8), codetta.interleave(dyadic(8, 4), dyadic(8, 4)), lambda b: torch.stack(b, 2).reshape(8, 8)),
+        "parts along K": (dyadic(6, 8), [dyadic(3, 8), dyadic(5, 8)], lambda b: torch.cat(b, 0)),
+        "batch dims": (dyadic(2, 3, 8), dyadic(8, 8), lambda b: b),
+    }
+    for what, (a, b, as_matrix) in cases.items():
+        r = dyadic(*a.shape[:-1])
+        got = codetta.gemm(a, b, p, r=r)
+        ref = ep.run_reference(p, a, b, {"r": r})
+        want = (a.double() @ as_matrix(b).double()) * r.double()[..., None]
+        for name in ("y", "s", "seg"):
+            assert got[name].shape == ref[name].shape, (what, name)
+            torch.testing.assert_close(ref[name].cpu(), got[name].cpu(), msg=f"{what}: {name}")
+        torch.testing.assert_close(ref["y"].double().cpu(), want.cpu(), msg=what)
+
+
+def test_reference_executor_checks_operand_names():
+    p = ep.Program("reference_operands")
+    p.store("y", p.acc * p.row("r"))
+    a, b = dyadic(6, 8), dyadic(8, 4)
+    with pytest.raises(EpilogueError, match="needs operand"):
+        ep.run_reference(p, a, b, {})
+    with pytest.raises(EpilogueError, match="has no operand"):
+        ep.run_reference(p, a, b, {"r": dyadic(6), "typo": 1.0})

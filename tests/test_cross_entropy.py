@@ -328,13 +328,31 @@ def test_grad_output_scales_the_saved_gradients(reduction, grad_output):
         close(inputs[name].grad, ref[name])
 
 
-def test_second_backward_through_saved_gradients_raises():
-    """The saved gradients are scaled in place: a retained graph cannot be run twice."""
+@pytest.mark.parametrize("grad_output", [2.0, 1.0])
+def test_second_backward_through_saved_gradients_raises_clearly(grad_output):
+    """The saved gradients are handed out (scaled in place) by the first backward: a retained graph
+    cannot be run twice, and the error says so and what to do instead."""
     inputs = make()
-    loss = 2 * linear_cross_entropy(inputs["x"], inputs["weight"], inputs["target"], eps=EPS)
+    loss = grad_output * linear_cross_entropy(inputs["x"], inputs["weight"], inputs["target"], eps=EPS)
     loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="inplace"):
+    with pytest.raises(RuntimeError, match="backpropagated already.*reduction='none'"):
         loss.backward()
+    loss = linear_cross_entropy(inputs["x"], inputs["weight"], inputs["target"], eps=EPS)
+    torch.autograd.grad(loss, inputs["x"], retain_graph=True)
+    with pytest.raises(RuntimeError, match="backpropagated already"):
+        torch.autograd.grad(loss, inputs["x"])
+
+
+def test_reduction_none_backpropagated_twice():
+    """reduction='none' recomputes the logits in its backward: a retained graph runs twice, as eager's."""
+    inputs = make()
+    loss = linear_cross_entropy(inputs["x"], inputs["weight"], inputs["target"], reduction="none", eps=EPS).mean()
+    first = torch.autograd.grad(loss, [inputs["x"], inputs["weight"]], retain_graph=True)
+    second = torch.autograd.grad(loss, [inputs["x"], inputs["weight"]])
+    _, ref = pytorch(inputs, "mean")
+    for got in (first, second):
+        close(got[0], ref["x"])
+        close(got[1], ref["weight"])
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

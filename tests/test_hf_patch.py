@@ -583,6 +583,12 @@ HOOKS = {  # a module the fused forward (or loss) would skip, and a hook that ch
         lambda mod, args, out: (0.5 * out[0], *out[1:]))),
     "norm_forward_hook": ("model.layers.0.post_attention_layernorm", lambda m: m.register_forward_hook(_scale_output)),
     "lm_head_forward_hook": ("lm_head", lambda m: m.register_forward_hook(_scale_output)),
+    "down_proj_backward_hook": ("model.layers.0.mlp.down_proj", lambda m: m.register_full_backward_hook(
+        lambda mod, grad_in, grad_out: (0.5 * grad_in[0],))),
+    "norm_backward_pre_hook": ("model.layers.1.input_layernorm", lambda m: m.register_full_backward_pre_hook(
+        lambda mod, grad_out: (0.5 * grad_out[0],))),
+    "lm_head_backward_hook": ("lm_head", lambda m: m.register_full_backward_hook(
+        lambda mod, grad_in, grad_out: (0.5 * grad_in[0],))),
 }
 
 
@@ -602,6 +608,68 @@ def test_modules_with_hooks_run_as_the_model_runs_them(key):
         handle.remove()
     assert_same_training_step(ref, model, input_ids=ids, labels=ids)
     assert all(layer._codetta_plan.hooked is None for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("kind", ["forward", "forward_pre", "backward"])
+def test_global_module_hooks_run_as_the_model_runs_them(kind):
+    """A hook for every module (torch.nn.modules.module.register_module_*_hook) also applies to
+    the modules the fused forward skips: while one is registered the model runs its own forward."""
+    from torch.nn.modules import module as nn_module
+
+    def scale_linear_outputs(mod, args, out):
+        return 0.5 * out if isinstance(mod, torch.nn.Linear) else None
+
+    def shift_linear_inputs(mod, args):
+        return (args[0] + 0.25,) if isinstance(mod, torch.nn.Linear) else None
+
+    def scale_linear_input_grads(mod, grad_in, grad_out):
+        return (0.5 * grad_in[0],) if isinstance(mod, torch.nn.Linear) else None
+
+    register = {"forward": (nn_module.register_module_forward_hook, scale_linear_outputs),
+                "forward_pre": (nn_module.register_module_forward_pre_hook, shift_linear_inputs),
+                "backward": (nn_module.register_module_full_backward_hook, scale_linear_input_grads)}[kind]
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    ref = tiny("LlamaForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    handle = register[0](register[1])
+    try:
+        with pytest.warns(UserWarning, match="unfused"):
+            assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    finally:
+        handle.remove()
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+
+
+def test_positional_arguments_bind_as_the_models_forward():
+    """The patched forwards take arguments by position as the model's own do (the KV cache after
+    position_ids in a decoder layer; labels sixth in the causal LM)."""
+    ref = tiny("LlamaForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    pos = torch.arange(8, device=DEVICE)[None]
+    caches = []
+    for m in (ref, model):
+        cache = transformers.DynamicCache(config=m.config)
+        h = m.model.embed_tokens(ids)
+        with torch.no_grad():
+            m.model.layers[0](h, None, pos, cache, position_embeddings=m.model.rotary_emb(h, pos))
+        caches.append(cache)
+    assert caches[1].get_seq_length(0) == caches[0].get_seq_length(0) == 8
+    with torch.no_grad():
+        losses = [m(ids, None, None, None, None, ids).loss for m in (ref, model)]
+        logits = [m(ids, torch.ones_like(ids), None, transformers.DynamicCache(config=m.config)).logits
+                  for m in (ref, model)]
+    torch.testing.assert_close(losses[1], losses[0], rtol=2e-5, atol=0)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-5)
+
+
+def test_a_model_cast_to_fp64_after_patching_runs_as_its_own():
+    """patch() refuses fp64 models; one cast after patching (e.g. for gradcheck) runs unfused, with a warning."""
+    ref = tiny("LlamaForCausalLM").double()
+    model = codetta.patch(tiny("LlamaForCausalLM")).double()
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    with pytest.warns(UserWarning, match="fp64"):
+        assert_same_training_step(ref, model, tol=1e-12, input_ids=ids, labels=ids)
 
 
 def test_attention_weights_when_asked_for():

@@ -214,6 +214,30 @@ def test_a_weight_with_a_post_accumulate_hook_keeps_autograd_accumulation(added_
         assert ((w.grad.double() - ref).norm() / ref.norm()).item() < 1e-5
 
 
+def test_a_weight_with_a_gradient_hook_keeps_autograd_accumulation(added_in_gemm):
+    """A hook on a weight's gradient (register_hook: here a mask zeroing half of it) sees every
+    micro-batch's gradient, as without the context."""
+    shapes, op, _ = OPS["rmsnorm_linear"]
+    weights = [torch.nn.Parameter(torch.randn(*s, device=DEVICE) / D**0.5) for s in shapes]
+    mask = (torch.arange(shapes[0][0], device=DEVICE) % 2 == 0).float()[:, None]
+    seen = []
+
+    def masked(grad):
+        seen.append(grad is not None)
+        return grad * mask
+
+    weights[0].register_hook(masked)
+    g = torch.ones(D, device=DEVICE)
+    batches = _micro_batches(2)
+    for x, pos in batches:
+        with accumulate_weight_grads():
+            (op(x, g, pos, weights) * 0.5).sum().backward()
+    assert seen == [True, True]
+    assert added_in_gemm() == len(weights) - 1  # all but the hooked weight in the second micro-batch
+    assert torch.count_nonzero(weights[0].grad[1::2]) == 0
+    assert torch.count_nonzero(weights[0].grad[0::2]) > 0
+
+
 def test_patched_model_micro_batches(added_in_gemm):
     transformers = pytest.importorskip("transformers")
     import codetta

@@ -60,6 +60,9 @@ COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
 LOGICAL = ("and", "or", "not")
 
 STORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The parameters of codetta.gemm other than the operands: no operand (nor accumulating store,
+# whose tensor is passed as an operand) may take their names.
+GEMM_PARAMETERS = ("a", "b", "epilogue", "out", "config")
 
 
 class Expr:
@@ -398,8 +401,8 @@ class Program:
     def _declare(self, name, kind, width=None, period=None):
         if not isinstance(name, str) or not name.isidentifier():
             raise EpilogueError(f"program {self.name!r}: operand name must be an identifier, got {name!r}")
-        if name in ("a", "b", "epilogue", "out", "config"):  # codetta.gemm's own parameters
-            raise EpilogueError(f"program {self.name!r}: operand name {name!r} is reserved")
+        if name in GEMM_PARAMETERS:
+            raise EpilogueError(f"program {self.name!r}: operand name {name!r} is reserved (a parameter of codetta.gemm)")
         if width is not None and not isinstance(width, Width):
             raise EpilogueError(f"program {self.name!r}: width must be FULL or HALF, got {width!r}")
         new = Operand(name, kind, width, period)
@@ -482,6 +485,9 @@ class Program:
         """
         if dtype is not None and dtype not in STORE_DTYPES:
             raise EpilogueError(f"program {self.name!r}: store dtype must be one of {STORE_DTYPES}, got {dtype}")
+        if accumulate and name in GEMM_PARAMETERS:  # its tensor is passed to codetta.gemm by this name
+            raise EpilogueError(f"program {self.name!r}: an accumulating store cannot be named {name!r} "
+                                "(a parameter of codetta.gemm)")
         self._output(Output(name, "store", value, dtype=dtype, accumulate=bool(accumulate)))
 
     def _row_reduction(self, kind, name, value, segment):

@@ -8,9 +8,11 @@ dtype, reductions in fp32).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .ir import FULL, Program
+from .ir import FULL, EpilogueError, Program
 
 _UNARY = {
     "neg": torch.neg,
@@ -72,17 +74,44 @@ def _segment_reduce(x, segment, fn):
     return fn(v).expand(r, w // segment, segment).reshape(r, w)
 
 
-def run_reference(program: Program, a, b, operands, compute_dtype=torch.float32):
-    """Evaluate ``program`` on acc = a @ b.
+def _b_matrix(b, k, cd):
+    """B as one [K, N] matrix in ``cd``, read as codetta.gemm reads it: a tensor; a list of [K, N_i]
+    concatenated along N or of [K_i, N] along K; ``interleave(b0, b1)``, columns alternating."""
+    from ..matmul.launch import Interleaved
 
-    a: [M, K]; b: [K, N] or a list of [K, N_i] read as concatenated along N;
+    parts = [t.to(cd) for t in (b if isinstance(b, (list, tuple)) else [b])]
+    if isinstance(b, Interleaved):
+        return torch.stack(parts, dim=2).reshape(k, -1)
+    if all(t.shape[0] == k for t in parts):
+        return torch.cat(parts, dim=1)
+    if len({t.shape[1] for t in parts}) == 1 and sum(t.shape[0] for t in parts) == k:
+        return torch.cat(parts, dim=0)
+    raise EpilogueError(f"a is [.., {k}] but b is {[tuple(t.shape) for t in parts]}: K differs")
+
+
+def _check_operands(program, operands):
+    accumulated = {o.name for o in program.outputs.values() if o.kind == "store" and o.accumulate}
+    takes = set(program.operands) | accumulated
+    unknown, missing = set(operands) - takes, takes - set(operands)
+    if unknown:
+        raise EpilogueError(f"program {program.name!r} has no operand {sorted(unknown)}; it takes {sorted(takes)}")
+    if missing:
+        raise EpilogueError(f"program {program.name!r} needs operand(s) {sorted(missing)}")
+
+
+def run_reference(program: Program, a, b, operands, compute_dtype=torch.float32):
+    """Evaluate ``program`` on acc = a @ b, with the arguments codetta.gemm takes.
+
+    a: [..., M, K] (leading dims flattened into M); b: [K, N], a list of [K, N_i]
+    concatenated along N or of [K_i, N] along K, or ``interleave(b0, b1)``;
     operands: name -> tensor or number (and, for accumulating stores, the tensor to add into).
-    Returns name -> output tensor.
+    Returns name -> output tensor, shaped as codetta.gemm returns it.
     """
     program.check()
+    _check_operands(program, operands)
     cd = compute_dtype
-    bs = list(b) if isinstance(b, (list, tuple)) else [b]
-    acc = a.to(cd) @ torch.cat([t.to(cd) for t in bs], dim=1)
+    lead = tuple(a.shape[:-1])
+    acc = a.reshape(math.prod(lead), a.shape[-1]).to(cd) @ _b_matrix(b, a.shape[-1], cd)
     m, n = acc.shape
 
     def ncols(width):
@@ -148,7 +177,7 @@ def run_reference(program: Program, a, b, operands, compute_dtype=torch.float32)
             dtype = out.dtype or a.dtype
             if out.accumulate:
                 tile = operands[out.name].to(cd).reshape(m, w) + tile
-            results[out.name] = tile.to(dtype)
+            results[out.name] = tile.to(dtype).reshape(*lead, w)
         elif out.kind == "col_sum":
             results[out.name] = tile.sum(0).float()
         else:
@@ -160,7 +189,7 @@ def run_reference(program: Program, a, b, operands, compute_dtype=torch.float32)
                 r = t.amax(-1) if seg else torch.full((m, 1), float("-inf"), dtype=cd, device=t.device)
             else:
                 r = torch.logsumexp(t, -1)
-            results[out.name] = (r if out.segment else r.reshape(m)).float()
+            results[out.name] = (r.reshape(*lead, w // out.segment) if out.segment else r.reshape(lead)).float()
     return results
 
 

@@ -31,6 +31,23 @@ class Config:
     FLATTEN: bool = False
     CTAS_PER_SM: int = 1
 
+    def __post_init__(self):
+        def power_of_two(name, low, high):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low or v > high or v & (v - 1):
+                raise ValueError(f"Config.{name} must be a power of two in [{low}, {high}], got {v!r}")
+
+        for name in ("BM", "BN", "BK"):
+            power_of_two(name, 16, 1 << 16)
+        power_of_two("num_warps", 1, 32)
+        power_of_two("EPI_SPLIT", 1, 2)
+        for name in ("GROUP_M", "STAGES", "CTAS_PER_SM"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Config.{name} must be a positive integer, got {v!r}")
+        if not isinstance(self.FLATTEN, bool):
+            raise ValueError(f"Config.FLATTEN must be a bool, got {self.FLATTEN!r}")
+
     @property
     def epilogue_bn(self):
         """The width of the tiles the epilogue program sees."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 
 import torch
 import triton
@@ -22,7 +23,7 @@ from ..epilogue.codegen import kernel_args, load_kernel
 from ..epilogue.ir import FULL, HALF, EpilogueError, Program
 from ..kernels import finish
 from . import tuning
-from .config import WIDEST_BN, SharedMemory, candidates, interpreter_config
+from .config import WIDEST_BN, Config, SharedMemory, candidates, interpreter_config
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_B_PARTS = 4
@@ -202,6 +203,7 @@ class _Call:
                     want = p.outputs[name].dtype or self.a.dtype
                     if value.dtype != want:
                         raise EpilogueError(f"{what} is accumulated into as {want}, got {value.dtype}")
+                    _check_no_overlap(value, what)
                     v = _rows_view(value, n, what)
                 else:
                     v = value.reshape(self.M, n)
@@ -224,6 +226,7 @@ class _Call:
                 raise EpilogueError(f"out[{name!r}] of program {p.name!r} must be {dtype} ({kind}), got {t.dtype}")
             if tuple(t.shape) != shape:
                 raise EpilogueError(f"out[{name!r}] of program {p.name!r} must have shape {shape}, got {tuple(t.shape)}")
+            _check_no_overlap(t, f"out[{name!r}] of program {p.name!r}")
             checked[name] = t
         return checked
 
@@ -237,6 +240,14 @@ class _Call:
 
     def output_dtype(self, o):
         return (o.dtype or self.a.dtype) if o.kind == "store" else torch.float32
+
+
+def _check_no_overlap(t, what):
+    """A tensor codetta writes must not have elements sharing memory (an expand()ed view): its
+    tiles would race."""
+    if torch._debug_has_internal_overlap(t) == 1:
+        raise EpilogueError(f"{what} is written, but its elements overlap in memory (a broadcast or expand()ed "
+                            "view): pass a tensor of its own, e.g. .contiguous()")
 
 
 def _rows_view(t, n, what):
@@ -363,21 +374,20 @@ class _Plan:
             for i, part in enumerate(c.parts):
                 b_t = _operand_layout(part)[0]  # the row-major store TMA reads
                 fills[f"b{i}"] = lambda a, b, o, w, q, i=i, b_t=b_t: self.describe(b[i].t() if b_t else b[i], b_block)
-            values.update(a_s0=0, a_s1=0, b_s0=tuple(0 for _ in c.parts), b_s1=tuple(0 for _ in c.parts))
+            values.update(stride_a0=0, stride_a1=0, stride_b0=tuple(0 for _ in c.parts),
+                          stride_b1=tuple(0 for _ in c.parts))
         else:
             fills["a"] = lambda a, b, o, w, q: a
             for i in range(len(c.parts)):
                 fills[f"b{i}"] = lambda a, b, o, w, q, i=i: b[i]
-            values.update(a_s0=c.a.stride(0), a_s1=c.a.stride(1), b_s0=tuple(t.stride(0) for t in c.parts),
-                          b_s1=tuple(t.stride(1) for t in c.parts))
+            values.update(stride_a0=c.a.stride(0), stride_a1=c.a.stride(1),
+                          stride_b0=tuple(t.stride(0) for t in c.parts), stride_b1=tuple(t.stride(1) for t in c.parts))
         values.update({f"b{i}": None for i in range(len(c.parts), _MAX_B_PARTS)})
         values.update(b_starts=c.starts, b_ends=c.ends, M=c.M, N=c.N, K=c.K)
         partial_strides = {name: shape[1] for name, _, shape in self.partials}
         for name, kind in kernel_args(c.program, self.path):
             base, _, suffix = name.rpartition("_")
-            if kind == "scalar":
-                fills[name] = lambda a, b, o, w, q, name=name: o[name]
-            elif kind in ("row", "col", "aux", "table"):
+            if kind in ("scalar", "row", "col", "aux", "table"):
                 fills[name] = lambda a, b, o, w, q, base=base: o[base]
             elif kind == "out":
                 fills[name] = lambda a, b, o, w, q, base=base: w[base][1]
@@ -522,11 +532,35 @@ def gemm(a, b, epilogue: Program | None = None, *, out=None, config=None, **oper
         [..., M, width / segment]); column reductions fp32 [width].
     """
     program = epilogue if epilogue is not None else _plain_program()
-    out = out or {}
+    out = _outputs_given(out, epilogue)
     b = _without_empty_parts(b)
+    _warn_if_differentiable(a, b, operands)
     plan = _plan(a, b, program, operands, out, config)
     results = _trivial(_Call(a, b, program, operands, out)) if plan is None else plan.execute(a, b, operands, out)
     return results["out"] if epilogue is None else results
+
+
+def _outputs_given(out, epilogue):
+    """``out`` as a dict name -> tensor: a plain GEMM (no program) also takes one tensor."""
+    if out is None:
+        return {}
+    if isinstance(out, torch.Tensor) and epilogue is None:
+        return {"out": out}
+    if not isinstance(out, dict):
+        raise GemmError(f"out must be a dict of output name -> tensor (a plain GEMM also takes one tensor), "
+                        f"got {type(out).__name__}")
+    return out
+
+
+def _warn_if_differentiable(a, b, operands):
+    """codetta.gemm does not record itself for autograd: say so where a caller may expect it to."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return
+    tensors = [a, *(b if isinstance(b, (list, tuple)) else (b,)), *operands.values()]
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+        warnings.warn("codetta.gemm does not track gradients: its results have no grad_fn although an input "
+                      "requires grad (codetta.linear and the operators in codetta.ops are differentiable)",
+                      stacklevel=3)
 
 
 def _without_empty_parts(b):
@@ -588,6 +622,8 @@ def _plan(a, b, program, operands, out, config):
     config, and the environment that steers the choice."""
     if not isinstance(program, Program):
         raise GemmError(f"epilogue must be a codetta Program, got {type(program).__name__}")
+    if config is not None and not isinstance(config, Config):
+        raise GemmError(f"config must be a codetta.Config, got {type(config).__name__}")
     parts = b if isinstance(b, (list, tuple)) else (b,)
     sig = (
         program.fingerprint(), program.name, type(b), _meta(a), tuple(map(_meta, parts)),
@@ -676,7 +712,7 @@ def _table_block_n(program):
 def explain(a, b, epilogue: Program | None = None, *, out=None, config=None, **operands):
     """The path ('tma' or 'ptr') and config ``gemm`` would launch with these arguments (tunes if needed)."""
     plan = _plan(a, _without_empty_parts(b), epilogue if epilogue is not None else _plain_program(), operands,
-                 out or {}, config)
+                 _outputs_given(out, epilogue), config)
     return {"path": None, "config": None} if plan is None else {"path": plan.path, "config": plan.cfg}
 
 

@@ -143,7 +143,7 @@ def _dot_ptr(acc, a_ptr, stride_am, stride_ak, b_ptr, b_stride_k, b_step, rm, rk
 
 
 @triton.jit
-def mma_ptr(a_ptr, stride_am, stride_ak, b_ptrs, b_strides_k, b_strides_n, b_starts, b_ends,
+def mma_pointers(a_ptr, stride_am, stride_ak, b_ptrs, b_strides_k, b_strides_n, b_starts, b_ends,
             off_m, off_n, M, N, K,
             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NUM_B: tl.constexpr, B_PARTS: tl.constexpr,
             INTERPRET: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):

@@ -51,7 +51,7 @@ def _cached_config(entry, configs):
         return None
     try:
         cfg = Config(**entry)
-    except TypeError:  # not a config's fields (an older or damaged file)
+    except (TypeError, ValueError):  # not a config's fields or values (an older or damaged file)
         return None
     return cfg if cfg in configs else None
 

@@ -424,6 +424,13 @@ def _autograd_backward(ctx, grad_loss, *_grad_gradients):
         if any(n and not f for n, f in zip(needs, ctx.in_forward)):
             raise RuntimeError("codetta::linear_cross_entropy: a gradient is needed that the forward was not asked "
                                "for (need_* arguments); linear_cross_entropy sets them")
+        if getattr(ctx, "gradients_handed_out", False):
+            raise RuntimeError(
+                "codetta::linear_cross_entropy: this loss was backpropagated already. Its gradients are computed "
+                "in the forward and handed out (scaled in place) by the first backward, so a second backward through "
+                "the same graph (retain_graph=True) cannot give them again: compute the loss again, or use "
+                "reduction='none' (its backward recomputes the logits) and reduce the losses yourself")
+        ctx.gradients_handed_out = True
         dx, dw, db, dg = ctx.saved_tensors
         _scale_(grad_loss, dw)
         grads = [dx, dw, db, dg]
@@ -509,7 +516,8 @@ def linear_cross_entropy(x, weight, target, *, bias=None, ignore_index=-100, red
             + e uniform. z_loss: c >= 0, the coefficient of the auxiliary loss c lse^2 (PaLM).
 
     Gradients flow to x, weight, bias and norm_weight; for "mean" and "sum" they are
-    computed in this call when grad mode is on and an input requires grad. See the module
+    computed in this call when grad mode is on and an input requires grad (the loss can then
+    be backpropagated once: a second backward through it raises). See the module
     docstring for the math, the design and the memory bound.
     """
     _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size, label_smoothing, z_loss)

@@ -8,9 +8,10 @@ operators instead run the wgrad GEMM with an accumulating store into the existin
     W.grad = round(W.grad + dz^T h)      (fp32 sum in the epilogue, one rounding)
 
 and give autograd no gradient for that weight (it would add it a second time). So what
-autograd does after accumulating a gradient does not happen for such a weight: a Python
-``register_post_accumulate_grad_hook`` on it turns the fusion off for it, but hooks that
-autograd's C++ side keeps, as DistributedDataParallel's reducer does, cannot be seen:
+autograd does with a gradient does not happen for such a weight: a Python hook on its
+gradient (``register_hook``, ``register_post_accumulate_grad_hook``) turns the fusion off
+for it, but hooks that autograd's C++ side keeps, as DistributedDataParallel's reducer
+does, cannot be seen:
 **do not use it with DDP.** Weights that are not plain tensors (FSDP2's DTensors), weights
 without a .grad yet (the first micro-batch), torch.compile and create_graph backward passes
 take the usual path. The layer operators are covered (linear_residual, rmsnorm_linear,
@@ -58,7 +59,10 @@ def _existing_grad(w: Tensor) -> Optional[Tensor]:
     if (type(w) is not torch.nn.Parameter and type(w) is not torch.Tensor) or not w.is_leaf:
         return None
     g = w.grad
-    if type(g) is not torch.Tensor or getattr(w, "_post_accumulate_grad_hooks", None):
+    # hooks on the weight's gradient (register_hook: a mask, a clip) or after its accumulation
+    # must see each micro-batch's gradient: autograd's own accumulation then
+    if type(g) is not torch.Tensor or getattr(w, "_backward_hooks", None) \
+            or getattr(w, "_post_accumulate_grad_hooks", None):
         return None
     if g.shape != w.shape or g.dtype != w.dtype or g.device != w.device:
         return None

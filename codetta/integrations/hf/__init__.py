@@ -22,14 +22,34 @@ __all__ = ["ARCHITECTURES", "UnsupportedModelError", "patch", "unpatch"]
 class FusedForward:
     """A patched module's ``forward``: ``function(module, ...)``, with the signature of the module's
     own bound ``forward`` (transformers reads it: which inputs generate() and the Trainer pass,
-    under the names the installed version uses, e.g. the KV cache's). Unlike a bound method of
-    a module-level function, it survives pickling (``torch.save`` of a whole model)."""
+    under the names the installed version uses, e.g. the KV cache's). Arguments after the first
+    passed by position are bound by that signature and handed on by name, as the module's own
+    forward would take them (``layer(h, mask, positions, cache)``). Unlike a bound method of a
+    module-level function, it survives pickling (``torch.save`` of a whole model)."""
 
     def __init__(self, function, module):
         self.function, self.module = function, module
 
     def __call__(self, *args, **kwargs):
+        if len(args) > 1:  # transformers passes all but the first by name: the usual call skips this
+            args, kwargs = self._by_name(args, kwargs)
         return self.function(self.module, *args, **kwargs)
+
+    def _by_name(self, args, kwargs):
+        bound = self.__signature__.bind(*args, **kwargs)
+        first, *rest = bound.signature.parameters.values()
+        named = {}
+        for p in rest:
+            if p.name not in bound.arguments:
+                continue
+            if p.kind is inspect.Parameter.VAR_POSITIONAL:
+                raise TypeError(f"codetta: the patched {type(self.module).__name__}.forward takes no extra "
+                                "positional arguments")
+            if p.kind is inspect.Parameter.VAR_KEYWORD:
+                named.update(bound.arguments[p.name])
+            else:
+                named[p.name] = bound.arguments[p.name]
+        return (bound.arguments[first.name],), named
 
     @property
     def __signature__(self):

@@ -116,12 +116,18 @@ _TRANSFORMERS_RECORDER = "output_capturing_hook"  # transformers' recorder of at
 
 
 def is_hooked(module) -> bool:
-    """Whether calling ``module`` runs more than its class's forward: forward hooks or pre-hooks,
-    or a ``forward`` set on the instance (as accelerate's hooks set it). transformers' own
-    output recorders are left out: they record only when the caller asks for attention weights
-    (see :func:`codetta.integrations.hf.layer.attention_weights_requested`)."""
-    return "forward" in module.__dict__ or bool(module._forward_pre_hooks) or any(
-        getattr(h, "__name__", None) != _TRANSFORMERS_RECORDER for h in module._forward_hooks.values())
+    """Whether calling ``module`` runs more than its class's forward: forward or backward hooks
+    or pre-hooks, its own or global ones (``register_module_forward_hook``, ...), or a
+    ``forward`` set on the instance (as accelerate's hooks set it). transformers' own output
+    recorders are left out: they record only when the caller asks for attention weights (see
+    :func:`codetta.integrations.hf.layer.attention_weights_requested`)."""
+    from torch.nn.modules import module as nn_module
+
+    return ("forward" in module.__dict__ or bool(module._forward_pre_hooks) or bool(module._backward_hooks)
+            or bool(module._backward_pre_hooks)
+            or any(getattr(h, "__name__", None) != _TRANSFORMERS_RECORDER for h in module._forward_hooks.values())
+            or bool(nn_module._global_forward_hooks) or bool(nn_module._global_forward_pre_hooks)
+            or bool(nn_module._global_backward_hooks) or bool(nn_module._global_backward_pre_hooks))
 
 
 def hooks_between(layer, next_layer) -> bool:

@@ -156,14 +156,19 @@ def attention_weights_requested() -> bool:
     return bool(collected) and "attentions" in collected
 
 
-def _fusable(layer, plan: LayerPlan) -> bool:
+def _fusable(layer, plan: LayerPlan, hidden_states) -> bool:
     """Whether the fused forward computes what the layer's own forward would: the modules it reads
     in their place are checked again whenever they change (PEFT wrapping a projection after
     patching, or merging it back), with a warning when the layer has to run unfused; and no
     module whose forward it skips has hooks (warned once per module), nor are attention
-    weights asked for."""
+    weights asked for; and the layer computes in a precision codetta's kernels take (a
+    model cast to fp64 after patching runs as its own)."""
     def warn_unfused(why):
         warnings.warn(f"codetta: a {type(layer).__name__} runs the model's own forward, unfused: {why}", stacklevel=3)
+
+    if hidden_states.dtype == torch.float64:
+        warn_unfused("fp64 (codetta's kernels take fp32, fp16 and bf16)")
+        return False
 
     modules = fused_modules(layer, plan.arch)
     if modules != plan.modules:
@@ -184,7 +189,7 @@ def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_id
     """Drop-in for the layer's ``forward`` (same arguments, same result, the norms folded); the KV
     cache comes in ``kwargs`` under the name the installed transformers uses."""
     plan: LayerPlan = layer._codetta_plan
-    if not _fusable(layer, plan):
+    if not _fusable(layer, plan, hidden_states):
         plan.incoming.take(None)  # the statistics handed to this layer go unused
         return type(layer).forward(layer, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                    use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
