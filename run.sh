@@ -1,25 +1,44 @@
 #!/usr/bin/env bash
 # Set up (first run) and run codetta's main job or its tests.
 #   ./run.sh demo [args]   the demo: a fused-program check, then a small Llama trained plain and patched
-#   ./run.sh test [args]   the test suite (on a CPU through Triton's interpreter)
+#   ./run.sh test [args]   the test suite (on a CPU through Triton's interpreter); args go to pytest
+# The environment is .venv beside this script (it sees the machine's own packages, e.g. a GPU
+# machine's torch and Triton); paths in args are relative to the folder you run it from.
 set -euo pipefail
-cd "$(dirname "$0")"
-venv=.venv
-if [ ! -x "$venv/bin/python" ]; then
-  python3 -m venv --system-site-packages "$venv"
-fi
+here="$(cd "$(dirname "$0")" && pwd)"
+usage() { echo "usage: ./run.sh demo [--help | demo options] | ./run.sh test [pytest options and paths]"; }
+cmd="${1:-}"
+case "$cmd" in
+  demo|test) shift ;;
+  -h|--help|help) usage; exit 0 ;;
+  *) usage >&2; exit 2 ;;
+esac
+python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+  || { echo "codetta needs Python 3.10 or newer; python3 is $(python3 --version 2>&1)" >&2; exit 1; }
+venv="$here/.venv"
 py="$venv/bin/python"
+if ! "$py" -c "" >/dev/null 2>&1; then  # missing, or broken (e.g. the Python it was made from is gone)
+  python3 -m venv --clear --system-site-packages "$venv"
+fi
+requirements="$here/requirements-cpu.txt"
 if ! "$py" -c "import torch, triton" >/dev/null 2>&1; then
   # A machine without torch: the pinned CPU build (a bare "torch" would pull a CUDA build of GBs).
-  "$py" -m pip install -q -r requirements-cpu.txt
+  # Where PyTorch's CPU index can be reached, pip takes the CPU build from it; this workplace
+  # keeps that build on local disk.
+  cpu_index=()
+  if ! command -v nvidia-smi >/dev/null 2>&1 && command -v curl >/dev/null 2>&1 \
+      && curl -fsS --max-time 5 -o /dev/null https://download.pytorch.org/whl/cpu/torch/ 2>/dev/null; then
+    cpu_index=(--extra-index-url https://download.pytorch.org/whl/cpu)
+  fi
+  "$py" -m pip install -q ${cpu_index[@]+"${cpu_index[@]}"} -r "$requirements"
 elif ! "$py" -c "import numpy, pytest, hypothesis, transformers, tqdm, matplotlib" >/dev/null 2>&1; then
   # A machine with its own torch and Triton (a GPU's): they stay; the other pinned packages.
-  "$py" -m pip install -q $(grep -E '^[a-z]' requirements-cpu.txt | grep -v -E '^(torch|triton)==')
+  "$py" -m pip install -q -r <(grep -v -E '^(torch|triton)==' "$requirements")
 fi
-cmd="${1:-}"
-shift || true
+export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 case "$cmd" in
   demo) exec "$py" -m codetta demo "$@" ;;
-  test) exec "$py" -m pytest -q "$@" ;;
-  *) echo "usage: ./run.sh demo|test [args]" >&2; exit 2 ;;
+  test)
+    if [ $# -eq 0 ]; then set -- "$here/tests"; fi
+    exec "$py" -m pytest -q --rootdir "$here" -c "$here/pyproject.toml" "$@" ;;
 esac
