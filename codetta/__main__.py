@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import __version__
+
 
 def _program(ep):
     """The MLP input of a Llama block: z = rstd ⊙row (x W13^T); y = silu(z_gate) * z_up; stats of y."""
@@ -103,25 +105,48 @@ MIN_STEPS = 10
 
 
 def _steps(text: str) -> int:
-    steps = int(text)
+    try:
+        steps = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"the number of steps must be an integer, got {text!r}") from None
     if steps < MIN_STEPS:
         raise argparse.ArgumentTypeError(f"at least {MIN_STEPS} steps (the parity check compares the runs' last "
                                          f"tenth, after they have learned something), got {steps}")
     return steps
 
 
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
 def _plot_path(text: str):
+    """The plot's file, checked before the training: a writable folder, a file name with an image suffix."""
     from pathlib import Path
 
-    path = Path(text)
-    if not path.parent.is_dir():
-        raise argparse.ArgumentTypeError(f"{path.parent} is not a folder (the plot is written after the training)")
-    return path
+    path = Path(text).expanduser()
+    if not text or path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file name for the plot (e.g. loss.png)")
+    if path.suffix.lower() not in PLOT_SUFFIXES:
+        raise argparse.ArgumentTypeError(f"the plot's file name must end in one of {', '.join(PLOT_SUFFIXES)}, "
+                                         f"got {text!r}")
+    folder = path.parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{folder} is not a folder (the plot is written after the training)")
+    existed = path.exists()
+    try:  # a test write now, not a permission guess: the plot comes after minutes of training
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{path} cannot be written ({exc.strerror}); the plot is written after "
+                                         "the training") from None
+    if not existed:
+        path.unlink()
+    return path.resolve()
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="codetta", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"codetta {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="check a fused GEMM+epilogue program (timed on a GPU), then train a small "
                                     "Llama plain and patched: loss parity, throughput, a plot")

@@ -42,6 +42,10 @@ OPS = {  # name: (operator, its inputs, which of them autocast casts to bf16: th
                                              1.0 / 10000 ** (torch.arange(0, 8, 2, device=DEVICE) / 8)), "..xxx.."),
     "linear_cross_entropy": (lambda x, w, t: ops.linear_cross_entropy(x, w, t),
                              lambda: (leaf(M, D), leaf(40, D), torch.randint(0, 40, (M,), device=DEVICE)), "xx."),
+    # with a final norm x is a stream (fp32, normalized in fp32 and rounded once), its weight as given
+    "linear_cross_entropy_final_norm": (
+        lambda x, w, t, g: ops.linear_cross_entropy(x, w, t, norm_weight=g),
+        lambda: (leaf(M, D), leaf(40, D), torch.randint(0, 40, (M,), device=DEVICE), leaf(D)), ".x.."),
 }
 
 
@@ -152,6 +156,40 @@ def test_fp32_stream_with_bf16_weights_within_twice_the_unfused_error():
     assert [t.dtype for t in ours] == [t.dtype for t in eager] == [torch.float32] * 3 + [BF16] * 3
     for name, a, e, r in zip(("x2", "dx", "dg", "dw_gate", "dw_up", "dw_down"), ours, eager, ref):
         assert rel(a, r) <= 2 * rel(e, r) + 1e-6, f"{name}: {rel(a, r):.2e} vs unfused {rel(e, r):.2e}"
+
+
+def test_cross_entropy_final_norm_on_an_fp32_stream_within_twice_the_unfused_error():
+    """linear_cross_entropy with norm_weight on fp32 x and bf16 weights (as under autocast): the
+    norm in fp32 rounded once, as the unfused model under autocast computes it; loss and every
+    gradient within 2x that computation's error against float64 (summed over seeds: one seed's
+    errors are noisy)."""
+    m, d, vocab = 64, 64, 200
+    errors = {}
+    for seed in range(4):
+        gen = torch.Generator().manual_seed(seed)
+        x = (torch.randn(m, d, generator=gen) * 3).to(DEVICE)
+        w = (torch.randn(vocab, d, generator=gen) / 4).to(DEVICE)
+        g = (1 + 0.2 * torch.randn(d, generator=gen)).to(DEVICE)
+        t = torch.randint(0, vocab, (m,), generator=gen).to(DEVICE)
+
+        def run(fn, stream, weights):
+            leaves = [v.to(dt).detach().requires_grad_() for v, dt in zip((x, w, g), (stream, weights, stream))]
+            loss = fn(*leaves)
+            loss.backward()
+            return [loss] + [v.grad for v in leaves]
+
+        def unfused(xx, ww, gg):
+            h = torch.nn.functional.rms_norm(xx, (d,), gg, EPS).to(ww.dtype)
+            return torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, ww).float(), t)
+
+        runs = (run(lambda *v: ops.linear_cross_entropy(v[0], v[1], t, norm_weight=v[2], eps=EPS), torch.float32, BF16),
+                run(unfused, torch.float32, BF16), run(unfused, torch.float64, torch.float64))
+        assert [v.dtype for v in runs[0][1:]] == [torch.float32, BF16, torch.float32]
+        for name, a, e, r in zip(("loss", "dx", "dW", "dg"), *runs):
+            ours, theirs = errors.get(name, (0.0, 0.0))
+            errors[name] = (ours + rel(a, r), theirs + rel(e, r))
+    for name, (ours, theirs) in errors.items():
+        assert ours <= 2 * theirs + 1e-6, f"{name}: {ours:.2e} vs unfused {theirs:.2e}"
 
 
 def test_stream_dtypes_that_do_not_fit_are_refused():

@@ -228,14 +228,16 @@ def test_half_precision_within_twice_eager_error(dtype, reduction, options):
         assert err(got, ref) <= 2 * err(eager, ref) + 1e-6 * ref.abs().max().item(), (name, err(got, ref), err(eager, ref))
 
 
-def test_fp16_loss_scaling_keeps_small_gradients():
+@pytest.mark.parametrize("x_scale", [1.0, 1e-3])
+def test_fp16_loss_scaling_keeps_small_gradients(x_scale):
     """fp16 with a loss scale (GradScaler's (loss * S).backward()): the scale must reach the
     small logit gradients before anything rounds to fp16, as in eager PyTorch; the errors of
     dx and dW (divided by S) within 2x eager's, against fp64. "mean" over 2048 rows puts
-    p / n_valid far below fp16's normal range when dz is scaled before being stored."""
+    p / n_valid far below fp16's normal range when dz is scaled before being stored; small
+    activations put dW there too unless it stays fp32 until the scale reaches it."""
     m, d, vocab, loss_scale = 2048, 16, 512, 2.0**16
     gen = torch.Generator().manual_seed(0)
-    x0 = torch.randn(m, d, generator=gen).to(DEVICE)
+    x0 = (torch.randn(m, d, generator=gen) * x_scale).to(DEVICE)
     w0 = (torch.randn(vocab, d, generator=gen) * 0.2).to(DEVICE)
     target = torch.randint(0, vocab, (m,), generator=gen).to(DEVICE)
 
@@ -250,6 +252,7 @@ def test_fp16_loss_scaling_keeps_small_gradients():
     for name, g, e, r in zip(("dx", "dW"), got, eager, ref):
         err, err_eager = ((g - r).norm() / r.norm()).item(), ((e - r).norm() / r.norm()).item()
         assert err <= 2 * err_eager, f"{name}: {err:.2e} vs eager {err_eager:.2e}"
+        assert (g == 0).sum() <= (e == 0).sum(), f"{name}: gradients flushed to zero"
 
 
 # --------------------------------------------------------------------------------------
@@ -326,6 +329,17 @@ def test_grad_output_scales_the_saved_gradients(reduction, grad_output):
     _, ref = pytorch(inputs, reduction, grad_output=torch.tensor(grad_output))
     for name in PARAMS:
         close(inputs[name].grad, ref[name])
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(ignore_index=-100.5), "ignore_index must be an int"),
+    (dict(ignore_index=True), "ignore_index must be an int"),
+    (dict(eps="1e-6"), "eps must be a number"),
+])
+def test_bad_option_values_are_refused(options, message):
+    inputs = make()
+    with pytest.raises(ValueError, match=message):
+        linear_cross_entropy(inputs["x"], inputs["weight"], inputs["target"], **options)
 
 
 @pytest.mark.parametrize("grad_output", [2.0, 1.0])

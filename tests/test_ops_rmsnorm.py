@@ -201,6 +201,43 @@ def test_bad_inputs():
         linear_residual(x, torch.randn(6, 8, device=DEVICE), torch.randn(4, 5, device=DEVICE))
 
 
+def test_stats_must_be_those_of_the_x_norm_weight_and_eps_given():
+    """Statistics handed to a consumer are checked to come from that very x (unchanged since),
+    with the same norm weight and eps: otherwise the norm would be silently wrong."""
+    m, k, d = 5, 16, 32
+    a, wo, res = torch.randn(m, k, device=DEVICE), torch.randn(d, k, device=DEVICE) / 4, torch.randn(m, d, device=DEVICE)
+    g, w = 1 + 0.1 * torch.randn(d, device=DEVICE), torch.randn(24, d, device=DEVICE) / 6
+    x1, stats = linear_residual(a, wo, res, g, EPS)
+    z = rmsnorm_linear(x1, g, w, EPS, stats=stats)  # the right pair: taken
+    assert rel(z, unfused(x1.double(), g.double(), [w.double()])) < 1e-5
+    with pytest.raises(ValueError, match="another tensor than x"):
+        rmsnorm_linear(torch.randn(m, d, device=DEVICE), g, w, EPS, stats=stats)
+    with pytest.raises(ValueError, match="another norm_weight"):
+        rmsnorm_linear(x1, g.clone(), w, EPS, stats=stats)
+    with pytest.raises(ValueError, match="made with eps"):
+        rmsnorm_linear(x1, g, w, 1e-2, stats=stats)
+    x1.mul_(2)  # changed in place after the producer
+    with pytest.raises(ValueError, match="changed in place"):
+        rmsnorm_linear(x1, g, w, EPS, stats=stats)
+    u, rstd = stats  # a plain pair (made by the caller) is taken as it is
+    assert rmsnorm_linear(x1, g, w, EPS, stats=(u, rstd)).shape == (m, 24)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda x, g, w: rmsnorm_linear(x, g, []), "at least one weight"),
+    (lambda x, g, w: rmsnorm_linear(x, g, w, stats=(1, 2)), "stats must be the \\(u, rstd\\) pair"),
+    (lambda x, g, w: rmsnorm_linear(x, g, w, eps="1e-6"), "eps must be a number"),
+    (lambda x, g, w: rmsnorm_linear(x, g.long(), w), "norm_weight must be floating point"),
+    (lambda x, g, w: linear_residual(x, w, x[:, :5], bias=torch.zeros(5, dtype=torch.long, device=DEVICE)),
+     "bias must be floating point"),
+    (lambda x, g, w: linear_residual(x, w, x[:, :5], g.long()[:5]), "norm_weight must be floating point"),
+])
+def test_bad_arguments_are_named(call, message):
+    x, g, w = torch.randn(4, 8, device=DEVICE), torch.ones(8, device=DEVICE), torch.randn(5, 8, device=DEVICE)
+    with pytest.raises(ValueError, match=message):
+        call(x, g, w)
+
+
 def test_custom_ops_pass_opcheck():
     """Schemas, fake implementations and autograd registrations agree with the real ops."""
     x = torch.randn(6, 16, device=DEVICE, requires_grad=True)

@@ -19,9 +19,11 @@ kernel cache and imports it (Triton's JIT reads a function's source from its fil
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import math
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from ..interpreter import interpreting
 from .ir import FULL, HALF, EpilogueError, Program
 
 _TL_DTYPE = {torch.float32: "tl.float32", torch.bfloat16: "tl.bfloat16", torch.float16: "tl.float16"}
@@ -428,6 +431,7 @@ def _source_file(name: str, source: str) -> Path:
     except OSError as exc:
         if not _FALLBACK_DIR:
             _FALLBACK_DIR.append(Path(tempfile.mkdtemp(prefix="codetta-kernels-")))
+            atexit.register(shutil.rmtree, _FALLBACK_DIR[0], ignore_errors=True)
             warnings.warn(f"codetta: cannot use the kernel cache ({exc}); this process writes its kernels to "
                           f"{_FALLBACK_DIR[0]}. Set CODETTA_CACHE_DIR to a writable folder.", stacklevel=4)
         file = _FALLBACK_DIR[0] / f"{name}.py"
@@ -438,7 +442,7 @@ def _source_file(name: str, source: str) -> Path:
 def load_kernel(program: Program, path: str):
     """The compiled-on-demand Triton kernel of ``program`` (cached per process and on disk)."""
     name = kernel_name(program, path)
-    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    interp = interpreting()
     key = (name, interp)
     if key not in _LOADED:
         file = _source_file(name, kernel_source(program, path))

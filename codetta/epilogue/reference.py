@@ -100,7 +100,7 @@ def _check_operands(program, operands):
 
 
 def run_reference(program: Program, a, b, operands, compute_dtype=torch.float32):
-    """Evaluate ``program`` on acc = a @ b, with the arguments codetta.gemm takes.
+    """Evaluate ``program`` on acc = a @ b, with a, b and the operands as codetta.gemm reads them.
 
     a: [..., M, K] (leading dims flattened into M); b: [K, N], a list of [K, N_i]
     concatenated along N or of [K_i, N] along K, or ``interleave(b0, b1)``;

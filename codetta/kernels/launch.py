@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..matmul.launch import interpreting
+from ..interpreter import interpreting
 
 _COMPILED = {}
 

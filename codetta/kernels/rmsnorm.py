@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..matmul.launch import interpreting
+from ..interpreter import interpreting
 from ..matmul.mainloop import cast
 from .launch import launch
 
@@ -138,9 +138,10 @@ def rmsnorm_stats(x: Tensor, norm_weight: Tensor, eps: float, dtype: Optional[to
     return _rows_pass(x, norm_weight, eps, normalize=False, dtype=dtype)
 
 
-def rmsnorm(x: Tensor, norm_weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(h [M, d] in x's dtype, rstd [M] fp32) of x [..., d]: h = x rstd g in fp32, rounded once."""
-    return _rows_pass(x, norm_weight, eps, normalize=True)
+def rmsnorm(x: Tensor, norm_weight: Tensor, eps: float, dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
+    """(h [M, d] in ``dtype`` (default x's), rstd [M] fp32) of x [..., d]: h = x rstd g in fp32,
+    rounded once."""
+    return _rows_pass(x, norm_weight, eps, normalize=True, dtype=dtype)
 
 
 def rmsnorm_backward(x: Tensor, norm_weight: Tensor, rstd: Tensor, dh: Tensor, *,

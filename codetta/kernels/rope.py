@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..matmul.launch import interpreting
+from ..interpreter import interpreting
 from ..matmul.mainloop import cast
 from .launch import launch
 

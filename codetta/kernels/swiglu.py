@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..matmul.launch import interpreting
+from ..interpreter import interpreting
 from ..matmul.mainloop import cast
 from .finish import row_sum
 from .launch import launch

@@ -21,6 +21,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..epilogue.codegen import kernel_args, load_kernel
 from ..epilogue.ir import FULL, HALF, EpilogueError, Program
+from ..interpreter import interpreting
 from ..kernels import finish
 from . import tuning
 from .config import WIDEST_BN, Config, SharedMemory, candidates, interpreter_config
@@ -44,13 +45,6 @@ def interleave(b0, b1) -> Interleaved:
     SwiGLU lands in adjacent columns of the same tile (``epilogue.pairs(acc)``).
     """
     return Interleaved((b0, b1))
-
-
-@functools.lru_cache(maxsize=None)
-def interpreting() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1). Triton decides
-    that when it decorates the kernels, at import; so it is read once."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.lru_cache(maxsize=None)

@@ -11,8 +11,8 @@ operands named (activations fed to a matmul, weights, biases) are cast to autoca
 autocast off. The residual stream (``streams``) keeps fp32, which the operators take with
 16-bit weights (:mod:`codetta.ops.rmsnorm`), and is cast only when it is 16-bit of another
 dtype. Norm weights are not cast: the epilogues read them in fp32, as the model's own fp32
-norm does (but for ``linear_cross_entropy``'s optional final norm, which runs on its cast
-x). Arguments that must keep their precision (RoPE's ``inv_freq``, positions, targets)
+norm does (``linear_cross_entropy``'s x is a stream only with its optional final norm;
+without one, x is the GEMM's operand and is cast). Arguments that must keep their precision (RoPE's ``inv_freq``, positions, targets)
 are not named; of the norm statistics ``stats = (u, rstd)`` handed between operators only
 u is cast.
 """
@@ -42,14 +42,15 @@ def _autocast_enabled(device: str) -> bool:
         return False
 
 
-def casts_under_autocast(*names: str, streams: tuple = ()):
+def casts_under_autocast(*names: str, streams: tuple = (), streams_if: tuple = ()):
     """Decorator for an operator's public function: under autocast on the first argument's
     device, the arguments ``names`` are cast to autocast's dtype, and those in ``streams``
-    unless they are fp32 (see the module doc)."""
+    unless they are fp32 (see the module doc); ``streams_if``: (name, other) pairs, ``name``
+    a stream when the argument ``other`` is given (not None), else cast as ``names``."""
 
     def decorate(fn):
         signature = inspect.signature(fn)
-        missing = set(names + streams) - set(signature.parameters)
+        missing = set(names + streams + tuple(n for pair in streams_if for n in pair)) - set(signature.parameters)
         if missing:
             raise TypeError(f"{fn.__name__} has no parameters {sorted(missing)}")
 
@@ -61,13 +62,16 @@ def casts_under_autocast(*names: str, streams: tuple = ()):
                 return fn(*args, **kwargs)
             dtype = torch.get_autocast_dtype(device)
             bound = signature.bind(*args, **kwargs)
-            for name in names:
-                if name == "stats" and bound.arguments.get(name) is not None:  # (u, rstd): rstd stays fp32
-                    u, rstd = bound.arguments[name]
-                    bound.arguments[name] = (_cast(u, dtype), rstd)
+            given = {name: bound.arguments.get(other) is not None for name, other in streams_if}
+            for name in (*names, *(n for n, stream in given.items() if not stream)):
+                stats = bound.arguments.get(name) if name == "stats" else None
+                if stats is not None:  # (u, rstd): rstd stays fp32
+                    u, rstd = stats
+                    bound.arguments[name] = stats.with_u(_cast(u, dtype)) if hasattr(stats, "with_u") \
+                        else (_cast(u, dtype), rstd)
                 elif name in bound.arguments:
                     bound.arguments[name] = _cast(bound.arguments[name], dtype)
-            for name in streams:
+            for name in (*streams, *(n for n, stream in given.items() if stream)):
                 value = bound.arguments.get(name)
                 if isinstance(value, torch.Tensor) and value.dtype != torch.float32:
                     bound.arguments[name] = _cast(value, dtype)

@@ -47,7 +47,7 @@ is "mean" or "sum", the forward runs all of it, Liger-style: three GEMMs of M x 
 training step. It returns the gradients for grad_output = 1; the backward multiplies
 them by grad_output, a scalar, in place (nothing when it is 1: a host check, as in Liger).
 Those saved gradients are consumed by the backward: a second backward through the same
-graph (``retain_graph=True``) raises PyTorch's in-place modification error.
+graph (``retain_graph=True``) raises.
 Otherwise the forward runs step 1 alone, storing nothing (inference, evaluation), and
 reduction "none" recomputes in the backward (its per-row grad_output could not be
 applied to gradients summed over rows): the forward keeps only its inputs and the
@@ -55,7 +55,9 @@ backward runs steps 1-4 with dloss_i as the row scale, four GEMMs in all.
 
 In fp16, whose range is narrow, the forward's dz is not scaled by 1 / n_valid for "mean":
 dz_ij = p_ij - [j == t_i] is stored (values a softmax has), dW is accumulated in fp32,
-and dx, dW, db, dg are multiplied by 1 / n_valid in fp32 at the end. Scaled first, the
+and dx, dW, db, dg are multiplied by 1 / n_valid in fp32 at the end; dW stays fp32 (like
+dx, db, dg) until the backward has multiplied it by grad_output, the loss scale, and
+rounds it once (rounded to fp16 before, small weight gradients were flushed to zero). Scaled first, the
 small probabilities of a large batch fell below fp16's range before a loss scale
 (GradScaler's grad_output) could lift them: with 8192 counted tokens the gradients'
 errors were 7x eager's. bf16 has fp32's exponent range and keeps the scaled dz.
@@ -88,6 +90,7 @@ torch.compile traces it without a graph break. There is no double backward.
 
 import functools
 import math
+import numbers
 from typing import Optional
 
 import torch
@@ -179,10 +182,10 @@ def _chunks(rows: int, chunk_size: int):
         yield slice(start, min(start + chunk_size, rows))
 
 
-def _hidden(x, norm_weight, eps):
-    """(h, rstd): h = x (rstd None), or RMSNorm(x) computed in fp32 and rounded once to x's
-    dtype (one pass of :func:`codetta.kernels.rmsnorm.rmsnorm`), with its fp32 [C] rstd."""
-    return (x, None) if norm_weight is None else rmsnorm(x, norm_weight, eps)
+def _hidden(x, norm_weight, eps, dtype):
+    """(h, rstd): h = x (rstd None), or RMSNorm(x) computed in fp32 and rounded once to the
+    GEMM's ``dtype`` (one pass of :func:`codetta.kernels.rmsnorm.rmsnorm`), with its fp32 [C] rstd."""
+    return (x, None) if norm_weight is None else rmsnorm(x, norm_weight, eps, dtype)
 
 
 def _bias_operand(bias):
@@ -246,24 +249,26 @@ def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs
     """
     need_x, need_weight, need_bias, need_norm_weight = needs
     rows, (vocab, d) = x.shape[0], weight.shape
+    low = weight.dtype  # the GEMMs' operands (x may be a wider fp32 stream before the final norm)
     fp32 = {"device": x.device, "dtype": torch.float32}
     lse = torch.empty(rows, **fp32)
     target_logit = torch.empty_like(lse)
     logit_sum = torch.empty_like(lse) if label_smoothing else None
     store = any(needs)
-    program = _logits_program(bias is not None, x.dtype if store else None, bool(label_smoothing))
+    program = _logits_program(bias is not None, low if store else None, bool(label_smoothing))
     if store:  # rows padded to 16 bytes, so that the GEMMs can read and write it through TMA
-        pad = 16 // x.element_size()
-        logits = x.new_empty(min(rows, chunk_size), -(-vocab // pad) * pad)[:, :vocab]
+        pad = 16 // low.itemsize
+        logits = x.new_empty(min(rows, chunk_size), -(-vocab // pad) * pad, dtype=low)[:, :vocab]
     n_chunks = -(-rows // chunk_size)
     dx = torch.empty(x.shape, device=x.device, dtype=torch.float32 if fp32_grads else x.dtype) if need_x else None
+    wide_dw = _wide_dweight(weight, fp32_grads)
     if need_weight:  # several chunks add into an fp32 accumulator; one writes dW in the weight's dtype
-        dw_dtype = weight.dtype if n_chunks <= 1 and post_scale is None else torch.float32
+        dw_dtype = weight.dtype if n_chunks <= 1 and post_scale is None and not wide_dw else torch.float32
         dw = (torch.empty if n_chunks else torch.zeros)(weight.shape, device=x.device, dtype=dw_dtype)
     db = torch.zeros(vocab, **fp32) if need_bias else None
     dg = torch.zeros(d, **fp32) if need_norm_weight else None
     for i, c in enumerate(_chunks(rows, chunk_size)):
-        h, rstd = _hidden(x[c], norm_weight, eps)
+        h, rstd = _hidden(x[c], norm_weight, eps, low)
         out = {"lse": lse[c], "target_logit": target_logit[c]}
         if label_smoothing:
             out["logit_sum"] = logit_sum[c]
@@ -288,11 +293,17 @@ def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs
         dx, db, dg = (t.mul_(post_scale) if t is not None else None for t in (dx, db, dg))
     grads = (
         dx,
-        dw.to(weight.dtype) if need_weight else None,
+        dw.to(torch.float32 if wide_dw else weight.dtype) if need_weight else None,
         db if not need_bias or fp32_grads else db.to(bias.dtype),
         dg if not need_norm_weight or fp32_grads else dg.to(norm_weight.dtype),
     )
     return lse, target_logit, logit_sum, grads
+
+
+def _wide_dweight(weight, fp32_grads):
+    """Whether the forward keeps dW in fp32 until the backward scales it: fp16 weights, whose
+    narrow range would flush small gradients to zero before a loss scale lifts them."""
+    return fp32_grads and weight.dtype == torch.float16
 
 
 def _in_forward(reduction, needs):
@@ -306,7 +317,9 @@ def _grad_outputs(x, grads):
 
 
 def _fake_grads(x, weight, bias, norm_weight, needs, fp32_grads=False):
-    dtypes = (torch.float32 if fp32_grads else x.dtype, weight.dtype) + (torch.float32 if fp32_grads else None,) * 2
+    dtypes = (torch.float32 if fp32_grads else x.dtype,
+              torch.float32 if _wide_dweight(weight, fp32_grads) else weight.dtype) + \
+        (torch.float32 if fp32_grads else None,) * 2
     return _grad_outputs(x, [t.new_empty(t.shape, dtype=dtype) if need else None
                              for t, need, dtype in zip((x, weight, bias, norm_weight), needs, dtypes)])
 
@@ -341,7 +354,7 @@ def _forward(
     needs = _in_forward(reduction, (need_x, need_weight, need_bias, need_norm_weight))
     scale, post_scale = None, None
     if any(needs):
-        if reduction == "mean" and x.dtype == torch.float16:  # 1 / n_valid applied after, in fp32 (module doc)
+        if reduction == "mean" and weight.dtype == torch.float16:  # 1 / n_valid applied after, in fp32 (module doc)
             scale, post_scale = valid.float(), 1.0 / valid.sum().clamp_min(1).float()
         else:
             scale = _row_scale(torch.ones((), device=x.device), valid, reduction)
@@ -432,9 +445,11 @@ def _autograd_backward(ctx, grad_loss, *_grad_gradients):
                 "reduction='none' (its backward recomputes the logits) and reduce the losses yourself")
         ctx.gradients_handed_out = True
         dx, dw, db, dg = ctx.saved_tensors
-        _scale_(grad_loss, dw)
+        wide_dw = needs[1] and dw.dtype != ctx.dtypes[1]  # fp16 weights: dW kept in fp32 (_wide_dweight)
+        if not wide_dw:
+            _scale_(grad_loss, dw)
         grads = [dx, dw, db, dg]
-        for i in (0, 2, 3):  # fp32 until here: scaled and rounded once
+        for i in (0, 1, 2, 3) if wide_dw else (0, 2, 3):  # fp32 until here: scaled and rounded once
             if needs[i]:
                 grads[i] = (grads[i] * grad_loss).to(ctx.dtypes[i])
     else:
@@ -450,7 +465,8 @@ _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 # The public functions
 
 
-def _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size, label_smoothing=0.0, z_loss=0.0):
+def _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size, label_smoothing=0.0, z_loss=0.0, *,
+                  ignore_index=-100, eps=1e-6):
     def fail(msg):
         raise ValueError(f"linear_cross_entropy: {msg}")
 
@@ -482,10 +498,22 @@ def _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size, l
             fail(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
         if tuple(t.shape) != shape:
             fail(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-        if t.dtype != x.dtype:
-            fail(f"{name} has dtype {t.dtype} but x has {x.dtype}: cast one so they match")
+    # The GEMMs run on the weight's dtype; x and norm_weight may be wider (fp32) with a final norm,
+    # which rounds its output once to the weight's dtype (a wide residual stream, as under autocast).
+    stream = norm_weight is not None and x.dtype == torch.float32 and weight.dtype in (torch.float16, torch.bfloat16)
+    if weight.dtype != x.dtype and not stream:
+        fail(f"weight has dtype {weight.dtype} but x has {x.dtype}: cast one so they match (x may be fp32 with "
+             "16-bit weights when norm_weight is given)")
+    if bias is not None and bias.dtype != weight.dtype:
+        fail(f"bias has dtype {bias.dtype} but weight has {weight.dtype}: cast one so they match")
+    if norm_weight is not None and norm_weight.dtype not in (x.dtype, weight.dtype):
+        fail(f"norm_weight has dtype {norm_weight.dtype}; it must be x's ({x.dtype}) or the weight's ({weight.dtype})")
     if reduction not in _REDUCTIONS:
         fail(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        fail(f"ignore_index must be an int, got {ignore_index!r}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
+        fail(f"eps must be a number >= 0, got {eps!r}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         fail(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     for name, value, high in (("label_smoothing", label_smoothing, 1.0), ("z_loss", z_loss, math.inf)):
@@ -493,7 +521,7 @@ def _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size, l
             fail(f"{name} must be a number in [0, {high}], got {value!r}")
 
 
-@casts_under_autocast("x", "weight", "bias", "norm_weight")
+@casts_under_autocast("weight", "bias", streams_if=(("x", "norm_weight"),))
 def linear_cross_entropy(x, weight, target, *, bias=None, ignore_index=-100, reduction="mean",
                          norm_weight=None, eps=1e-6, chunk_size=None, label_smoothing=0.0, z_loss=0.0):
     """Cross-entropy of the logits ``h W^T + b``, never materialized for all rows at once.
@@ -506,8 +534,11 @@ def linear_cross_entropy(x, weight, target, *, bias=None, ignore_index=-100, red
     otherwise from the fp32 logits.
 
     Args:
-        x: [..., d] fp32, fp16 or bf16; the leading dims are flattened into rows.
-        weight: [V, d], as nn.Linear stores it; bias: [V] or None; norm_weight: [d] or None.
+        x: [..., d] fp32, fp16 or bf16; the leading dims are flattened into rows. With
+            norm_weight, x may be fp32 with 16-bit weights (a wide residual stream: the norm
+            runs in fp32 and rounds h once, as under autocast).
+        weight: [V, d], as nn.Linear stores it; bias: [V] or None, in the weight's dtype;
+            norm_weight: [d] or None, in x's or the weight's dtype.
         target: integer class indices of x's leading shape; ``ignore_index`` rows count nothing.
         reduction: "mean" (over the rows not ignored), "sum", or "none" (x's leading shape).
         chunk_size: rows per chunk (default :func:`default_chunk_size`: 2^30 bytes of
@@ -520,10 +551,11 @@ def linear_cross_entropy(x, weight, target, *, bias=None, ignore_index=-100, red
     be backpropagated once: a second backward through it raises). See the module
     docstring for the math, the design and the memory bound.
     """
-    _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size, label_smoothing, z_loss)
+    _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size, label_smoothing, z_loss,
+                  ignore_index=ignore_index, eps=eps)
     vocab, d = weight.shape
     x2 = shapes.rows(x)
-    chunk = default_chunk_size(vocab, x.dtype, rows=x2.shape[0], d=d) if chunk_size is None else chunk_size
+    chunk = default_chunk_size(vocab, weight.dtype, rows=x2.shape[0], d=d) if chunk_size is None else chunk_size
     grad = torch.is_grad_enabled()
     needs = [grad and t is not None and t.requires_grad for t in (x, weight, bias, norm_weight)]
     loss, *_ = _forward(x2, weight, target.reshape(-1).long(), bias, norm_weight,
@@ -535,12 +567,14 @@ def linear_cross_entropy_reference(x, weight, target, *, bias=None, ignore_index
                                    norm_weight=None, eps=1e-6, label_smoothing=0.0, z_loss=0.0):
     """The same math in plain PyTorch over whole tensors (materializes the [M, V] logits).
 
-    Logits in fp32 (as codetta's fp32 accumulators), RMSNorm in fp32 rounded once to x's
-    dtype; differentiable by autograd. For comparison and debugging.
+    Logits in fp32 (as codetta's fp32 accumulators), RMSNorm in fp32 rounded once to the
+    weight's dtype; differentiable by autograd. For comparison and debugging.
     """
-    _check_inputs(x, weight, target, bias, norm_weight, reduction, None, label_smoothing, z_loss)
+    _check_inputs(x, weight, target, bias, norm_weight, reduction, None, label_smoothing, z_loss,
+                  ignore_index=ignore_index, eps=eps)
     _check_target_values(target.reshape(-1), weight.shape[0], ignore_index)
-    h = x if norm_weight is None else (x.float() * rms_rstd(x, eps).unsqueeze(-1) * norm_weight.float()).to(x.dtype)
+    h = x if norm_weight is None else \
+        (x.float() * rms_rstd(x, eps).unsqueeze(-1) * norm_weight.float()).to(weight.dtype)
     z = F.linear(h.float(), weight.float(), None if bias is None else bias.float())
     valid = target != ignore_index
     picked = z.gather(-1, torch.where(valid, target, 0).long().unsqueeze(-1)).squeeze(-1)

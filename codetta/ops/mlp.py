@@ -41,7 +41,8 @@ from ..kernels.swiglu import swiglu_backward
 from ..matmul import gemm
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
-from .rmsnorm import _check_norm_inputs, _linear_residual_op, _weight_k, given_stats, rmsnorm_linear_backward
+from .rmsnorm import (NormStats, _check_norm_inputs, _linear_residual_op, _weight_k, check_eps, given_stats,
+                      rmsnorm_linear_backward)
 from .swiglu import _rmsnorm_swiglu_op
 from .weight_grads import for_autograd, run_backward, weight_grad
 from .shapes import rows
@@ -125,7 +126,8 @@ def swiglu_mlp(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_d
         x2, or (x2, (u2, rstd2)) with ``next_norm_weight``: the next norm's statistics, as
         :func:`codetta.ops.linear_residual` returns them.
     """
-    _check_norm_inputs(x, norm_weight, [w_gate, w_up])
+    _check_norm_inputs(x, norm_weight, [w_gate, w_up], eps)
+    check_eps(next_eps=next_eps)
     f, d = w_gate.shape
     if w_up.shape != w_gate.shape:
         raise ValueError(f"w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} differ")
@@ -133,10 +135,10 @@ def swiglu_mlp(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_d
         raise ValueError(f"w_down must be [{d}, {f}] of {w_gate.dtype}, got {tuple(w_down.shape)} {w_down.dtype}")
     if next_norm_weight is not None and next_norm_weight.shape != (d,):
         raise ValueError(f"next_norm_weight must be [{d}], got {tuple(next_norm_weight.shape)}")
-    u, rstd = given_stats(x, stats, w_gate.dtype)
+    u, rstd = given_stats(x, stats, w_gate.dtype, norm_weight, eps)
     x2, u2, rstd2, *_ = _mlp_op(x, norm_weight, w_gate, w_up, w_down, float(eps), u, rstd, next_norm_weight,
                                 float(next_eps))
-    return x2 if next_norm_weight is None else (x2, (u2, rstd2))
+    return x2 if next_norm_weight is None else (x2, NormStats.of(u2, rstd2, x2, next_norm_weight, next_eps))
 
 
 def swiglu_mlp_reference(x, norm_weight, w_gate, w_up, w_down, eps=1e-6):

@@ -48,6 +48,7 @@ eager calls with plain tensors skip the dispatcher (:mod:`codetta.ops.autograd`)
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Optional
 
 import torch
@@ -114,9 +115,21 @@ def stream_fits(stream: torch.dtype, operand: torch.dtype) -> bool:
     return stream == operand or (stream == torch.float32 and operand in (torch.bfloat16, torch.float16))
 
 
-def _check_norm_inputs(x: Tensor, norm_weight: Tensor, weights: list[Tensor]):
+def check_eps(**values) -> None:
+    """Each epsilon given by name must be a real number >= 0 (not a string, nor a bool)."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
+            raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+
+
+def _check_norm_inputs(x: Tensor, norm_weight: Tensor, weights: list[Tensor], eps):
     if not isinstance(x, Tensor) or x.dim() < 1:
         raise ValueError(f"x must be a tensor [..., d], got {type(x).__name__}")
+    if not weights or not all(isinstance(w, Tensor) for w in (norm_weight, *weights)):
+        raise ValueError("norm_weight and the weights must be tensors (at least one weight)")
+    if not norm_weight.is_floating_point():
+        raise ValueError(f"norm_weight must be floating point, got {norm_weight.dtype}")
+    check_eps(eps=eps)
     d = x.shape[-1]
     check_device(x.device, "x")
     for name, t in (("norm_weight", norm_weight), *((f"weight {i}", w) for i, w in enumerate(weights))):
@@ -134,11 +147,57 @@ def _check_norm_inputs(x: Tensor, norm_weight: Tensor, weights: list[Tensor]):
                          "or fp32 with 16-bit weights")
 
 
-def given_stats(x: Tensor, stats, operand_dtype: torch.dtype) -> tuple[Optional[Tensor], Optional[Tensor]]:
+class NormStats(tuple):
+    """The statistics ``(u, rstd)`` of the RMSNorm of one tensor x with one norm weight g and
+    epsilon, as :func:`linear_residual` and :func:`codetta.ops.swiglu_mlp` return them (u = x g
+    in the GEMM operands' dtype, rstd fp32 [M]); it unpacks as that pair.
+
+    It also remembers what it was made of (x's memory and version counter, g and its version
+    counter, epsilon), so that the operator it is handed to checks it gets that very x,
+    unchanged since, with the same g and epsilon: stale or borrowed statistics would give a
+    silently wrong norm. A plain ``(u, rstd)`` pair is taken as it is.
+    """
+
+    source: tuple
+
+    @staticmethod
+    def of(u: Tensor, rstd: Tensor, x: Tensor, norm_weight: Tensor, eps: float):
+        """The pair, as NormStats where it can be checked later (eager, tensors with version
+        counters), else as a plain tuple (traced by torch.compile, inference tensors)."""
+        if torch.compiler.is_compiling() or x.is_inference() or norm_weight.is_inference():
+            return u, rstd
+        stats = tuple.__new__(NormStats, (u, rstd))
+        stats.source = (x.data_ptr(), x._version, norm_weight, norm_weight._version, float(eps))
+        return stats
+
+    def with_u(self, u: Tensor) -> "NormStats":
+        """The same statistics with u replaced (cast under autocast)."""
+        stats = tuple.__new__(NormStats, (u, self[1]))
+        stats.source = self.source
+        return stats
+
+    def check(self, x: Tensor, norm_weight: Tensor, eps: float) -> None:
+        ptr, version, weight, weight_version, made_eps = self.source
+        if x.data_ptr() != ptr or x._version != version:
+            raise ValueError("stats were made for another tensor than x, or x was changed in place since: pass the "
+                             "(x, stats) pair an operator returned, unchanged, or no stats")
+        if norm_weight is not weight or norm_weight._version != weight_version:
+            raise ValueError("stats were made with another norm_weight (or it was changed in place since)")
+        if float(eps) != made_eps:
+            raise ValueError(f"stats were made with eps {made_eps}, not {float(eps)}")
+
+
+def given_stats(x: Tensor, stats, operand_dtype: torch.dtype, norm_weight: Tensor,
+                eps: float) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """(u, rstd) of ``stats`` (or (None, None)), checked to be x's: u [M, d] in the GEMM's
-    ``operand_dtype`` (the weights'), rstd fp32 [M]."""
+    ``operand_dtype`` (the weights'), rstd fp32 [M]; a :class:`NormStats` also made from this x,
+    norm_weight and eps."""
     if stats is None:
         return None, None
+    if not isinstance(stats, (tuple, list)) or len(stats) != 2 or not all(isinstance(t, Tensor) for t in stats):
+        raise ValueError(f"stats must be the (u, rstd) pair of tensors an operator returned, got {type(stats).__name__}")
+    if isinstance(stats, NormStats) and not torch.compiler.is_compiling():
+        stats.check(x, norm_weight, eps)
     u, rstd = stats
     m, d = x.numel() // x.shape[-1], x.shape[-1]
     if u.shape[-1] != d or u.numel() != m * d or rstd.numel() != m:
@@ -270,8 +329,8 @@ def rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight, eps: float = 1e-6, *,
         z [..., N] in the weights' dtype.
     """
     weights = _as_list(weight)
-    _check_norm_inputs(x, norm_weight, weights)
-    u, rstd = given_stats(x, stats, weights[0].dtype)
+    _check_norm_inputs(x, norm_weight, weights, eps)
+    u, rstd = given_stats(x, stats, weights[0].dtype, norm_weight, eps)
     return _rmsnorm_linear_op(x, norm_weight, weights, float(eps), u, rstd)[0]
 
 
@@ -365,10 +424,11 @@ def linear_residual(a: Tensor, weight, residual: Tensor, norm_weight: Tensor | N
         raise ValueError(f"residual is {residual.dtype} but a is {a.dtype}: the residual must be in a's dtype, "
                          "or fp32 with 16-bit a and weights")
     for name, vec in (("norm_weight", norm_weight), ("bias", bias)):
-        if vec is not None and vec.shape != (residual.shape[-1],):
-            raise ValueError(f"{name} must be [{residual.shape[-1]}], got {tuple(vec.shape)}")
+        if vec is not None and (vec.shape != (residual.shape[-1],) or not vec.is_floating_point()):
+            raise ValueError(f"{name} must be floating point [{residual.shape[-1]}], got {tuple(vec.shape)} {vec.dtype}")
+    check_eps(eps=eps)
     x, u, rstd = _linear_residual_op(a, weights, residual, bias, norm_weight, float(eps))
-    return x if norm_weight is None else (x, (u, rstd))
+    return x if norm_weight is None else (x, NormStats.of(u, rstd, x, norm_weight, eps))
 
 
 # ---------------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ from ..matmul import gemm
 from ..kernels.qk_norm import qk_norm_backward
 from ..kernels.rope import rope_backward
 from ..kernels.rmsnorm import rmsnorm_stats
-from .rmsnorm import _check_norm_inputs, _weight_t, given_stats, rmsnorm_linear_backward
+from .rmsnorm import _check_norm_inputs, _weight_t, check_eps, given_stats, rmsnorm_linear_backward
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .weight_grads import for_autograd, run_backward
@@ -281,6 +281,10 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
             broadcasts to them (HF's [1, S] position_ids), or flat [M].
         inv_freq: [rotary_dim / 2], any float dtype: the model's own rotary frequencies (HF's
             ``inv_freq``, in bf16 when the model was cast to bf16; its values are used as they are).
+            The cos/sin tables made from positions and inv_freq are reused while both are the
+            same tensors with the same version counters (a model's layers share them): a write
+            that PyTorch does not count (into numpy memory shared with positions, through
+            ``.data``) is not seen; pass new tensors for new positions.
         head_dim: D; rotary_dim: R (default D) with D a multiple of R (partial rotary), R a
             power of two. attention_scaling: HF's factor on cos and sin (rope scaling types).
         bias: optional (b_q, b_k, b_v) (Qwen2). stats: optional (u, rstd) from linear_residual.
@@ -291,7 +295,8 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
         (q, k, v): [..., H_q D], [..., H_kv D], [..., H_kv D], views of one qkv tensor.
     """
     weights = [w_q, w_k, w_v]
-    _check_norm_inputs(x, norm_weight, weights)
+    _check_norm_inputs(x, norm_weight, weights, eps)
+    check_eps(qk_norm_eps=qk_norm_eps)
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
         raise ValueError(f"head_dim must be a positive integer, got {head_dim!r}")
     rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
@@ -300,8 +305,12 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
         raise ValueError(f"q/k/v weights {[tuple(w.shape) for w in weights]} are not whole heads of {head_dim}")
     if rotary_dim < 2 or rotary_dim & (rotary_dim - 1) or head_dim % rotary_dim:
         raise ValueError(f"rotary_dim {rotary_dim} must be a power of two dividing head_dim {head_dim}")
-    if inv_freq.shape != (rotary_dim // 2,) or not inv_freq.is_floating_point():
-        raise ValueError(f"inv_freq must be floating point [{rotary_dim // 2}], got {inv_freq.dtype} {tuple(inv_freq.shape)}")
+    if not isinstance(inv_freq, Tensor) or inv_freq.shape != (rotary_dim // 2,) or not inv_freq.is_floating_point():
+        raise ValueError(f"inv_freq must be a floating point tensor [{rotary_dim // 2}], got "
+                         f"{getattr(inv_freq, 'dtype', type(inv_freq).__name__)} {tuple(getattr(inv_freq, 'shape', ()))}")
+    for name, t in (("positions", positions), ("inv_freq", inv_freq)):
+        if isinstance(t, Tensor) and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
     positions = _token_positions(positions, x.shape[:-1])
     b = None
     if bias is not None:
@@ -321,7 +330,7 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
                                  f"{tuple(w.shape) if isinstance(w, Tensor) else type(w).__name__}")
             if w.device != x.device:
                 raise ValueError(f"{name} is on {w.device} but x is on {x.device}")
-    u, rstd = given_stats(x, stats, weights[0].dtype)
+    u, rstd = given_stats(x, stats, weights[0].dtype, norm_weight, eps)
     # inv_freq as given (a bf16 model holds it in bf16): the tables are made from it in fp64, and
     # the same tensor in every layer lets them all share one pair of tables (rope_tables).
     qkv = _qkv_rope_op(x, norm_weight, weights, b, positions, inv_freq, nq[0], nk[0], head_dim, rotary_dim,

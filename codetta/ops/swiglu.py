@@ -129,10 +129,10 @@ def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor,
     Returns:
         y [..., F] in the weights' dtype.
     """
-    _check_norm_inputs(x, norm_weight, [w_gate, w_up])
+    _check_norm_inputs(x, norm_weight, [w_gate, w_up], eps)
     if w_gate.shape != w_up.shape:
         raise ValueError(f"w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} differ")
-    u, rstd = given_stats(x, stats, w_gate.dtype)
+    u, rstd = given_stats(x, stats, w_gate.dtype, norm_weight, eps)
     return _rmsnorm_swiglu_op(x, norm_weight, w_gate, w_up, float(eps), u, rstd)[0]
 
 

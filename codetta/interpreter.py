@@ -1,0 +1,12 @@
+"""Whether codetta's kernels run in Triton's CPU interpreter."""
+
+import functools
+import os
+
+
+@functools.lru_cache(maxsize=None)
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, or true, yes, on,
+    y: Triton's own reading). Triton decides that when it decorates the kernels, at import; so
+    it is read once."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on", "y")
