@@ -109,21 +109,28 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.final_norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = None if cfg.tie_embeddings else _linear_weight(cfg.vocab_size, cfg.hidden_size, cfg.init_std)
-        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     @property
     def output_weight(self) -> Tensor:
         return self.embed if self.lm_head is None else self.lm_head
 
+    def rope_frequencies(self, device) -> Tensor:
+        """RoPE's inverse frequencies theta^(-2j / head_dim), fp32 [head_dim / 2], made from the
+        config at each call: not a buffer, which a model built on the meta device and loaded
+        from a state_dict would lack, and a cast to bf16 would round."""
+        cfg = self.cfg
+        exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.float64, device=device) / cfg.head_dim
+        return (1.0 / cfg.rope_theta**exponents).float()
+
     def hidden_states(self, input_ids: Tensor) -> Tensor:
         """The residual stream after the last layer (before the final norm), [B, S, d]."""
         x = F.embedding(input_ids, self.embed)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
+        inv_freq = self.rope_frequencies(input_ids.device)  # one tensor for all layers: they share RoPE's tables
         stats = None  # the first layer's QKV operator makes its norm's statistics itself (inside the custom op)
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
-            x, stats = layer(x, stats, positions, self.inv_freq, next_norm)
+            x, stats = layer(x, stats, positions, inv_freq, next_norm)
         return x
 
     def forward(self, input_ids: Tensor, targets: Tensor | None = None, *, ignore_index: int = -100):

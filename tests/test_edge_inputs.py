@@ -262,3 +262,79 @@ def test_no_double_backward_and_torch_func():
     xs = torch.randn(3, 6, 16, device=DEVICE)
     torch.testing.assert_close(torch.vmap(lambda t: codetta.linear(t, w.detach()))(xs), xs @ w.detach().t(),
                                rtol=1e-5, atol=1e-5)
+
+
+def _forward_ad_calls(x, w, g, target):
+    import torch.autograd.forward_ad as fwAD
+
+    v = torch.randn_like(x)
+
+    def dual(fn):
+        with fwAD.dual_level():
+            fn(fwAD.make_dual(x, v))
+
+    return {
+        "func.jvp linear": lambda: torch.func.jvp(lambda t: codetta.linear(t, w), (x,), (v,)),
+        "func.jacfwd rmsnorm_linear": lambda: torch.func.jacfwd(lambda t: ops.rmsnorm_linear(t, g, w))(x),
+        "forward_ad swiglu_mlp": lambda: dual(lambda t: ops.swiglu_mlp(t, g, w, w, w.t().contiguous())),
+        "forward_ad linear_cross_entropy": lambda: dual(lambda t: ops.linear_cross_entropy(t, w, target)),
+    }
+
+
+def test_forward_mode_ad_is_refused():
+    """The operators have no forward derivative: PyTorch would give zero or missing tangents."""
+    x, w, g = (torch.randn(6, 16, device=DEVICE), torch.randn(16, 16, device=DEVICE),
+               torch.ones(16, device=DEVICE))
+    target = torch.randint(0, 16, (6,), device=DEVICE)
+    for what, call in _forward_ad_calls(x, w, g, target).items():
+        with pytest.raises(RuntimeError, match="no forward-mode derivative"):
+            call()
+            pytest.fail(what)
+
+
+class _NoGradient(torch.autograd.Function):
+    """Identity whose backward gives its input no gradient (None): what autograd then hands on."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+def test_an_output_whose_gradient_never_comes():
+    """An operator whose output's gradient arrives as None (undefined: as zeros) gives no
+    gradients, and the rest of the graph still back-propagates."""
+    x = torch.randn(6, 16, device=DEVICE, requires_grad=True)
+    w = torch.randn(16, 16, device=DEVICE, requires_grad=True)
+    g = torch.ones(16, device=DEVICE)
+    target = torch.randint(0, 16, (6,), device=DEVICE)
+    outputs = {
+        "rmsnorm_linear": lambda: ops.rmsnorm_linear(x, g, w),
+        "swiglu_mlp": lambda: ops.swiglu_mlp(x, g, w, w, w),
+        "linear_residual": lambda: ops.linear_residual(x, w, x, g)[0],
+        "linear_cross_entropy none": lambda: ops.linear_cross_entropy(x, w, target, reduction="none"),
+        "linear_cross_entropy mean": lambda: ops.linear_cross_entropy(x, w, target),
+    }
+    for what, out in outputs.items():
+        x.grad = w.grad = None
+        (_NoGradient.apply(out()).sum() + 2 * x.sum()).backward()
+        assert torch.equal(x.grad, torch.full_like(x, 2.0)), what
+        assert w.grad is None, what
+
+
+def test_vmap_then_backward_through_linear_cross_entropy():
+    """Under vmap the loss's gradients are recomputed in the backward (PyTorch's per-sample
+    fallback), equal to the per-sample losses' gradients."""
+    w = torch.randn(6, 8, device=DEVICE, requires_grad=True)
+    xs = torch.randn(2, 3, 8, device=DEVICE, requires_grad=True)
+    target = torch.randint(0, 6, (3,), device=DEVICE)
+    for reduction in ("mean", "sum"):
+        xs.grad = w.grad = None
+        torch.vmap(lambda t: ops.linear_cross_entropy(t, w, target, reduction=reduction))(xs).sum().backward()
+        x64, w64 = xs.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        sum(torch.nn.functional.cross_entropy(x64[i] @ w64.t(), target, reduction=reduction) for i in range(2)).backward()
+        torch.testing.assert_close(xs.grad.double(), x64.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-5, atol=1e-6)

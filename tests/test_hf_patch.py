@@ -701,6 +701,16 @@ def test_linear_subclasses_that_keep_linears_forward_are_fused():
 _NO_CXX = DEVICE == "cpu" and not (shutil.which("c++") or shutil.which("g++"))
 
 
+
+def test_each_patched_layer_compiled_by_itself():
+    """Per-layer torch.compile (as torchtitan and FSDP2 setups do), fullgraph: the fused layer traces."""
+    ref = tiny("LlamaForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    for layer in model.model.layers:
+        layer.compile(backend="eager", fullgraph=True)
+    ids = torch.randint(0, VOCAB, (2, 10), device=DEVICE)
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.skipif(
     _NO_CXX, reason="inductor on a CPU needs a C++ compiler"))])
 def test_torch_compile_whole_patched_model_without_graph_break(backend):

@@ -26,7 +26,8 @@ def reference_hidden(model, input_ids):
     cfg = model.cfg
     b, s = input_ids.shape
     x = F.embedding(input_ids, model.embed)
-    angles = torch.arange(s, device=x.device, dtype=torch.float64)[:, None] * model.inv_freq.double()
+    inv_freq = cfg.rope_theta ** -(torch.arange(0, cfg.head_dim, 2, device=x.device, dtype=torch.float64) / cfg.head_dim)
+    angles = torch.arange(s, device=x.device, dtype=torch.float64)[:, None] * inv_freq
     emb = torch.cat((angles, angles), -1)
     cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
     for layer in model.layers:
@@ -78,6 +79,19 @@ def test_loss_and_every_gradient_match_the_unfused_model(tie):
     assert abs(loss.item() - ref_loss.item()) < 1e-5 * ref_loss.item()
     for name, p in ref.named_parameters():
         assert rel(got[name], p.grad) < 1e-4, name
+
+
+def test_built_on_the_meta_device_then_loaded():
+    """A model made on the meta device, materialized with to_empty and loaded from a state_dict
+    (how large models are built) computes what the original does: nothing it needs lies
+    outside the state_dict (RoPE's frequencies come from the config)."""
+    model = make_model(False)
+    with torch.device("meta"):
+        copy = cnn.Decoder(CFG)
+    copy = copy.to_empty(device=DEVICE)
+    copy.load_state_dict(model.state_dict())
+    ids = torch.randint(0, CFG.vocab_size, (2, 7), device=DEVICE)
+    torch.testing.assert_close(copy(ids, ids), model(ids, ids), rtol=0, atol=0)
 
 
 def test_logits_without_targets():

@@ -230,3 +230,16 @@ def test_custom_op_passes_opcheck(qk_norm):
         (x, g, [wq, wk, wv], None, pos, inv_freq, 2, 1, 16, 16, 1.0, EPS, None, None, qn, kn, QK_EPS),
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )
+
+
+def test_traces_with_dynamic_shapes():
+    """torch.compile(dynamic=True) of a function taking the weights as arguments: the head
+    arithmetic works on symbolic sizes; a second shape reuses the graph, results equal eager's."""
+    def qkv(x, g, wq, wk, wv, pos, inv_freq):
+        return rmsnorm_qkv_rope(x, g, wq, wk, wv, pos, inv_freq, head_dim=16)
+
+    compiled = torch.compile(qkv, backend="eager", dynamic=True, fullgraph=True)
+    for m, d in ((9, 32), (13, 48)):
+        tensors, _, pos, inv_freq = make(m, d, 16, 4, 2, 16, False, 100)
+        for got, want in zip(compiled(*tensors, pos, inv_freq), qkv(*tensors, pos, inv_freq)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)

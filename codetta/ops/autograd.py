@@ -14,6 +14,9 @@ through the registered op.
 from __future__ import annotations
 
 import torch
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+from torch.autograd import forward_ad
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -35,6 +38,34 @@ def refuse_double_backward(name: str, grads) -> None:
             type(g) in _PLAIN for g in grads if isinstance(g, torch.Tensor)):
         raise RuntimeError(f"{name}: codetta's operators have no second derivative; backward with "
                            "create_graph=True (double backward) through them is not supported")
+
+
+def refuse_forward_ad(name: str, args) -> None:
+    """Raise when forward-mode AD (torch.func.jvp, jacfwd, torch.autograd.forward_ad dual tensors)
+    would pass through an operator: it has no forward derivative, and PyTorch would drop the
+    tangents silently (zeros, or None)."""
+    if torch.compiler.is_compiling():
+        return
+    jvp = torch._C._are_functorch_transforms_active() and any(
+        interpreter.key() == TransformType.Jvp for interpreter in retrieve_all_functorch_interpreters())
+    dual = forward_ad._current_level >= 0 and any(
+        isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None
+        for a in args for t in (a if isinstance(a, (list, tuple)) else (a,)))
+    if jvp or dual:
+        raise RuntimeError(f"{name}: codetta's operators have no forward-mode derivative (torch.func.jvp, jacfwd, "
+                           "torch.autograd.forward_ad); use reverse mode (backward, torch.func.vjp, jacrev)")
+
+
+def _undefined_gradient_is_zero(backward, n_inputs: int):
+    """An op's backward that returns no gradients when its first output's gradient did not come
+    (None: a downstream function gave none), as autograd would for zeros: the other outputs carry
+    no gradient (see :func:`only_first_output_differentiable`), so nothing flows back."""
+    def guarded(ctx, *grads):
+        if grads[0] is None:
+            return (None,) * n_inputs
+        return backward(ctx, *grads)
+
+    return guarded
 
 
 def arguments_needing_grad(ctx) -> tuple:
@@ -132,10 +163,12 @@ class DirectOp:
         return fake
 
     def register_autograd(self, backward, *, setup_context):
+        backward = _undefined_gradient_is_zero(backward, len(self.op._opoverload._schema.arguments))
         self.op.register_autograd(backward, setup_context=setup_context)
         self.backward, self.setup_context = backward, setup_context
 
     def __call__(self, *args):
+        refuse_forward_ad(self.op._qualname, args)
         if not _runs_directly(args):
             return self.op(*args)
         flat, layout = _flatten(args)

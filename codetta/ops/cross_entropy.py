@@ -103,7 +103,7 @@ from ..kernels.softmax_grad import softmax_grad_
 from ..matmul import gemm
 from .rmsnorm import rms_rstd
 from .autocast import casts_under_autocast
-from .autograd import only_first_output_differentiable, refuse_double_backward
+from .autograd import only_first_output_differentiable, refuse_double_backward, refuse_forward_ad
 from .weight_grads import weight_grad_program
 from . import shapes
 
@@ -431,6 +431,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _autograd_backward(ctx, grad_loss, *_grad_gradients):
+    if grad_loss is None:  # no gradient came (a downstream function gave none): nothing flows back
+        return (None,) * 15
     refuse_double_backward("codetta::linear_cross_entropy", (grad_loss,))
     needs = ctx.needs_input_grad[:2] + ctx.needs_input_grad[3:5]  # x, weight, bias, norm_weight
     if any(ctx.in_forward):
@@ -556,7 +558,10 @@ def linear_cross_entropy(x, weight, target, *, bias=None, ignore_index=-100, red
     vocab, d = weight.shape
     x2 = shapes.rows(x)
     chunk = default_chunk_size(vocab, weight.dtype, rows=x2.shape[0], d=d) if chunk_size is None else chunk_size
-    grad = torch.is_grad_enabled()
+    refuse_forward_ad("codetta::linear_cross_entropy", (x, weight, bias, norm_weight))
+    # Under a torch.func transform (vmap) the gradients are not made in the forward: the
+    # backward recomputes them with the gradients autograd asks for there.
+    grad = torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
     needs = [grad and t is not None and t.requires_grad for t in (x, weight, bias, norm_weight)]
     loss, *_ = _forward(x2, weight, target.reshape(-1).long(), bias, norm_weight,
                         int(ignore_index), reduction, float(eps), float(label_smoothing), float(z_loss), chunk, *needs)

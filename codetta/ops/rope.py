@@ -300,7 +300,7 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
         raise ValueError(f"head_dim must be a positive integer, got {head_dim!r}")
     rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
-    nq, nk = divmod(w_q.shape[0], head_dim), divmod(w_k.shape[0], head_dim)
+    nq, nk = (w_q.shape[0] // head_dim, w_q.shape[0] % head_dim), (w_k.shape[0] // head_dim, w_k.shape[0] % head_dim)
     if nq[1] or nk[1] or w_v.shape != w_k.shape:
         raise ValueError(f"q/k/v weights {[tuple(w.shape) for w in weights]} are not whole heads of {head_dim}")
     if rotary_dim < 2 or rotary_dim & (rotary_dim - 1) or head_dim % rotary_dim:

@@ -151,8 +151,12 @@ def _attention(attn, plan: LayerPlan, q, k, v, attention_mask, kwargs):
 def attention_weights_requested() -> bool:
     """Whether the caller asked for attention weights (``output_attentions=True``): transformers
     records them with a hook on the attention module, whose forward the fused layer does not
-    call, so the layer then runs the model's own forward."""
-    collected = _active_collector.get() if _active_collector is not None else None
+    call, so the layer then runs the model's own forward. Not seen in a layer compiled by
+    itself (torch.compile cannot read transformers' context variable): there, ask for
+    attention weights in eager mode."""
+    if _active_collector is None or torch.compiler.is_compiling():  # dynamo cannot read a ContextVar
+        return False
+    collected = _active_collector.get()
     return bool(collected) and "attentions" in collected
 
 
