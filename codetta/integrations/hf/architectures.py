@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+from torch.nn.modules import module as nn_module
 from transformers import activations
 
 
@@ -115,30 +116,31 @@ _SILU = tuple(cls for cls in (torch.nn.SiLU, getattr(activations, "SiLUActivatio
 _TRANSFORMERS_RECORDER = "output_capturing_hook"  # transformers' recorder of attentions and hidden states
 
 
+def global_hooks(backward: bool) -> bool:
+    """Whether hooks for every module are registered (``torch.nn.modules.module.register_module_*``):
+    forward hooks and pre-hooks, and with ``backward`` also backward ones."""
+    return (bool(nn_module._global_forward_hooks) or bool(nn_module._global_forward_pre_hooks)
+            or (backward and (bool(nn_module._global_backward_hooks) or bool(nn_module._global_backward_pre_hooks))))
+
+
 def is_hooked(module) -> bool:
     """Whether calling ``module`` runs more than its class's forward: forward or backward hooks
     or pre-hooks, its own or global ones (``register_module_forward_hook``, ...), or a
     ``forward`` set on the instance (as accelerate's hooks set it). transformers' own output
     recorders are left out: they record only when the caller asks for attention weights (see
     :func:`codetta.integrations.hf.layer.attention_weights_requested`)."""
-    from torch.nn.modules import module as nn_module
-
     return ("forward" in module.__dict__ or bool(module._forward_pre_hooks) or bool(module._backward_hooks)
             or bool(module._backward_pre_hooks)
             or any(getattr(h, "__name__", None) != _TRANSFORMERS_RECORDER for h in module._forward_hooks.values())
-            or bool(nn_module._global_forward_hooks) or bool(nn_module._global_forward_pre_hooks)
-            or bool(nn_module._global_backward_hooks) or bool(nn_module._global_backward_pre_hooks))
+            or global_hooks(backward=True))
 
 
 def hooks_between(layer, next_layer) -> bool:
     """Whether hooks run between ``layer``'s forward and ``next_layer``'s (the first's forward
     hooks, the second's pre-hooks, global ones), which may change the residual stream in
     place (activation steering); transformers' own recorders are left out (they only record)."""
-    from torch.nn.modules import module as nn_module
-
     return (any(getattr(h, "__name__", None) != _TRANSFORMERS_RECORDER for h in layer._forward_hooks.values())
-            or bool(next_layer._forward_pre_hooks) or bool(nn_module._global_forward_hooks)
-            or bool(nn_module._global_forward_pre_hooks))
+            or bool(next_layer._forward_pre_hooks) or global_hooks(backward=False))
 
 
 def hooked_module(modules: tuple, arch: Architecture):
