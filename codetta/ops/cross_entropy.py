@@ -101,7 +101,7 @@ from ..kernels.rmsnorm import rmsnorm, rmsnorm_backward
 from ..kernels.scale import scale_unless_one_
 from ..kernels.softmax_grad import softmax_grad_
 from ..matmul import gemm
-from .rmsnorm import rms_rstd
+from .rmsnorm import check_eps, rms_rstd
 from .autocast import casts_under_autocast
 from .autograd import only_first_output_differentiable, refuse_double_backward, refuse_forward_ad
 from .weight_grads import weight_grad_program
@@ -514,8 +514,7 @@ def _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size, l
         fail(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         fail(f"ignore_index must be an int, got {ignore_index!r}")
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
-        fail(f"eps must be a number >= 0, got {eps!r}")
+    check_eps(eps=eps)
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         fail(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     for name, value, high in (("label_smoothing", label_smoothing, 1.0), ("z_loss", z_loss, math.inf)):
