@@ -44,7 +44,7 @@ def compile_sm90(program, *, BM=128, BN=256, BK=64, num_b=1, warps=8, stages=3, 
     kernel = load_kernel(program, "tma")
     kinds = dict(kernel_args(program, "tma"))
     consts = dict(BM=BM, BN=BN, BK=BK, GROUP_M=8, STAGES=stages, EPI_SPLIT=split, FLATTEN=flatten, NUM_B=num_b, B_PARTS="n",
-                  A_KM=False, B_KN=False, INTERPRET=False, PRECISION="tf32", a_s0=0, a_s1=0)
+                  A_KM=False, B_KN=False, INTERPRET=False, PRECISION="tf32", stride_a0=0, stride_a1=0)
     signature = {}
     for name in kernel.arg_names:
         if name in _CONSTEXPRS or name in ("stride_a0", "stride_a1"):

@@ -638,7 +638,7 @@ def test_outputs_whose_elements_overlap_are_refused(out_kind):
     (dict(BM=24), "BM must be a power of two"),
     (dict(BK=8), "BK must be a power of two"),
     (dict(num_warps=3), "num_warps must be a power of two"),
-    (dict(EPI_SPLIT=4), "EPI_SPLIT must be a power of two in \\[1, 2\\]"),
+    (dict(EPI_SPLIT=8), "EPI_SPLIT must be a power of two in \\[1, 4\\]"),
     (dict(STAGES=0), "STAGES must be a positive integer"),
     (dict(GROUP_M=1.5), "GROUP_M must be a positive integer"),
     (dict(FLATTEN=1), "FLATTEN must be a bool"),

@@ -110,9 +110,9 @@ def test_b_parts_in_dgrad_layout():
     assert rel_err(out, x.double() @ torch.cat(parts, 1).double()) < 1e-5
 
 
-@pytest.mark.parametrize("split, flatten", [(1, False), (2, False), (1, True), (2, True)])
+@pytest.mark.parametrize("split, flatten", [(1, False), (2, False), (4, False), (1, True), (2, True), (4, True)])
 def test_explicit_config_and_epilogue_split(split, flatten):
-    """A config given by the caller is used as is; EPI_SPLIT=2 runs the epilogue on tile halves;
+    """A config given by the caller is used as is; EPI_SPLIT=2 (4) runs the epilogue on tile halves (quarters);
     FLATTEN compiles one flattened loop (on a GPU; the interpreter runs the same code)."""
     cfg = Config(BM=16, BN=32, BK=16, GROUP_M=2, STAGES=1, num_warps=4, EPI_SPLIT=split, FLATTEN=flatten) if INTERPRET \
         else Config(BM=128, BN=128, BK=64, GROUP_M=8, STAGES=3, num_warps=8, EPI_SPLIT=split, FLATTEN=flatten)

@@ -386,14 +386,14 @@ def assert_matches(name, got, ref64, ref32):
 @st.composite
 def problems(draw, p):
     """(M, K, N, layout, seed, split) for program ``p``: N even and a multiple of every segment;
-    split: the epilogue on whole tiles (1) or on their two column halves (2, as the GPU tuner
-    often picks), which leaves the last tile's second half empty for some N."""
+    split: the epilogue on whole tiles (1) or on their column halves or quarters (2, 4, as the
+    GPU tuner often picks), which leaves the last tile's last slices empty for some N."""
     unit = max(2, p.min_block_n())
     N = unit * draw(st.integers(1, _MAX_N // unit))
     M = draw(st.integers(1, _MAX_M))
     K = 4 * draw(st.integers(1, _MAX_K // 4)) if draw(st.booleans()) else draw(st.integers(1, _MAX_K))
     layout = draw(st.sampled_from(["a@b", "a@w.t()", "x.t()@b", "a@[b0,b1]"]))
-    return M, K, N, layout, draw(st.integers(0, 2**31 - 1)), draw(st.sampled_from([1, 2]))
+    return M, K, N, layout, draw(st.integers(0, 2**31 - 1)), draw(st.sampled_from([1, 2, 4]))
 
 
 def make_ab(M, K, N, layout, gen):
@@ -417,12 +417,13 @@ def check_program(source, data, path):
     run_and_compare(p, M, K, N, layout, seed, path, split=split, report=note)
 
 
-def split_config(p):
-    """A config running the epilogue on tile halves at least as wide as ``p`` needs (on a GPU one
-    that fits fp32 operands)."""
+def split_config(p, split):
+    """A config running the epilogue on ``split`` column slices of each tile, each at least as wide
+    as ``p`` needs (on a GPU one that fits fp32 operands)."""
     if INTERPRET:
-        return Config(BM=16, BN=2 * max(16, p.min_block_n()), BK=16, GROUP_M=2, STAGES=1, num_warps=4, EPI_SPLIT=2)
-    return Config(BM=64, BN=2 * max(64, p.min_block_n()), BK=32, GROUP_M=8, STAGES=2, num_warps=4, EPI_SPLIT=2)
+        return Config(BM=16, BN=split * max(8, p.min_block_n()), BK=16, GROUP_M=2, STAGES=1, num_warps=4,
+                      EPI_SPLIT=split)
+    return Config(BM=64, BN=split * max(32, p.min_block_n()), BK=32, GROUP_M=8, STAGES=2, num_warps=4, EPI_SPLIT=split)
 
 
 def run_and_compare(p, M, K, N, layout, seed, path, split=1, report=print):
@@ -430,7 +431,7 @@ def run_and_compare(p, M, K, N, layout, seed, path, split=1, report=print):
     gen = torch.Generator().manual_seed(seed)
     a, b = make_ab(M, K, N, layout, gen)
     ops = make_operands(p, M, N, gen)
-    config = split_config(p) if split == 2 else None
+    config = split_config(p, split) if split > 1 else None
     with pytest.MonkeyPatch.context() as mp:
         if path == "ptr":
             mp.setenv("CODETTA_PATH", "ptr")

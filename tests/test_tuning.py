@@ -31,6 +31,16 @@ def test_fastest_config_wins_and_is_written(cache_dir):
     assert [Config(**v) for v in table.values()] == [CONFIGS[1]]
 
 
+def test_every_candidates_time_is_logged_when_asked(cache_dir, monkeypatch):
+    log = cache_dir / "tune.log"
+    monkeypatch.setenv("CODETTA_TUNE_LOG", str(log))
+    times = {CONFIGS[0]: 3.0, CONFIGS[1]: 1.0, CONFIGS[2]: 2.0}
+    tuning.choose("logged", CONFIGS, times.__getitem__)
+    (entry,) = [json.loads(line) for line in log.read_text().splitlines()]
+    assert entry["key"].startswith("logged|") and Config(**entry["best"]) == CONFIGS[1]
+    assert [(t, Config(**c)) for t, c in entry["ms"]] == [(1.0, CONFIGS[1]), (2.0, CONFIGS[2]), (3.0, CONFIGS[0])]
+
+
 def test_failing_configs_are_skipped(cache_dir):
     def bench(cfg):
         if cfg is not CONFIGS[2]:

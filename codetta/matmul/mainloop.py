@@ -181,6 +181,13 @@ def mma_pointers(a_ptr, stride_am, stride_ak, b_ptrs, b_strides_k, b_strides_n, 
 
 
 @triton.jit
+def column_halves(x, BM: tl.constexpr, BN: tl.constexpr):
+    """(x[:, :BN/2], x[:, BN/2:]) of a [BM, BN] tile. In the accumulator's layout the top bit of
+    the column index selects registers within a thread: no data moves."""
+    return tl.split(tl.permute(tl.reshape(x, [BM, 2, BN // 2]), (0, 2, 1)))
+
+
+@triton.jit
 def max_keeping_nan(a, b):
     """The combine function of a max reduction (``tl.reduce``) that is NaN where an element is,
     as torch.amax is; ``tl.max`` skips NaN."""

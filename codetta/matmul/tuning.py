@@ -101,6 +101,17 @@ def autotune_enabled() -> bool:
     return os.environ.get("CODETTA_AUTOTUNE", "1") != "0"
 
 
+def _log_timings(key: str, timings: dict, best: Config):
+    """Append every candidate's time to the file named by CODETTA_TUNE_LOG, if set (for the
+    benchmarks: which configs come close, not only which one won)."""
+    path = os.environ.get("CODETTA_TUNE_LOG")
+    if not path:
+        return
+    with open(path, "a") as f:
+        f.write(json.dumps({"key": key, "best": best.as_dict(),
+                            "ms": sorted(([t, c.as_dict()] for c, t in timings.items()), key=lambda x: x[0])}) + "\n")
+
+
 def choose(key: str, configs: list[Config], bench, prepare=None) -> Config:
     """The best of ``configs`` for ``key``; ``bench(cfg)`` returns its time in ms (or raises).
 
@@ -126,6 +137,7 @@ def choose(key: str, configs: list[Config], bench, prepare=None) -> Config:
         if not timings:
             return configs[0]
         best = min(timings, key=timings.get)
+        _log_timings(key, timings, best)
         _load()[key] = best.as_dict()
         _save(key, best.as_dict())
         return best
