@@ -4,7 +4,7 @@
 # (Liger-Kernel; pytest-xdist and execnet for WORKERS=n parallel test processes) are installed
 # first when present. The device copy's .git may be older than
 # its files: pass CODETTA_CODE_COMMIT=<the sending machine's HEAD> so results name the code.
-#   M=16384,4096 OPS=a,b,c,d,e TESTS=tests WORKERS=8 VARIANTS=hf_liger,hf_codetta bash bench/device_run.sh [smoke] [test] [host] [op-profile] [gemm] [gemm-quick] [gemm-1b] [breakdown] [ops] [ops-compile] [ops-paper] [block] [train] [profile] [demo]
+#   M=16384,4096 OPS=a,b,c,d,e TESTS=tests WORKERS=8 VARIANTS=hf_liger,hf_codetta bash bench/device_run.sh [smoke] [test] [host] [op-profile] [gemm] [gemm-quick] [gemm-1b] [breakdown] [sweep] [ops] [ops-compile] [ops-paper] [block] [train] [profile] [demo]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CODETTA_CACHE_DIR=/tmp/codetta-cache
 OUT=${OUT:-/tmp/out}
@@ -28,6 +28,7 @@ for step in "$@"; do
     gemm-quick) python3 bench/gemm_bench.py --shapes quick 2>&1 | tee "$OUT/gemm.log" ;;
     gemm-1b) python3 bench/gemm_bench.py --shapes llama1b 2>&1 | tee "$OUT/gemm.log" ;;
     breakdown) python3 bench/ops_breakdown.py 2>&1 | tee "$OUT/breakdown.log" ;;
+    sweep) python3 bench/config_sweep.py --pieces "${PIECES:-epilogue GEMM}" 2>&1 | tee "$OUT/sweep.log" | tail -80 ;;
     ops) python3 bench/ops_bench.py --no-compile --m "${M:-16384}" --ops "${OPS:-a,b,c,d,e}" 2>&1 | tee "$OUT/ops.log" ;;
     ops-compile) python3 bench/ops_bench.py --m "${M:-16384}" --ops "${OPS:-a,b,c,d,e}" 2>&1 | tee "$OUT/ops.log" ;;
     ops-paper) python3 bench/ops_bench.py --no-compile --m "${M:-16384}" --ops "${OPS:-a,b,c,d,e}" \
