@@ -12,8 +12,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import tempfile
 import threading
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -102,28 +104,41 @@ def autotune_enabled() -> bool:
 
 
 _ROUNDS = 3
+_WARM_UP_S = 0.3
+_WARM_UP_CALLS = 20  # at most (a timing takes 25 ms or more)
 
 
 def _timed_in_rounds(configs: list[Config], bench) -> dict:
-    """config -> median of its times over _ROUNDS rounds, each round timing every candidate once in
-    a different order (forward, backward, from the middle), without those that failed.
+    """config -> median of its times over _ROUNDS rounds, each timing every candidate once in its
+    own shuffled order (seeded: reproducible), after _WARM_UP_S seconds (at most _WARM_UP_CALLS
+    timings) of running the first one; without the candidates that failed.
 
-    A GPU timed from idle runs its first candidates at boost clocks and throttles under a
-    long tensor-core load: timed once each in table order, the H200 measured the first
-    candidate of a 16384 x 28672 x 4096 GEMM 10% faster than it runs in a training step, and
-    the tuner kept picking it."""
-    n = len(configs)
-    orders = [configs, configs[::-1], configs[n // 2:] + configs[: n // 2]]
+    A GPU timed from idle runs at boost clocks for a while and slows under a long tensor-core
+    load. Timed once each in table order, the H200 measured the first candidate of a
+    16384 x 28672 x 4096 GEMM 10% faster than it runs in a training step, and the tuner kept
+    picking it; with rounds in a fixed rotation it picked a config 7% slower than the best
+    (bench/config_sweep.py measures them all side by side)."""
     times = {cfg: [] for cfg in configs}
     failed = set()
-    for order in orders[:_ROUNDS]:
+
+    def timed(cfg):
+        try:
+            times[cfg].append(bench(cfg))
+        except Exception:  # a config that does not compile or run here is not a candidate  # noqa: BLE001
+            failed.add(cfg)
+
+    end = time.perf_counter() + _WARM_UP_S
+    for _ in range(_WARM_UP_CALLS):
+        if configs[0] in failed or time.perf_counter() > end:
+            break
+        timed(configs[0])
+    times[configs[0]].clear()
+    for r in range(_ROUNDS):
+        order = list(configs)
+        random.Random(r).shuffle(order)
         for cfg in order:
-            if cfg in failed:
-                continue
-            try:
-                times[cfg].append(bench(cfg))
-            except Exception:  # a config that does not compile or run here is not a candidate  # noqa: BLE001
-                failed.add(cfg)
+            if cfg not in failed:
+                timed(cfg)
     return {cfg: sorted(t)[len(t) // 2] for cfg, t in times.items() if t and cfg not in failed}
 
 
