@@ -8,6 +8,7 @@ checked against torch. Values are small multiples of 1/4 where a comparison is e
 every product and sum of them is exact in fp32.
 """
 
+import itertools
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import torch
 import codetta
 from codetta import EpilogueError, GemmError
 from codetta import epilogue as ep
+from codetta.matmul import launch
 from conftest import DEVICE
 
 
@@ -634,6 +636,34 @@ def test_outputs_whose_elements_overlap_are_refused(out_kind):
             codetta.gemm(a, b, p, y=overlapping)
 
 
+def test_outputs_sharing_memory_with_the_operands_are_refused():
+    """A written tensor that shares elements with a or b (read across tiles by every tile's
+    mainloop) or with another written tensor would be silently wrong (tiles overwrite what
+    others still read): refused. Disjoint views of one buffer are taken."""
+    a, b = torch.randn(64, 128, device=DEVICE), torch.randn(128, 128, device=DEVICE) / 10
+    with pytest.raises(GemmError, match="shares memory with a"):
+        codetta.gemm(a, b, out=a)
+    with pytest.raises(GemmError, match="shares memory with b"):
+        codetta.gemm(torch.randn(128, 128, device=DEVICE), b, out=b)
+    with pytest.raises(GemmError, match="shares memory with a"):  # a partial overlap, through another dtype
+        codetta.gemm(a[:, :64], b[:64, :64], out=a.view(torch.int32)[:, 63:127].view(torch.float32))
+    p = ep.Program("two_stores")
+    p.store("y", p.acc)
+    p.store("z", p.acc * 2)
+    buf = torch.empty(64, 128, device=DEVICE)
+    with pytest.raises(GemmError, match="shares memory with out\\['y'\\]"):
+        codetta.gemm(a, b, p, out={"y": buf, "z": buf})
+    acc = ep.Program("accumulate_into_a")
+    acc.store("y", acc.acc, dtype=torch.float32, accumulate=True)
+    with pytest.raises(GemmError, match="shares memory with a"):
+        codetta.gemm(a[:, :64], b[:64, :64], acc, y=a[:, 32:96])
+    # disjoint column blocks of one buffer: not shared
+    both = torch.zeros(64, 256, device=DEVICE)
+    both[:, :128] = a
+    out = codetta.gemm(both[:, :128], b, out=both[:, 128:])
+    assert torch.allclose(out, a @ b, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(BM=24), "BM must be a power of two"),
     (dict(BK=8), "BK must be a power of two"),
@@ -697,3 +727,53 @@ def test_reference_executor_checks_operand_names():
         ep.run_reference(p, a, b, {})
     with pytest.raises(EpilogueError, match="has no operand"):
         ep.run_reference(p, a, b, {"r": dyadic(6), "typo": 1.0})
+
+
+def _brute_force_share(x, y):
+    bx = {x.data_ptr() + sum(i * s for i, s in zip(idx, x.stride())) * x.element_size() + k
+          for idx in itertools.product(*map(range, x.shape)) for k in range(x.element_size())}
+    by = {y.data_ptr() + sum(i * s for i, s in zip(idx, y.stride())) * y.element_size() + k
+          for idx in itertools.product(*map(range, y.shape)) for k in range(y.element_size())}
+    return bool(bx & by)
+
+
+def test_memory_sharing_of_views_of_one_buffer_matches_brute_force():
+    """The overlap test behind the check above (row arithmetic for column blocks, element sets
+    otherwise) against the sets of bytes, on random views of one buffer."""
+    gen = torch.Generator().manual_seed(0)
+    buf = torch.zeros(4096)
+
+    def rand(hi):
+        return int(torch.randint(0, hi, (), generator=gen))
+
+    def view():
+        kind = rand(4)
+        if kind == 0:  # a block of rows and columns of a [rows, pitch] matrix
+            pitch = rand(12) + 1
+            r0, c0 = rand(6), rand(pitch)
+            return buf[r0 * pitch:].as_strided((rand(5) + 1, rand(pitch - c0) + 1), (pitch, 1), r0 * pitch + c0)
+        if kind == 1:  # a transposed block
+            pitch = rand(12) + 2
+            return buf.as_strided((rand(4) + 1, rand(4) + 1), (1, pitch), rand(40))
+        if kind == 2:  # 3-d, row-major leading dims
+            return buf.as_strided((rand(3) + 1, rand(3) + 1, rand(4) + 1), (16, 4, 1), rand(40))
+        return buf.as_strided((rand(8) + 1,), (rand(3) + 1,), rand(60))  # strided 1-d
+
+    for _ in range(400):
+        x, y = view(), view()
+        assert launch._share_elements(x, y) == _brute_force_share(x, y), (x.shape, x.stride(), x.storage_offset(),
+                                                                          y.shape, y.stride(), y.storage_offset())
+
+
+def test_written_tensors_are_checked_on_every_call():
+    """A plan is reused for every call with the same shapes and strides: a second call whose
+    out is a (same layout as the first call's fresh buffer) is refused too, and column halves
+    of one large buffer (the SwiGLU forward's z) pass without an element-by-element test."""
+    a, b = torch.randn(64, 128, device=DEVICE), torch.randn(128, 128, device=DEVICE) / 10
+    codetta.gemm(a, b, out=torch.empty(64, 128, device=DEVICE))
+    with pytest.raises(GemmError, match="shares memory with a"):
+        codetta.gemm(a, b, out=a)
+    big = torch.empty(4096, 2 * 1024, dtype=torch.bfloat16)
+    assert not launch._share_elements(big[:, :1024], big[:, 1024:])
+    assert launch._share_elements(big[:, :1025], big[:, 1024:])
+    assert not launch._share_elements(big[1:, :1024], big[:-1, 1024:])

@@ -236,6 +236,113 @@ class _Call:
         return (o.dtype or self.a.dtype) if o.kind == "store" else torch.float32
 
 
+def _check_written_apart(program, a, b, operands, out):
+    """What the kernel writes (outputs given in ``out``, operands accumulated into) must not
+    share an element with a or b, which every tile's mainloop reads across the tiles' bounds,
+    nor with another written tensor: tiles would overwrite what others still read (e.g.
+    ``gemm(a, b, out=a)``: silently wrong, as torch.mm's ``out=a`` is). Checked on every call:
+    it depends on the addresses, which a plan does not fix."""
+    written = list(out.items())
+    written += [(o.name, operands[o.name]) for o in program.outputs.values()
+                if o.kind == "store" and o.accumulate and isinstance(operands.get(o.name), torch.Tensor)]
+    if not written:
+        return
+    parts = b if isinstance(b, (list, tuple)) else (b,)
+    read = [("a", a)] + [(f"b[{i}]" if len(parts) > 1 else "b", t) for i, t in enumerate(parts)
+                         if isinstance(t, torch.Tensor)]
+    tensors = [t for _, t in read + written]
+    spans = [_byte_span(t) for t in tensors]
+    for i in range(len(read), len(spans)):
+        for j in range(i):
+            if _spans_meet(spans[i], spans[j]) and _share_elements(tensors[i], tensors[j]):
+                name = written[i - len(read)][0]
+                what = f"out[{name!r}]" if name in out else f"operand {name!r} (accumulated into)"
+                other = read[j][0] if j < len(read) else f"out[{written[j - len(read)][0]!r}]"
+                raise GemmError(f"{what} is written but shares memory with {other}, which the GEMM "
+                                f"{'reads across tiles' if j < len(read) else 'also writes'}: pass "
+                                "a tensor of its own (e.g. a .clone())")
+
+
+def _spans_meet(x, y) -> bool:
+    return x is not None and y is not None and x[0] < y[1] and y[0] < x[1]
+
+
+def _byte_span(t):
+    """[first, last) byte address t's elements lie in, or None when it has none."""
+    shape = t.shape
+    if 0 in shape:
+        return None
+    start = t.data_ptr()
+    return start, start + (sum((n - 1) * s for n, s in zip(shape, t.stride())) + 1) * t.element_size()
+
+
+def _as_rows(t):
+    """(address, row pitch, row bytes, rows) of t read as rows of contiguous bytes, one after
+    another at a constant pitch (leading dims merged, size-1 dims dropped), or None."""
+    shape, stride = t.shape, t.stride()
+    if shape and shape[-1] > 1 and stride[-1] != 1:
+        return None
+    rows, pitch = 1, 0
+    for n, s in zip(reversed(shape[:-1]), reversed(stride[:-1])):  # the innermost leading dim first
+        if n == 1:
+            continue
+        if rows == 1:
+            rows, pitch = n, s
+        elif s == rows * pitch:
+            rows *= n
+        else:
+            return None
+    size = t.element_size()
+    return t.data_ptr(), pitch * size, (shape[-1] if shape else 1) * size, rows
+
+
+def _rows_meet(x, y) -> bool | None:
+    """Whether row sets x and y (from _as_rows) share a byte, when they have one pitch that
+    both rows fit in (column blocks of one row-major buffer); None when this cannot tell."""
+    (bx, px, wx, rx), (by, py, wy, ry) = x, y
+    if rx == 1 and ry == 1:
+        return True  # two runs of bytes whose spans (called only so) intersect
+    pitch = px if rx > 1 else py
+    if (rx > 1 and ry > 1 and px != py) or pitch <= 0 or wx > pitch or wy > pitch:
+        return None
+    q, p = divmod(by - bx, pitch)  # y's row j starts p bytes into x's row slot q + j
+    slots = range(q, q + ry)  # x's rows in those slots meet y's rows from p on...
+    if p < wx and slots.start <= rx - 1 and slots.stop - 1 >= 0:
+        return True
+    return p + wy > pitch and slots.start + 1 <= rx - 1 and slots.stop >= 0  # ...or wrap into the next slot
+
+
+_EXACT_OVERLAP_ELEMENTS = 2**22  # above, for layouts _rows_meet cannot tell: intersecting spans count as shared
+
+
+def _element_starts(t):
+    """The byte address of every element of t, sorted (int64, on t's device)."""
+    starts = torch.zeros((), dtype=torch.int64, device=t.device)
+    for n, s in zip(t.shape, t.stride()):
+        starts = starts[..., None] + torch.arange(n, device=t.device) * (s * t.element_size())
+    return starts.reshape(-1).sort().values + t.data_ptr()
+
+
+def _share_elements(x, y) -> bool:
+    """Whether tensors x and y have a byte of memory in common. Spans apart (the usual case) are
+    told from addresses alone; column blocks of one buffer by arithmetic on their rows; other
+    intersecting spans element by element or, for views too large for that, taken as shared."""
+    if not _spans_meet(_byte_span(x), _byte_span(y)):
+        return False
+    rows_x, rows_y = _as_rows(x), _as_rows(y)
+    if rows_x is not None and rows_y is not None:
+        meet = _rows_meet(rows_x, rows_y)
+        if meet is not None:
+            return meet
+    if x.numel() + y.numel() > _EXACT_OVERLAP_ELEMENTS:
+        return True
+    xs, ys = _element_starts(x), _element_starts(y)
+    # y's element at [b, b + ey) meets x's last element starting before b + ey, if that one ends after b
+    i = torch.searchsorted(xs, ys + y.element_size()) - 1
+    hit = (i >= 0) & (xs[i.clamp_min(0)] + x.element_size() > ys)
+    return bool(hit.any())
+
+
 def _check_no_overlap(t, what):
     """A tensor codetta writes must not have elements sharing memory (an expand()ed view): its
     tiles would race."""
@@ -530,6 +637,7 @@ def gemm(a, b, epilogue: Program | None = None, *, out=None, config=None, **oper
     b = _without_empty_parts(b)
     _warn_if_differentiable(a, b, operands)
     plan = _plan(a, b, program, operands, out, config)
+    _check_written_apart(program, a, b, operands, out)
     results = _trivial(_Call(a, b, program, operands, out)) if plan is None else plan.execute(a, b, operands, out)
     return results["out"] if epilogue is None else results
 
