@@ -223,6 +223,37 @@ def test_stats_must_be_those_of_the_x_norm_weight_and_eps_given():
     assert rmsnorm_linear(x1, g, w, EPS, stats=(u, rstd)).shape == (m, 24)
 
 
+def test_stats_refused_for_a_reordered_view_of_x():
+    """A view of x over the same memory whose rows come in another order (x [B, S, d]
+    transposed to [S, B, d]) is not x: its statistics would be silently the wrong rows'.
+    A reshape that keeps the rows' order is x."""
+    b, s, k, d = 2, 3, 16, 32
+    a, wo = torch.randn(b, s, k, device=DEVICE), torch.randn(d, k, device=DEVICE) / 4
+    res, g = torch.randn(b, s, d, device=DEVICE), 1 + 0.1 * torch.randn(d, device=DEVICE)
+    w = torch.randn(24, d, device=DEVICE) / 6
+    x1, stats = linear_residual(a, wo, res, g, EPS)
+    with pytest.raises(ValueError, match="another tensor than x"):
+        rmsnorm_linear(x1.transpose(0, 1), g, w, EPS, stats=stats)
+    for view in (x1.reshape(b * s, d), x1[None], x1.unsqueeze(1).unsqueeze(0)):
+        z = rmsnorm_linear(view, g, w, EPS, stats=stats)
+        assert rel(z, unfused(view.double(), g.double(), [w.double()])) < 1e-5
+
+
+def test_stats_keep_their_x_alive():
+    """Statistics hold their x, so that a new tensor cannot be allocated at its address (as a
+    caching allocator would) and pass the check as that x while the statistics live."""
+    import weakref
+    m, k, d = 5, 16, 32
+    a, wo, res = torch.randn(m, k, device=DEVICE), torch.randn(d, k, device=DEVICE) / 4, torch.randn(m, d, device=DEVICE)
+    g = 1 + 0.1 * torch.randn(d, device=DEVICE)
+    x1, stats = linear_residual(a, wo, res, g, EPS)
+    ref = weakref.ref(x1)
+    del x1
+    assert ref() is not None
+    del stats
+    assert ref() is None
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda x, g, w: rmsnorm_linear(x, g, []), "at least one weight"),
     (lambda x, g, w: rmsnorm_linear(x, g, w, stats=(1, 2)), "stats must be the \\(u, rstd\\) pair"),

@@ -147,15 +147,35 @@ def _check_norm_inputs(x: Tensor, norm_weight: Tensor, weights: list[Tensor], ep
                          "or fp32 with 16-bit weights")
 
 
+def _row_layout(t: Tensor) -> tuple:
+    """Where the rows of t [..., d] lie, in order: (address, d, the stride along a row, the
+    leading dims' (size, stride) with size-1 dims left out and neighbours that read as one
+    merged). Equal for views that read the same rows in the same order (x [B, S, d] and
+    ``x.reshape(B * S, d)``), not for a transposed view of the same memory."""
+    lead = []
+    if t.numel():
+        for size, stride in zip(t.shape[:-1], t.stride()[:-1]):
+            if size == 1:
+                continue
+            if lead and lead[-1][1] == size * stride:
+                lead[-1] = (lead[-1][0] * size, stride)
+            else:
+                lead.append((size, stride))
+    return t.data_ptr(), t.shape[-1], t.stride(-1) if t.shape[-1] > 1 else 0, tuple(lead)
+
+
 class NormStats(tuple):
     """The statistics ``(u, rstd)`` of the RMSNorm of one tensor x with one norm weight g and
     epsilon, as :func:`linear_residual` and :func:`codetta.ops.swiglu_mlp` return them (u = x g
     in the GEMM operands' dtype, rstd fp32 [M]); it unpacks as that pair.
 
-    It also remembers what it was made of (x's memory and version counter, g and its version
-    counter, epsilon), so that the operator it is handed to checks it gets that very x,
-    unchanged since, with the same g and epsilon: stale or borrowed statistics would give a
-    silently wrong norm. A plain ``(u, rstd)`` pair is taken as it is.
+    It also remembers what it was made of (x itself, where its rows lie and its version
+    counter, g and its version counter, epsilon), so that the operator it is handed to checks
+    it gets that very x, unchanged since, with the same g and epsilon, its rows in the same
+    order (x or a reshape of it, not a transposed view of the same memory): stale or borrowed
+    statistics would give a silently wrong norm. It holds a reference to x, so that a new
+    tensor cannot take x's memory (and pass for it) while the statistics live. A plain
+    ``(u, rstd)`` pair is taken as it is.
     """
 
     source: tuple
@@ -167,7 +187,7 @@ class NormStats(tuple):
         if torch.compiler.is_compiling() or x.is_inference() or norm_weight.is_inference():
             return u, rstd
         stats = tuple.__new__(NormStats, (u, rstd))
-        stats.source = (x.data_ptr(), x._version, norm_weight, norm_weight._version, float(eps))
+        stats.source = (x, _row_layout(x), x._version, norm_weight, norm_weight._version, float(eps))
         return stats
 
     def with_u(self, u: Tensor) -> "NormStats":
@@ -177,9 +197,10 @@ class NormStats(tuple):
         return stats
 
     def check(self, x: Tensor, norm_weight: Tensor, eps: float) -> None:
-        ptr, version, weight, weight_version, made_eps = self.source
-        if x.data_ptr() != ptr or x._version != version:
-            raise ValueError("stats were made for another tensor than x, or x was changed in place since: pass the "
+        _, layout, version, weight, weight_version, made_eps = self.source
+        if _row_layout(x) != layout or x._version != version:
+            raise ValueError("stats were made for another tensor than x (or for its rows in another order, as in a "
+                             "transposed view of x), or x was changed in place since: pass the "
                              "(x, stats) pair an operator returned, unchanged, or no stats")
         if norm_weight is not weight or norm_weight._version != weight_version:
             raise ValueError("stats were made with another norm_weight (or it was changed in place since)")
