@@ -9,7 +9,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 CODETTA_CACHE_DIR=/tmp/codetta-cache
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-export CODETTA_TUNE_LOG="$OUT/tune_log.jsonl"  # every tuning's candidate times
+export CODETTA_TUNE_LOG="$OUT/tune_log.jsonl"  # each tuning: its finalists' times
 touch /tmp/device_run.start
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

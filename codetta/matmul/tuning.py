@@ -15,7 +15,6 @@ import os
 import random
 import tempfile
 import threading
-import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -104,47 +103,39 @@ def autotune_enabled() -> bool:
 
 
 _ROUNDS = 3
-_WARM_UP_S = 0.3
-_WARM_UP_CALLS = 20  # at most (a timing takes 25 ms or more)
+_KEPT_WITHIN = 1.15  # after the first round, only candidates this close to its best are timed again
 
 
 def _timed_in_rounds(configs: list[Config], bench) -> dict:
-    """config -> median of its times over _ROUNDS rounds, each timing every candidate once in its
-    own shuffled order (seeded: reproducible), after _WARM_UP_S seconds (at most _WARM_UP_CALLS
-    timings) of running the first one; without the candidates that failed.
+    """config -> median of its times over _ROUNDS rounds, each timing the candidates in its own
+    shuffled order (seeded: reproducible); after the first round only those within
+    _KEPT_WITHIN of its best go on; without the candidates that failed.
 
     A GPU timed from idle runs at boost clocks for a while and slows under a long tensor-core
     load. Timed once each in table order, the H200 measured the first candidate of a
     16384 x 28672 x 4096 GEMM 10% faster than it runs in a training step, and the tuner kept
     picking it; with rounds in a fixed rotation it picked a config 7% slower than the best
-    (bench/config_sweep.py measures them all side by side)."""
+    (bench/config_sweep.py times them all side by side)."""
     times = {cfg: [] for cfg in configs}
     failed = set()
-
-    def timed(cfg):
-        try:
-            times[cfg].append(bench(cfg))
-        except Exception:  # a config that does not compile or run here is not a candidate  # noqa: BLE001
-            failed.add(cfg)
-
-    end = time.perf_counter() + _WARM_UP_S
-    for _ in range(_WARM_UP_CALLS):
-        if configs[0] in failed or time.perf_counter() > end:
-            break
-        timed(configs[0])
-    times[configs[0]].clear()
+    alive = list(configs)
     for r in range(_ROUNDS):
-        order = list(configs)
-        random.Random(r).shuffle(order)
-        for cfg in order:
-            if cfg not in failed:
-                timed(cfg)
-    return {cfg: sorted(t)[len(t) // 2] for cfg, t in times.items() if t and cfg not in failed}
+        random.Random(r).shuffle(alive)
+        for cfg in alive:
+            try:
+                times[cfg].append(bench(cfg))
+            except Exception:  # a config that does not compile or run here is not a candidate  # noqa: BLE001
+                failed.add(cfg)
+        alive = [cfg for cfg in alive if cfg not in failed]
+        if r == 0 and alive:
+            best = min(times[cfg][0] for cfg in alive)
+            alive = [cfg for cfg in alive if times[cfg][0] <= _KEPT_WITHIN * best]
+    return {cfg: sorted(times[cfg])[len(times[cfg]) // 2] for cfg in alive}
 
 
 def _log_timings(key: str, timings: dict, best: Config):
-    """Append every candidate's time to the file named by CODETTA_TUNE_LOG, if set (for the
-    benchmarks: which configs come close, not only which one won)."""
+    """Append the times of the candidates that went through every round to the file named by
+    CODETTA_TUNE_LOG, if set (for the benchmarks: which configs come close, not only which won)."""
     path = os.environ.get("CODETTA_TUNE_LOG")
     if not path:
         return
