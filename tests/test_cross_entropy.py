@@ -202,6 +202,20 @@ def test_no_valid_target(reduction, rows):
         assert torch.equal(grads[name], ref_grads[name]) and not grads[name].any(), name
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("grad_output", [float("inf"), float("nan")])
+def test_no_valid_target_with_a_non_finite_grad_output(reduction, grad_output):
+    """PyTorch gives ignored rows no gradient whatever grad_output is: with no target counted every
+    gradient is exactly zero, also when grad_output is inf or nan (a "sum" divided by a count of 0,
+    as transformers' Trainer does with num_items_in_batch = 0), not 0 * inf = nan."""
+    inputs = make(lead=(6,), bias=True, norm=True, ignored=6)
+    grad_output = torch.full(inputs["target"].shape if reduction == "none" else (), grad_output, device=DEVICE)
+    _, grads = ours(inputs, reduction, grad_output, chunk_size=4)
+    _, ref_grads = pytorch(inputs, reduction, grad_output=grad_output, dtype=torch.float32)
+    for name in PARAMS:
+        assert torch.equal(grads[name], ref_grads[name]) and not grads[name].any(), name
+
+
 # --------------------------------------------------------------------------------------
 # bf16 / fp16: error of ours <= 2 x error of eager PyTorch in that dtype (both against fp64)
 

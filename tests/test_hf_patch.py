@@ -210,6 +210,19 @@ def test_num_items_in_batch_and_shift_labels():
     assert_same_training_step(ref, model, input_ids=ids, shift_labels=shifted, labels=ids)
 
 
+def test_a_batch_without_targets_and_num_items_in_batch_zero():
+    """The Trainer's num_items_in_batch is 0 when an accumulated batch has no target token (completion-
+    only fine-tuning, a truncated response): the loss is nan, every gradient exactly 0 (not nan: one
+    optimizer step would turn the parameters into nan for good)."""
+    ref = tiny("LlamaForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    batch = dict(input_ids=ids, labels=torch.full_like(ids, -100), num_items_in_batch=torch.tensor(0, device=DEVICE))
+    (loss_ref, grads_ref), (loss, grads) = loss_and_grads(ref, **batch), loss_and_grads(model, **batch)
+    assert loss_ref.isnan() and loss.isnan() and grads.keys() == grads_ref.keys()
+    assert all(torch.equal(grads[name], g) and not g.any() for name, g in grads_ref.items())
+
+
 def test_loss_options_the_model_takes():
     """An ``ignore_index`` passed to the model (it goes on to its loss), ``logits_to_keep`` with
     labels for the kept positions, and a ``loss_function`` set on the model (run unfused, warned)."""
