@@ -447,6 +447,25 @@ def test_copied_pickled_and_inspected_like_the_model():
     assert_same_training_step(ref, model, input_ids=ids, labels=ids)
 
 
+def test_copied_after_a_step_in_which_a_layers_next_layer_did_not_run():
+    """Layers cut after patching (or skipped): the last one run leaves its statistics for a layer
+    that does not run. A copy (EMA, keeping the best model) or a checkpoint of the whole model
+    taken after that training step works as for the unpatched model, without those activations."""
+    ref = tiny("LlamaForCausalLM", num_hidden_layers=3)
+    model = codetta.patch(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    for m in (ref, model):
+        m.model.layers = m.model.layers[:2]
+        m(input_ids=ids, labels=ids).loss.backward()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for other in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+        plans = [layer._codetta_plan for layer in other.model.layers]
+        assert plans[0].outgoing is plans[1].incoming and plans[1].outgoing.tensor is None
+        assert_same_training_step(ref, other, input_ids=ids, labels=ids)
+
+
 def test_unsupported_models_and_options_are_refused_untouched():
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     from codetta.integrations.hf import UnsupportedModelError

@@ -69,6 +69,13 @@ class StatsHandoff:
         self.tensor = self.stats = None
         return stats
 
+    def __getstate__(self):
+        """A copy (deepcopy, pickle: torch.save of a whole model) starts empty: what the slot holds
+        belongs to one forward, and is left there when the next layer does not run (layers cut or
+        skipped after patching): a non-leaf tensor that deepcopy refuses, activations a checkpoint
+        has no use for."""
+        return {**self.__dict__, "tensor": None, "version": None, "stats": None}
+
 
 @dataclass
 class LayerPlan:
