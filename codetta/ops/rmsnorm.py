@@ -217,8 +217,6 @@ def given_stats(x: Tensor, stats, operand_dtype: torch.dtype, norm_weight: Tenso
         return None, None
     if not isinstance(stats, (tuple, list)) or len(stats) != 2 or not all(isinstance(t, Tensor) for t in stats):
         raise ValueError(f"stats must be the (u, rstd) pair of tensors an operator returned, got {type(stats).__name__}")
-    if isinstance(stats, NormStats) and not torch.compiler.is_compiling():
-        stats.check(x, norm_weight, eps)
     u, rstd = stats
     m, d = x.numel() // x.shape[-1], x.shape[-1]
     if u.shape[-1] != d or u.numel() != m * d or rstd.numel() != m:
@@ -226,6 +224,8 @@ def given_stats(x: Tensor, stats, operand_dtype: torch.dtype, norm_weight: Tenso
     if u.dtype != operand_dtype or rstd.dtype != torch.float32:
         raise ValueError(f"stats must be (u in the weights' dtype {operand_dtype}, rstd in torch.float32), got "
                          f"({u.dtype}, {rstd.dtype})")
+    if isinstance(stats, NormStats) and not torch.compiler.is_compiling():
+        stats.check(x, norm_weight, eps)
     return u, rstd
 
 
