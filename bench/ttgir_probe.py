@@ -89,7 +89,8 @@ def resources(compiled) -> dict:
 
 CONFIGS = {  # name -> compile_sm90 keyword arguments
     "128x256 split 1": dict(), "128x256 split 2": dict(split=2), "128x256 flattened": dict(flatten=True),
-    "128x256 split 2 flattened": dict(split=2, flatten=True), "128x128 8 warps": dict(BN=128, stages=4),
+    "128x256 split 2 flattened": dict(split=2, flatten=True), "128x256 split 4": dict(split=4),
+    "128x256 split 4, 4 stages": dict(split=4, stages=4), "128x128 8 warps": dict(BN=128, stages=4),
     # two CTAs per SM (Config.CTAS_PER_SM = 2): each under 113 KiB, and 8 warps capped at 128 registers
     "128x128 4 warps, 2 per SM": dict(BN=128, warps=4, stages=2),
     "128x128 4 warps split 2, 2 per SM": dict(BN=128, warps=4, stages=3, split=2),
