@@ -600,6 +600,46 @@ def test_a_layer_fuses_again_once_its_modules_are_plain():
     assert model.model.layers[0]._codetta_plan.unfusable is None
 
 
+def _with_bias(linear):
+    new = torch.nn.Linear(linear.in_features, linear.out_features, bias=True, device=linear.weight.device)
+    with torch.no_grad():
+        new.weight.copy_(linear.weight)
+        new.bias.uniform_(0.25, 0.5)
+    return new
+
+
+@pytest.mark.parametrize("path, when", [
+    ("model.layers.0.mlp.down_proj", "before_patch"),
+    ("model.layers.0.mlp.gate_proj", "after_patch"),
+    ("model.layers.1.mlp.up_proj", "set_on_the_module"),
+    ("model.layers.1.self_attn.k_proj", "after_patch"),  # q/k/v partly biased: refused at patch time
+    ("model.layers.0.self_attn.q_proj", "set_on_the_module"),
+])
+def test_a_projection_bias_the_fused_forward_would_not_add_runs_unfused(path, when):
+    """The fused MLP has no biases and adds q/k/v's biases all together or none: a projection
+    given a bias it would not add (a biased nn.Linear swapped in before or after patching while
+    config.mlp_bias stays False, or a bias set on the module itself after a fused step) makes its
+    layer run the model's own forward, with a warning, instead of dropping the bias silently."""
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    ref = tiny("LlamaForCausalLM")
+    model = copy.deepcopy(ref)
+    _wrap(ref, path, _with_bias)
+    if when == "before_patch":
+        model = codetta.patch(copy.deepcopy(ref))
+    else:
+        codetta.patch(model)
+        assert_same_training_step(tiny("LlamaForCausalLM"), model, input_ids=ids, labels=ids)  # fused, unbiased
+        if when == "after_patch":
+            _wrap(model, path, lambda linear: copy.deepcopy(ref.get_submodule(path)))
+        else:
+            model.get_submodule(path).bias = torch.nn.Parameter(ref.get_submodule(path).bias.detach().clone())
+    with pytest.warns(UserWarning, match="bias"):
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    biased_layer = int(path.split(".")[2])
+    assert [layer._codetta_plan.unfusable is not None for layer in model.model.layers] == [
+        i == biased_layer for i in range(len(model.model.layers))]
+
+
 def _scale_output(module, args, output):
     return 0.5 * output
 

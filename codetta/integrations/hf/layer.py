@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from ...ops import linear_residual, rmsnorm_linear, rmsnorm_qkv_rope, swiglu_mlp
-from .architectures import (Architecture, ModelClasses, fused_modules, hooked_module, hooks_between,
+from .architectures import (Architecture, ModelClasses, bias_layout, fused_modules, hooked_module, hooks_between,
                             why_rotary_unfusable, why_unfusable)
 
 try:  # transformers' collector of recorded outputs (output_attentions=True, output_hidden_states=True)
@@ -87,6 +87,7 @@ class LayerPlan:
     fuse_rope: bool
     fuse_swiglu: bool
     modules: tuple = ()  # the layer's modules as last seen (architectures.fused_modules)
+    biases: tuple = ()  # which of its projections had a bias then (architectures.bias_layout)
     unfusable: Optional[str] = None  # why the fused forward cannot read them, if it cannot
     hooked: Optional[str] = None  # the last module found with hooks the fused forward would skip (warned once)
     incoming: StatsHandoff = field(default_factory=StatsHandoff)  # stats of this layer's input
@@ -170,7 +171,7 @@ def attention_weights_requested() -> bool:
 def _fusable(layer, plan: LayerPlan, hidden_states) -> bool:
     """Whether the fused forward computes what the layer's own forward would: the modules it reads
     in their place are checked again whenever they change (PEFT wrapping a projection after
-    patching, or merging it back), with a warning when the layer has to run unfused; and no
+    patching, or merging it back; a bias set on or removed from a projection), with a warning when the layer has to run unfused; and no
     module whose forward it skips has hooks (warned once per module), nor are attention
     weights asked for; and the layer computes in a precision codetta's kernels take (a
     model cast to fp64 after patching runs as its own)."""
@@ -182,8 +183,10 @@ def _fusable(layer, plan: LayerPlan, hidden_states) -> bool:
         return False
 
     modules = fused_modules(layer, plan.arch)
-    if modules != plan.modules:
-        plan.modules, plan.unfusable = modules, why_unfusable(modules, plan.arch, plan.classes)
+    biases = bias_layout(modules, plan.arch)
+    if modules != plan.modules or biases != plan.biases:
+        plan.modules, plan.biases = modules, biases
+        plan.unfusable = why_unfusable(modules, plan.arch, plan.classes)
         if plan.unfusable is not None:
             warn_unfused(plan.unfusable)
     if plan.unfusable is not None:
