@@ -744,6 +744,40 @@ def test_a_model_cast_to_fp64_after_patching_runs_as_its_own():
         assert_same_training_step(ref, model, tol=1e-12, input_ids=ids, labels=ids)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_inputs_embeds_in_an_fp32_model(dtype):
+    """16-bit inputs_embeds given to an fp32 model: the model's own first layer upcasts the stream
+    (its norm and residual add make fp32); the patched first layer runs unfused, with a warning
+    (the kernels take an fp32 stream with 16-bit weights, not the reverse), the others fused.
+    The model's rotary embedding rounds cos/sin to the embeddings' dtype, codetta's RoPE keeps
+    them fp32: the loss and gradients are compared with the fp64 model's, as for bf16 models."""
+    ref = tiny("LlamaForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    ref64 = copy.deepcopy(ref).double()
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    embeds = ref.model.embed_tokens(ids).detach().to(dtype)
+
+    def errors(m, e):
+        loss64, grads64 = loss_and_grads(ref64, inputs_embeds=embeds.double(), labels=ids)
+        loss, grads = loss_and_grads(m, inputs_embeds=e, labels=ids)
+        return abs(loss.double() - loss64).item() / loss64.item(), {
+            name: ((grads[name].double() - g).norm() / g.norm()).item() for name, g in grads64.items()}
+
+    loss_err_ref, errs_ref = errors(ref, embeds)
+    with pytest.warns(UserWarning, match="unfused"):
+        loss_err, errs = errors(model, embeds)
+    assert loss_err <= 2 * loss_err_ref + 1e-6
+    assert errs.keys() == errs_ref.keys()
+    for name, err in errs.items():
+        assert err <= 2 * errs_ref[name] + 1e-5, f"{name}: {err} vs {errs_ref[name]}"
+    with torch.no_grad(), pytest.warns(UserWarning, match="unfused"):
+        out = model(inputs_embeds=embeds, output_hidden_states=True)
+    out_ref = ref(inputs_embeds=embeds, output_hidden_states=True)
+    assert [h.dtype for h in out.hidden_states] == [h.dtype for h in out_ref.hidden_states]
+    torch.testing.assert_close(out.hidden_states[1], out_ref.hidden_states[1], rtol=1e-6, atol=1e-6)  # the unfused layer
+    torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-2, atol=1e-3)
+
+
 def test_attention_weights_when_asked_for():
     """output_attentions=True (eager attention): transformers records the weights with a hook on the
     attention module, which the fused layer skips; the layers then run unfused and return them."""

@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 
 from ...ops import linear_residual, rmsnorm_linear, rmsnorm_qkv_rope, swiglu_mlp
+from ...ops.rmsnorm import stream_fits
 from .architectures import (Architecture, ModelClasses, bias_layout, fused_modules, hooked_module, hooks_between,
                             why_rotary_unfusable, why_unfusable)
 
@@ -190,6 +191,14 @@ def _fusable(layer, plan: LayerPlan, hidden_states) -> bool:
         if plan.unfusable is not None:
             warn_unfused(plan.unfusable)
     if plan.unfusable is not None:
+        return False
+    # a stream the kernels cannot take with these weights (bf16 inputs_embeds given to an fp32 model):
+    # the model's own layer upcasts it (its norm and residual add make an fp32 stream for the next layer)
+    operand, device_type = layer.self_attn.q_proj.weight.dtype, hidden_states.device.type
+    if torch.is_autocast_enabled(device_type):
+        operand = torch.get_autocast_dtype(device_type)
+    if not stream_fits(hidden_states.dtype, operand):
+        warn_unfused(f"its input is {hidden_states.dtype} and its GEMMs run in {operand}")
         return False
     hooked = hooked_module(modules, plan.arch)
     if hooked is not None and hooked != plan.hooked:
