@@ -466,6 +466,49 @@ def test_copied_after_a_step_in_which_a_layers_next_layer_did_not_run():
         assert_same_training_step(ref, other, input_ids=ids, labels=ids)
 
 
+def test_a_layer_that_does_not_run_keeps_no_activations():
+    """The last layer run hands its output and statistics to a layer that does not run (layers cut
+    after patching; an exception raised before the next layer takes them): once the caller has let
+    go of the forward's outputs, that slot keeps nothing, not the autograd graph of a forward whose
+    loss was only read (an evaluation with grad mode on), nor its activations."""
+    import gc
+    import weakref
+
+    model = codetta.patch(tiny("LlamaForCausalLM", num_hidden_layers=3))
+    slot = model.model.layers[1]._codetta_plan.outgoing
+    model.model.layers = model.model.layers[:2]
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    out = model(input_ids=ids, labels=ids)
+    handed = weakref.ref(slot.tensor)
+    assert slot.stats is not None and handed().grad_fn is not None
+    out.loss.item()
+    del out
+    gc.collect()
+    assert handed() is None and slot.tensor is None and slot.stats is None
+
+
+def test_a_layer_interrupted_before_taking_its_statistics_keeps_nothing():
+    import gc
+    import weakref
+
+    class OwnLinear(torch.nn.Linear):  # a projection the fused forward cannot read: the layer warns
+        def forward(self, x):
+            return super().forward(x)
+
+    model = codetta.patch(tiny("LlamaForCausalLM"))
+    attn = model.model.layers[1].self_attn
+    own = OwnLinear(attn.q_proj.in_features, attn.q_proj.out_features, bias=False, device=DEVICE)
+    own.weight = attn.q_proj.weight
+    attn.q_proj = own
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    with warnings.catch_warnings(), pytest.raises(UserWarning, match="unfused"):
+        warnings.simplefilter("error")
+        model(input_ids=ids, labels=ids)
+    slot = model.model.layers[1]._codetta_plan.incoming
+    gc.collect()
+    assert slot.tensor is None and slot.stats is None
+
+
 def test_unsupported_models_and_options_are_refused_untouched():
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     from codetta.integrations.hf import UnsupportedModelError

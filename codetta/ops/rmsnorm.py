@@ -196,6 +196,15 @@ class NormStats(tuple):
         stats.source = self.source
         return stats
 
+    def apart_from_x(self) -> "NormStats":
+        """The same statistics without the reference to x (their check does not read x itself), for a
+        holder that keeps x's identity by other means (a weak reference, see
+        :class:`codetta.integrations.hf.layer.StatsHandoff`): held with x, they would keep x, and
+        the autograd graph behind it, alive."""
+        stats = tuple.__new__(NormStats, (self[0], self[1]))
+        stats.source = (None, *self.source[1:])
+        return stats
+
     def check(self, x: Tensor, norm_weight: Tensor, eps: float) -> None:
         _, layout, version, weight, weight_version, made_eps = self.source
         if _row_layout(x) != layout or x._version != version:

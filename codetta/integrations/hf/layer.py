@@ -25,13 +25,14 @@ the model's own PyTorch code on the output of a norm-folded GEMM.
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from ...ops import linear_residual, rmsnorm_linear, rmsnorm_qkv_rope, swiglu_mlp
-from ...ops.rmsnorm import stream_fits
+from ...ops.rmsnorm import NormStats, stream_fits
 from .architectures import (Architecture, ModelClasses, bias_layout, fused_modules, hooked_module, hooks_between,
                             why_rotary_unfusable, why_unfusable)
 
@@ -41,7 +42,6 @@ except ImportError:  # earlier releases wrap the recording module's forward inst
     _active_collector = None
 
 
-@dataclass
 class StatsHandoff:
     """The RMSNorm statistics (u, rstd) of one residual stream tensor, from the GEMM that made
     it, for the next layer's input norm: one slot between two consecutive layers.
@@ -49,33 +49,60 @@ class StatsHandoff:
     ``take`` returns them only for that very tensor, unchanged since (anything else: None, and
     the norm computes its own; e.g. after a forward hook changed the layer's output in place),
     and empties the slot, so nothing is kept past the next layer's start.
+
+    In eager mode the slot holds the tensor only through a weak reference, and empties itself
+    when that tensor dies: where the next layer does not run (layers cut or skipped after
+    patching, an exception raised between the two layers), the slot would otherwise keep the
+    tensor, and with it the whole autograd graph of the forward that made it, until the next
+    forward. Nor do the statistics it holds keep the tensor (:meth:`NormStats.apart_from_x`):
+    the slot's own identity check stands in for their reference.
     """
 
-    tensor: Optional[torch.Tensor] = None
-    version: Optional[int] = None  # the tensor's version counter at put (None when traced)
-    stats: Optional[tuple] = None
+    def __init__(self):
+        self._ref = None  # eager: a weak reference to the tensor
+        self._traced = None  # traced by torch.compile: the tensor itself
+        self.version: Optional[int] = None  # the tensor's version counter at put (None when traced)
+        self.stats: Optional[tuple] = None
+
+    @property
+    def tensor(self) -> Optional[torch.Tensor]:
+        """The tensor whose statistics the slot holds (None when empty, or when it has died)."""
+        return self._ref() if self._ref is not None else self._traced
+
+    def _empty(self):
+        self._ref = self._traced = self.version = self.stats = None
 
     def put(self, tensor, stats):
         if torch.compiler.is_compiling():  # traced: an in-place change is in the graph, no counter to read
-            self.tensor, self.version, self.stats = tensor, None, stats
+            self._ref, self._traced, self.version, self.stats = None, tensor, None, stats
         elif tensor.is_inference():  # no version counter to tell an in-place change: nothing is handed on
-            self.tensor = self.version = self.stats = None
+            self._empty()
         else:
-            self.tensor, self.version, self.stats = tensor, tensor._version, stats
+            slot = weakref.ref(self)
+
+            def died(ref):  # the tensor is gone: so are the statistics (unless the slot was refilled since)
+                handoff = slot()
+                if handoff is not None and handoff._ref is ref:
+                    handoff._empty()
+
+            self._traced, self.version = None, tensor._version
+            self.stats = stats.apart_from_x() if isinstance(stats, NormStats) else stats
+            self._ref = weakref.ref(tensor, died)
 
     def take(self, tensor):
-        fresh = (tensor is not None and self.tensor is tensor
+        held = self.tensor
+        fresh = (tensor is not None and held is tensor
                  and (self.version is None or tensor._version == self.version))
         stats = self.stats if fresh else None
-        self.tensor = self.stats = None
+        self._empty()
         return stats
 
     def __getstate__(self):
         """A copy (deepcopy, pickle: torch.save of a whole model) starts empty: what the slot holds
         belongs to one forward, and is left there when the next layer does not run (layers cut or
         skipped after patching): a non-leaf tensor that deepcopy refuses, activations a checkpoint
-        has no use for."""
-        return {**self.__dict__, "tensor": None, "version": None, "stats": None}
+        has no use for (and a weak reference, which neither copies)."""
+        return {**self.__dict__, "_ref": None, "_traced": None, "version": None, "stats": None}
 
 
 @dataclass
