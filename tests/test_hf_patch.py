@@ -509,6 +509,25 @@ def test_a_layer_interrupted_before_taking_its_statistics_keeps_nothing():
     assert slot.tensor is None and slot.stats is None
 
 
+def test_deleted_patched_model_is_freed_without_the_garbage_collector():
+    """As the unpatched model: ``del model`` frees its parameters at once (a reference cycle would
+    keep them, on a GPU too, until Python's cycle collector happens to run)."""
+    import gc
+    import weakref
+
+    model = codetta.patch(tiny("LlamaForCausalLM"))
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    model(input_ids=ids, labels=ids).loss.backward()
+    refs = [weakref.ref(model), weakref.ref(model.model.embed_tokens.weight), weakref.ref(model.lm_head.weight)]
+    gc.collect()
+    gc.disable()
+    try:
+        del model
+        assert [r() is None for r in refs] == [True] * 3
+    finally:
+        gc.enable()
+
+
 def test_unsupported_models_and_options_are_refused_untouched():
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     from codetta.integrations.hf import UnsupportedModelError

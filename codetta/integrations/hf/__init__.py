@@ -13,7 +13,7 @@ import warnings
 
 from .architectures import (ARCHITECTURES, UnsupportedModelError, architecture_of, check_model, model_classes,
                             rope_fusable)
-from .layer import LayerPlan, fused_decoder_forward
+from .layer import LayerPlan, WeakModule, fused_decoder_forward
 from .loss import fused_causal_lm_forward
 
 __all__ = ["ARCHITECTURES", "UnsupportedModelError", "patch", "unpatch"]
@@ -25,10 +25,15 @@ class FusedForward:
     under the names the installed version uses, e.g. the KV cache's). Arguments after the first
     passed by position are bound by that signature and handed on by name, as the module's own
     forward would take them (``layer(h, mask, positions, cache)``). Unlike a bound method of a
-    module-level function, it survives pickling (``torch.save`` of a whole model)."""
+    module-level function, it survives pickling (``torch.save`` of a whole model). It holds the
+    module weakly (:class:`WeakModule`): the module holds it."""
 
     def __init__(self, function, module):
-        self.function, self.module = function, module
+        self.function, self._module = function, WeakModule(module)
+
+    @property
+    def module(self):
+        return self._module()
 
     def __call__(self, *args, **kwargs):
         if len(args) > 1:  # transformers passes all but the first by name: the usual call skips this
@@ -82,7 +87,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
             rope = False
             warnings.warn(f"codetta.patch: head_dim {layers[0].self_attn.head_dim} is not a power of two; RoPE runs "
                           "as the model's own code after the norm-folded QKV GEMM", stacklevel=2)
-        plans = [LayerPlan(arch, classes, model.model, rope, swiglu) for _ in layers]
+        plans = [LayerPlan(arch, classes, WeakModule(model.model), rope, swiglu) for _ in layers]
         for i, (layer, plan) in enumerate(zip(layers, plans)):
             if i + 1 < len(layers):  # this layer's last GEMM makes the next layer's norm statistics
                 plan.next_layer, plan.outgoing = layers[i + 1], plans[i + 1].incoming

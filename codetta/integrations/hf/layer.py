@@ -105,13 +105,43 @@ class StatsHandoff:
         return {**self.__dict__, "_ref": None, "_traced": None, "version": None, "stats": None}
 
 
+class WeakModule:
+    """A module referred to without keeping it alive: what a patched module holds of itself or of
+    the model around it (its own patched forward, the decoder stack whose rotary embedding a
+    layer reads). Held strongly, these would be reference cycles, and a deleted patched model
+    (its parameters, on the GPU too) would stay allocated until Python's cycle collector ran,
+    where the unpatched model is freed by ``del`` at once. ``weak()`` is the module (an error
+    once it is gone), ``weak.get()`` the module or None. A copy (deepcopy, pickle) refers to the
+    copy of the module, as a plain reference would."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, module):
+        self._ref = weakref.ref(module)
+
+    def get(self):
+        return self._ref()
+
+    def __call__(self):
+        module = self._ref()
+        if module is None:
+            raise RuntimeError("codetta: the patched module this belongs to was deleted")
+        return module
+
+    def __getstate__(self):
+        return (self._ref(),)
+
+    def __setstate__(self, state):
+        self._ref = weakref.ref(state[0]) if state[0] is not None else (lambda: None)
+
+
 @dataclass
 class LayerPlan:
     """What the fused forward of one layer does (stored on the layer while it is patched)."""
 
     arch: Architecture
     classes: ModelClasses
-    base_model: torch.nn.Module  # the model's decoder stack: its rotary_emb (inv_freq, attention_scaling), as it is now
+    base_model: WeakModule  # the model's decoder stack: its rotary_emb (inv_freq, attention_scaling), as it is now
     fuse_rope: bool
     fuse_swiglu: bool
     modules: tuple = ()  # the layer's modules as last seen (architectures.fused_modules)
@@ -129,8 +159,12 @@ def _qkv(layer, plan: LayerPlan, x, stats, position_ids, position_embeddings, kw
     weights = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
     biases = (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)
     has_bias = biases[0] is not None
-    rotary = plan.base_model.rotary_emb
-    why_not = why_rotary_unfusable(rotary, plan.classes) if plan.fuse_rope else None
+    base = plan.base_model.get()  # None for a layer copied by itself: its model's copy is gone
+    rotary = base.rotary_emb if base is not None else None
+    why_not = None
+    if plan.fuse_rope:
+        why_not = why_rotary_unfusable(rotary, plan.classes) if base is not None else \
+            "the model this layer was patched in is gone"
     if why_not is not None:
         warnings.warn(f"codetta: {why_not}; RoPE runs as the model's own code on its position_embeddings",
                       stacklevel=4)
