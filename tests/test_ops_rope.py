@@ -161,6 +161,25 @@ def test_rope_tables_reused_only_for_unchanged_inputs():
     assert torch.equal(rope_tables(pos.clone().expand(2, 8), inv_freq, 1.0)[1], torch.sin(theta).float())
 
 
+def test_rope_tables_not_kept_past_their_inputs():
+    """The cache keeps nothing alive: once the positions (a step's) or inv_freq (a deleted model's)
+    are gone, so are the tables and the other input."""
+    import weakref
+
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 16, 2, device=DEVICE, dtype=torch.float32) / 16)
+    pos = torch.arange(8, device=DEVICE)
+    tables = rope_tables(pos.expand(2, 8), inv_freq, 1.0)
+    assert rope_tables(pos.expand(2, 8), inv_freq, 1.0) is tables
+    refs = [weakref.ref(t) for t in (*tables, pos)]
+    del tables, pos
+    assert [r() is None for r in refs] == [True] * 3
+    pos = torch.arange(8, device=DEVICE)
+    rope_tables(pos.expand(2, 8), inv_freq, 1.0)
+    ref = weakref.ref(inv_freq)
+    del inv_freq
+    assert ref() is None
+
+
 def test_layers_share_one_pair_of_tables_with_a_bf16_inv_freq(monkeypatch):
     """A model cast to bf16 holds inv_freq in bf16: two layers' forward and backward still make
     the tables once, from the bf16 values as they are (what the model's own rotary uses)."""

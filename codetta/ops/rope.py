@@ -54,6 +54,7 @@ and the norm-backward GEMM follows as above.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Optional
 
 import torch
@@ -116,7 +117,19 @@ def _identity(t: Tensor):
     return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version
 
 
-_LAST_TABLES = {}  # the last tables made, with references to their inputs (so their memory is not reused)
+_LAST_TABLES = {}  # the last tables made, while their inputs live (weak references, see rope_tables)
+
+
+def _owner(t: Tensor) -> Tensor:
+    """The tensor whose life keeps t's memory from reuse: the base of a view (positions come as a
+    fresh view per layer), else t."""
+    return t._base if t._base is not None else t
+
+
+def _forget_tables(ref) -> None:
+    """An input of the cached tables died: its memory may be reused, and the tables are of no use."""
+    if any(r is ref for r in _LAST_TABLES.get("inputs", ())):
+        _LAST_TABLES.clear()
 
 
 def rope_tables(positions: Tensor, inv_freq: Tensor, scale: float) -> tuple[Tensor, Tensor]:
@@ -125,6 +138,9 @@ def rope_tables(positions: Tensor, inv_freq: Tensor, scale: float) -> tuple[Tens
     The last result is reused while the same positions and inv_freq come back unchanged (same
     memory, shape, strides and version counter): a model's layers all ask for the same tables,
     forward and backward. Inference tensors, whose changes cannot be seen, are not reused.
+    The cache holds its inputs (the bases of views) only weakly and forgets the tables when one
+    of them dies (its memory could then pass for a new tensor's): nothing of a step, nor of a
+    deleted model, is kept after it.
     """
     key = (_identity(positions), _identity(inv_freq), float(scale))
     reusable = None not in key
@@ -133,7 +149,9 @@ def rope_tables(positions: Tensor, inv_freq: Tensor, scale: float) -> tuple[Tens
     theta = positions.reshape(-1, 1).double() * inv_freq.double().reshape(1, -1)
     tables = (torch.cos(theta) * scale).float(), (torch.sin(theta) * scale).float()
     if reusable:
-        _LAST_TABLES.update(key=key, inputs=(positions, inv_freq), tables=tables)
+        _LAST_TABLES.clear()
+        inputs = tuple(weakref.ref(_owner(t), _forget_tables) for t in (positions, inv_freq))
+        _LAST_TABLES.update(key=key, inputs=inputs, tables=tables)
     return tables
 
 
