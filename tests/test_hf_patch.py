@@ -489,7 +489,6 @@ def test_a_layer_that_does_not_run_keeps_no_activations():
 
 def test_a_layer_interrupted_before_taking_its_statistics_keeps_nothing():
     import gc
-    import weakref
 
     class OwnLinear(torch.nn.Linear):  # a projection the fused forward cannot read: the layer warns
         def forward(self, x):
