@@ -765,6 +765,22 @@ def test_memory_sharing_of_views_of_one_buffer_matches_brute_force():
                                                                           y.shape, y.stride(), y.storage_offset())
 
 
+def test_written_tensors_are_checked_before_any_launch(monkeypatch):
+    """The check runs before the call is planned: on a GPU, planning a new signature tunes, and
+    the tuner's launches write into the caller's out tensors (gemm(a, b, out=a) destroyed a
+    before it was refused)."""
+    a, b = torch.randn(64, 128, device=DEVICE), torch.randn(128, 128, device=DEVICE) / 10
+    before = a.clone()
+
+    def plan(*args, **kwargs):
+        raise AssertionError("planned (and, on a GPU, tuned) before the check")
+
+    monkeypatch.setattr(launch, "_plan", plan)
+    with pytest.raises(GemmError, match="shares memory with a"):
+        codetta.gemm(a, b, out=a)
+    assert torch.equal(a, before)
+
+
 def test_written_tensors_are_checked_on_every_call():
     """A plan is reused for every call with the same shapes and strides: a second call whose
     out is a (same layout as the first call's fresh buffer) is refused too, and column halves

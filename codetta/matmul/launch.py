@@ -241,15 +241,18 @@ def _check_written_apart(program, a, b, operands, out):
     share an element with a or b, which every tile's mainloop reads across the tiles' bounds,
     nor with another written tensor: tiles would overwrite what others still read (e.g.
     ``gemm(a, b, out=a)``: silently wrong, as torch.mm's ``out=a`` is). Checked on every call:
-    it depends on the addresses, which a plan does not fix."""
-    written = list(out.items())
+    it depends on the addresses, which a plan does not fix. Arguments of the wrong type are left
+    to the call's own checks."""
+    if not isinstance(program, Program):
+        return
+    written = [(n, t) for n, t in out.items() if isinstance(t, torch.Tensor)]
     written += [(o.name, operands[o.name]) for o in program.outputs.values()
                 if o.kind == "store" and o.accumulate and isinstance(operands.get(o.name), torch.Tensor)]
     if not written:
         return
     parts = b if isinstance(b, (list, tuple)) else (b,)
-    read = [("a", a)] + [(f"b[{i}]" if len(parts) > 1 else "b", t) for i, t in enumerate(parts)
-                         if isinstance(t, torch.Tensor)]
+    read = [(f"b[{i}]" if len(parts) > 1 else "b", t) for i, t in enumerate(parts) if isinstance(t, torch.Tensor)]
+    read = ([("a", a)] if isinstance(a, torch.Tensor) else []) + read
     tensors = [t for _, t in read + written]
     spans = [_byte_span(t) for t in tensors]
     for i in range(len(read), len(spans)):
@@ -636,8 +639,8 @@ def gemm(a, b, epilogue: Program | None = None, *, out=None, config=None, **oper
     out = _outputs_given(out, epilogue)
     b = _without_empty_parts(b)
     _warn_if_differentiable(a, b, operands)
+    _check_written_apart(program, a, b, operands, out)  # before any launch: the tuner's write into out too
     plan = _plan(a, b, program, operands, out, config)
-    _check_written_apart(program, a, b, operands, out)
     results = _trivial(_Call(a, b, program, operands, out)) if plan is None else plan.execute(a, b, operands, out)
     return results["out"] if epilogue is None else results
 

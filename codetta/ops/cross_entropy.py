@@ -422,7 +422,8 @@ def _setup_context(ctx, inputs, output):
     x, weight, target, bias, norm_weight, ignore_index, reduction, eps, label_smoothing, z_loss, chunk_size, *needs = inputs
     ctx.in_forward = _in_forward(reduction, needs)
     if any(ctx.in_forward):
-        ctx.save_for_backward(*output[1:], target)
+        # whether any target is counted (0-d), not the targets: the caller may reuse their buffer
+        ctx.save_for_backward(*output[1:], (target != ignore_index).any())
     else:
         ctx.save_for_backward(x, weight, target, bias, norm_weight)
     ctx.options = (ignore_index, reduction, eps, label_smoothing, z_loss, chunk_size)
@@ -446,11 +447,11 @@ def _autograd_backward(ctx, grad_loss, *_grad_gradients):
                 "the same graph (retain_graph=True) cannot give them again: compute the loss again, or use "
                 "reduction='none' (its backward recomputes the logits) and reduce the losses yourself")
         ctx.gradients_handed_out = True
-        dx, dw, db, dg, target = ctx.saved_tensors
+        dx, dw, db, dg, any_counted = ctx.saved_tensors
         # PyTorch gives ignored rows no gradient whatever grad_output is: with no target counted, every
         # gradient is exactly 0, also for an inf or nan grad_output (a "sum" divided by a count of 0, as
         # transformers' Trainer does with num_items_in_batch = 0), not the saved zeros times inf = nan
-        grad_loss = torch.where((target != ctx.options[0]).any(), grad_loss, torch.zeros_like(grad_loss))
+        grad_loss = torch.where(any_counted, grad_loss, torch.zeros_like(grad_loss))
         wide_dw = needs[1] and dw.dtype != ctx.dtypes[1]  # fp16 weights: dW kept in fp32 (_wide_dweight)
         if not wide_dw:
             _scale_(grad_loss, dw)
