@@ -117,7 +117,7 @@ def _identity(t: Tensor):
     return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t._version
 
 
-_LAST_TABLES = {}  # the last tables made, while their inputs live (weak references, see rope_tables)
+_LAST_TABLES = [None]  # (key, weak references to the inputs, tables) of the last tables made, replaced whole
 
 
 def _owner(t: Tensor) -> Tensor:
@@ -128,8 +128,9 @@ def _owner(t: Tensor) -> Tensor:
 
 def _forget_tables(ref) -> None:
     """An input of the cached tables died: its memory may be reused, and the tables are of no use."""
-    if any(r is ref for r in _LAST_TABLES.get("inputs", ())):
-        _LAST_TABLES.clear()
+    entry = _LAST_TABLES[0]
+    if entry is not None and any(r is ref for r in entry[1]):
+        _LAST_TABLES[0] = None
 
 
 def rope_tables(positions: Tensor, inv_freq: Tensor, scale: float) -> tuple[Tensor, Tensor]:
@@ -144,14 +145,14 @@ def rope_tables(positions: Tensor, inv_freq: Tensor, scale: float) -> tuple[Tens
     """
     key = (_identity(positions), _identity(inv_freq), float(scale))
     reusable = None not in key
-    if reusable and _LAST_TABLES.get("key") == key:
-        return _LAST_TABLES["tables"]
+    entry = _LAST_TABLES[0]  # read once: a weak reference's callback may empty the cache meanwhile
+    if reusable and entry is not None and entry[0] == key:
+        return entry[2]
     theta = positions.reshape(-1, 1).double() * inv_freq.double().reshape(1, -1)
     tables = (torch.cos(theta) * scale).float(), (torch.sin(theta) * scale).float()
     if reusable:
-        _LAST_TABLES.clear()
         inputs = tuple(weakref.ref(_owner(t), _forget_tables) for t in (positions, inv_freq))
-        _LAST_TABLES.update(key=key, inputs=inputs, tables=tables)
+        _LAST_TABLES[0] = (key, inputs, tables)
     return tables
 
 
