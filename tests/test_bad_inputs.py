@@ -765,6 +765,26 @@ def test_memory_sharing_of_views_of_one_buffer_matches_brute_force():
                                                                           y.shape, y.stride(), y.storage_offset())
 
 
+def test_outputs_sharing_memory_with_the_programs_operands():
+    """An output over a column vector the other row tiles read, or over an aux tile operand
+    shifted by a row, is refused; an aux operand written in place (out is that very tensor) is
+    computed as from its old values."""
+    a, b = torch.randn(40, 24, device=DEVICE), torch.randn(24, 32, device=DEVICE) / 5
+    p = ep.Program("col_and_aux")
+    p.store("y", p.acc + p.col("c") + p.aux("r"))
+    r = torch.randn(40, 32, device=DEVICE)
+    buf = torch.randn(41, 32, device=DEVICE)
+    with pytest.raises(GemmError, match="out\['y'\] is written but shares memory with operand 'c'"):
+        codetta.gemm(a, b, p, out={"y": buf[:-1]}, c=buf[0], r=r)
+    with pytest.raises(GemmError, match="shares memory with operand 'r'"):
+        codetta.gemm(a, b, p, out={"y": buf[1:]}, c=torch.zeros(32, device=DEVICE), r=buf[:-1])
+    c = torch.randn(32, device=DEVICE)
+    expected = a.double() @ b.double() + c.double() + r.double()
+    out = codetta.gemm(a, b, p, out={"y": r}, c=c, r=r)
+    assert out["y"].data_ptr() == r.data_ptr()
+    torch.testing.assert_close(r.double().cpu(), expected.cpu(), rtol=1e-5, atol=1e-5)
+
+
 def test_written_tensors_are_checked_before_any_launch(monkeypatch):
     """The check runs before the call is planned: on a GPU, planning a new signature tunes, and
     the tuner's launches write into the caller's out tensors (gemm(a, b, out=a) destroyed a

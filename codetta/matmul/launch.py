@@ -238,32 +238,44 @@ class _Call:
 
 def _check_written_apart(program, a, b, operands, out):
     """What the kernel writes (outputs given in ``out``, operands accumulated into) must not
-    share an element with a or b, which every tile's mainloop reads across the tiles' bounds,
-    nor with another written tensor: tiles would overwrite what others still read (e.g.
-    ``gemm(a, b, out=a)``: silently wrong, as torch.mm's ``out=a`` is). Checked on every call:
-    it depends on the addresses, which a plan does not fix. Arguments of the wrong type are left
+    share an element with a, b or the program's operands, which tiles read beyond their own
+    output tile, nor with another written tensor: tiles would overwrite what others still read
+    (e.g. ``gemm(a, b, out=a)``: silently wrong, as torch.mm's ``out=a`` is). An aux tile
+    operand written in place (the same elements, in the same layout, as the output) is fine:
+    each tile reads its own tile of it before writing that tile. Checked on every call: it
+    depends on the addresses, which a plan does not fix. Arguments of the wrong type are left
     to the call's own checks."""
     if not isinstance(program, Program):
         return
-    written = [(n, t) for n, t in out.items() if isinstance(t, torch.Tensor)]
-    written += [(o.name, operands[o.name]) for o in program.outputs.values()
-                if o.kind == "store" and o.accumulate and isinstance(operands.get(o.name), torch.Tensor)]
+    accumulated = {o.name for o in program.outputs.values() if o.kind == "store" and o.accumulate}
+    written = [(f"out[{n!r}]", t) for n, t in out.items() if isinstance(t, torch.Tensor)]
+    written += [(f"operand {n!r} (accumulated into)", operands[n]) for n in accumulated
+                if isinstance(operands.get(n), torch.Tensor)]
     if not written:
         return
     parts = b if isinstance(b, (list, tuple)) else (b,)
-    read = [(f"b[{i}]" if len(parts) > 1 else "b", t) for i, t in enumerate(parts) if isinstance(t, torch.Tensor)]
-    read = ([("a", a)] if isinstance(a, torch.Tensor) else []) + read
-    tensors = [t for _, t in read + written]
-    spans = [_byte_span(t) for t in tensors]
-    for i in range(len(read), len(spans)):
+    read = [("a", a, False)] + [(f"b[{i}]" if len(parts) > 1 else "b", t, False) for i, t in enumerate(parts)]
+    read += [(f"operand {n!r}", operands.get(n), o.kind == "aux") for n, o in program.operands.items()
+             if n not in accumulated]
+    read = [r for r in read if isinstance(r[1], torch.Tensor)]
+    everything = read + [(name, t, False) for name, t in written]
+    spans = [_byte_span(t) for _, t, _ in everything]
+    for i in range(len(read), len(everything)):
+        name, w, _ = everything[i]
         for j in range(i):
-            if _spans_meet(spans[i], spans[j]) and _share_elements(tensors[i], tensors[j]):
-                name = written[i - len(read)][0]
-                what = f"out[{name!r}]" if name in out else f"operand {name!r} (accumulated into)"
-                other = read[j][0] if j < len(read) else f"out[{written[j - len(read)][0]!r}]"
-                raise GemmError(f"{what} is written but shares memory with {other}, which the GEMM "
-                                f"{'reads across tiles' if j < len(read) else 'also writes'}: pass "
+            other, t, in_place_ok = everything[j]
+            if not _spans_meet(spans[i], spans[j]) or (in_place_ok and _same_elements(w, t)):
+                continue
+            if _share_elements(w, t):
+                raise GemmError(f"{name} is written but shares memory with {other}, which the GEMM "
+                                f"{'reads beyond this tile' if j < len(read) else 'also writes'}: pass "
                                 "a tensor of its own (e.g. a .clone())")
+
+
+def _same_elements(x, y) -> bool:
+    """Whether x and y are the same elements in the same layout (one written in place of the other)."""
+    return (x.data_ptr() == y.data_ptr() and x.shape == y.shape and x.stride() == y.stride()
+            and x.element_size() == y.element_size())
 
 
 def _spans_meet(x, y) -> bool:
