@@ -291,22 +291,31 @@ def _byte_span(t):
     return start, start + (sum((n - 1) * s for n, s in zip(shape, t.stride())) + 1) * t.element_size()
 
 
-def _as_rows(t):
-    """(address, row pitch, row bytes, rows) of t read as rows of contiguous bytes, one after
-    another at a constant pitch (leading dims merged, size-1 dims dropped), or None."""
-    shape, stride = t.shape, t.stride()
-    if shape and shape[-1] > 1 and stride[-1] != 1:
-        return None
-    rows, pitch = 1, 0
-    for n, s in zip(reversed(shape[:-1]), reversed(stride[:-1])):  # the innermost leading dim first
+def merged_leading_dims(t) -> tuple:
+    """(size, stride) of t's leading dims (all but the last), outermost first, with size-1 dims
+    left out and neighbours that read as one dim merged: x [B, S, d] and ``x.reshape(B * S, d)``
+    give the same, a transposed view of x does not."""
+    merged = []
+    for n, s in zip(t.shape[:-1], t.stride()[:-1]):
         if n == 1:
             continue
-        if rows == 1:
-            rows, pitch = n, s
-        elif s == rows * pitch:
-            rows *= n
+        if merged and merged[-1][1] == n * s:
+            merged[-1] = (merged[-1][0] * n, s)
         else:
-            return None
+            merged.append((n, s))
+    return tuple(merged)
+
+
+def _as_rows(t):
+    """(address, row pitch, row bytes, rows) of t read as rows of contiguous bytes, one after
+    another at a constant pitch, or None."""
+    shape = t.shape
+    if shape and shape[-1] > 1 and t.stride(-1) != 1:
+        return None
+    lead = merged_leading_dims(t)
+    if len(lead) > 1:
+        return None
+    rows, pitch = lead[0] if lead else (1, 0)
     size = t.element_size()
     return t.data_ptr(), pitch * size, (shape[-1] if shape else 1) * size, rows
 

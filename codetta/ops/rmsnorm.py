@@ -57,6 +57,7 @@ from torch import Tensor
 from .. import epilogue as ep
 from ..kernels.rmsnorm import rmsnorm_stats
 from ..matmul import check_device, gemm
+from ..matmul.launch import merged_leading_dims
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .weight_grads import for_autograd, run_backward, weight_grads
@@ -148,20 +149,10 @@ def _check_norm_inputs(x: Tensor, norm_weight: Tensor, weights: list[Tensor], ep
 
 
 def _row_layout(t: Tensor) -> tuple:
-    """Where the rows of t [..., d] lie, in order: (address, d, the stride along a row, the
-    leading dims' (size, stride) with size-1 dims left out and neighbours that read as one
-    merged). Equal for views that read the same rows in the same order (x [B, S, d] and
-    ``x.reshape(B * S, d)``), not for a transposed view of the same memory."""
-    lead = []
-    if t.numel():
-        for size, stride in zip(t.shape[:-1], t.stride()[:-1]):
-            if size == 1:
-                continue
-            if lead and lead[-1][1] == size * stride:
-                lead[-1] = (lead[-1][0] * size, stride)
-            else:
-                lead.append((size, stride))
-    return t.data_ptr(), t.shape[-1], t.stride(-1) if t.shape[-1] > 1 else 0, tuple(lead)
+    """Where the rows of t [..., d] lie, in order: (address, d, the stride along a row, the merged
+    leading dims): equal for x and its reshapes, not for a transposed view of the same memory."""
+    lead = merged_leading_dims(t) if t.numel() else ()
+    return t.data_ptr(), t.shape[-1], t.stride(-1) if t.shape[-1] > 1 else 0, lead
 
 
 class NormStats(tuple):
