@@ -20,7 +20,7 @@ import torch
 import codetta
 from codetta import EpilogueError, GemmError
 from codetta import epilogue as ep
-from codetta.matmul import launch
+from codetta.matmul import launch, memory
 from conftest import DEVICE
 
 
@@ -761,7 +761,7 @@ def test_memory_sharing_of_views_of_one_buffer_matches_brute_force():
 
     for _ in range(400):
         x, y = view(), view()
-        assert launch._share_elements(x, y) == _brute_force_share(x, y), (x.shape, x.stride(), x.storage_offset(),
+        assert memory.share_elements(x, y) == _brute_force_share(x, y), (x.shape, x.stride(), x.storage_offset(),
                                                                           y.shape, y.stride(), y.storage_offset())
 
 
@@ -810,6 +810,6 @@ def test_written_tensors_are_checked_on_every_call():
     with pytest.raises(GemmError, match="shares memory with a"):
         codetta.gemm(a, b, out=a)
     big = torch.empty(4096, 2 * 1024, dtype=torch.bfloat16)
-    assert not launch._share_elements(big[:, :1024], big[:, 1024:])
-    assert launch._share_elements(big[:, :1025], big[:, 1024:])
-    assert not launch._share_elements(big[1:, :1024], big[:-1, 1024:])
+    assert not memory.share_elements(big[:, :1024], big[:, 1024:])
+    assert memory.share_elements(big[:, :1025], big[:, 1024:])
+    assert not memory.share_elements(big[1:, :1024], big[:-1, 1024:])

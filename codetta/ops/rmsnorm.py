@@ -57,7 +57,7 @@ from torch import Tensor
 from .. import epilogue as ep
 from ..kernels.rmsnorm import rmsnorm_stats
 from ..matmul import check_device, gemm
-from ..matmul.launch import merged_leading_dims
+from ..matmul.memory import merged_leading_dims
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .weight_grads import for_autograd, run_backward, weight_grads
