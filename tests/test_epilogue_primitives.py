@@ -192,6 +192,23 @@ def test_max_reductions_keep_nan(ab):
         close(out[name].nan_to_num(), e.nan_to_num())
 
 
+def test_relu_keeps_nan(ab):
+    """relu(NaN) = NaN, as torch.relu gives and the reference executor says, not max(NaN, 0) = 0
+    (which would hide a diverged activation); relu(±inf) = inf, 0."""
+    a, b, acc = ab
+    x = torch.randn(M, N, device=DEVICE)
+    x[0, 5], x[3, 40], x[7, 1], x[7, 2] = float("nan"), float("nan"), float("inf"), float("-inf")
+    p = ep.Program("relu_nan")
+    p.store("out", ep.relu(p.acc + p.aux("x")), dtype=torch.float32)
+    out = codetta.gemm(a, b, p, x=x)["out"].cpu()
+    z64 = acc + x.double().cpu()
+    expected = torch.where(z64 > 0, z64, torch.where(z64.isnan(), z64, 0.0))
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert torch.equal(out.isinf(), expected.isinf())
+    assert torch.equal(ep.run_reference(p, a, b, {"x": x})["out"].isnan().cpu(), expected.isnan())
+    close(out.nan_to_num(posinf=0.0), expected.nan_to_num(posinf=0.0))
+
+
 def test_logsumexp_of_minus_infinity_rows(ab):
     """Masked logits (-inf) in some tiles, whole rows of -inf: max-subtraction must not give NaN."""
     a, b, acc = ab

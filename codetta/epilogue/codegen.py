@@ -51,7 +51,7 @@ _UNARY = {
     "square": "({0}) * ({0})",
     "sigmoid": "tl.sigmoid({0})",
     "silu": "({0}) * tl.sigmoid({0})",
-    "relu": "tl.maximum({0}, 0.0)",
+    "relu": "tl.maximum({0}, 0.0, propagate_nan=tl.PropagateNan.ALL)",  # relu(NaN) = NaN, as torch.relu
     # 0.5 x (1 + tanh(u)) == x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
     "gelu_tanh": "({0}) * tl.sigmoid(1.5957691216057308 * (({0}) + 0.044715 * ({0}) * ({0}) * ({0})))",
     "gelu_erf": "0.5 * ({0}) * (1.0 + tl.erf(({0}) * 0.7071067811865476))",
