@@ -405,6 +405,16 @@ def test_empty_k():
     assert torch.equal(got["y"], r[:, None].expand(9, 6))
 
 
+def test_empty_k_with_batch_dims():
+    """a [2, 3, 0]: zeros of shape [2, 3, N], like torch.matmul (a reshape(-1, K) cannot infer M)."""
+    a, b, r = dyadic(2, 3, 0), dyadic(0, 6), dyadic(2, 3)
+    assert torch.equal(codetta.gemm(a, b), torch.zeros(2, 3, 6, device=DEVICE))
+    got = codetta.gemm(a, b, all_outputs_program(), r=r)
+    want = expected_all_outputs(a.reshape(6, 0), b, r.reshape(6))
+    check_all_outputs({k: v if k == "cs" else v.flatten(0, 1) for k, v in got.items()}, want)
+    assert got["y"].shape == (2, 3, 6) and got["rs"].shape == (2, 3) and got["seg_sum"].shape == (2, 3, 3)
+
+
 # --------------------------------------------------------------------------------------
 # Strided and misaligned a: the pointer path, with the right result
 

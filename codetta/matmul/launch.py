@@ -110,7 +110,7 @@ class _Call:
             raise GemmError(f"a must be at least 2-d [..., M, K], got shape {tuple(a.shape)}")
         check_device(device)
         self.lead = tuple(a.shape[:-1])
-        a2 = a if a.dim() == 2 else a.reshape(-1, a.shape[-1])
+        a2 = a if a.dim() == 2 else a.reshape(math.prod(self.lead), a.shape[-1])  # not -1: K may be 0
         self.a, self.parts, self.device = a2, parts, device
         self.M, self.K = a2.shape
         shapes = [tuple(t.shape) for t in parts]
