@@ -239,6 +239,26 @@ def test_round_to_and_store_dtypes(dtype, ab):
     assert torch.equal(out["again"], out["low"].float())
 
 
+def test_bf16_store_of_subnormals_and_nan_payloads(ab):
+    """A bf16 store rounds as torch's .bfloat16() also for subnormals, ties and values rounding
+    to inf, and keeps NaN a NaN whatever its payload (Triton's interpreter converts subnormals
+    wrongly, and its round-to-nearest emulation carried a NaN's payload into the sign: -0.0)."""
+    a, b, _ = ab
+    bits = torch.tensor([0x7FFFFFFF, 0xFFFFFFFF, 0x7FFF8000, 0x7FC00000, 0x7F800001], dtype=torch.int64)
+    special = torch.cat([bits.to(torch.int32).view(torch.float32),
+                         torch.tensor([1e-39, -1e-39, 1e-40, 5.9e-39, 1.1754942e-38, 1.00390625, 1.01171875,
+                                       3.3961e38, 3.4028235e38, -0.0])])
+    x = torch.randn(M, N)
+    x.view(-1)[torch.randperm(M * N)[: 4 * len(special)]] = special.repeat(4)
+    x = x.to(DEVICE)
+    p = ep.Program("bf16_store_bits")
+    p.store("y", p.aux("x"), dtype=torch.bfloat16)
+    out = codetta.gemm(a, b, p, x=x)["y"].cpu()
+    want = x.cpu().bfloat16()
+    assert torch.equal(out.isnan(), want.isnan())
+    assert torch.equal(out.view(torch.int16)[~want.isnan()], want.view(torch.int16)[~want.isnan()])
+
+
 def test_accumulate_into_existing_output(ab):
     a, b, acc = ab
     prior = torch.randn(M, N, device=DEVICE)

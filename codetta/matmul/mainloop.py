@@ -198,12 +198,14 @@ def max_keeping_nan(a, b):
 def cast(x, dtype: tl.constexpr, EMULATE_RNE: tl.constexpr):
     """x (fp32) converted to ``dtype``, rounded to nearest even.
 
-    Triton's CPU interpreter truncates fp32 -> bf16; with EMULATE_RNE the rounding is done
-    on the bits first (add half an ulp of bf16, ties to even), so the truncation is exact.
+    Triton's CPU interpreter truncates fp32 -> bf16, and gets subnormals wrong (1e-39 -> 4.2e-39);
+    with EMULATE_RNE the bf16 bits are made from the fp32 bits: the top 16 after adding half an
+    ulp of bf16 (ties to even), and for NaN (where that addition could carry into the sign) the
+    top 16 with the quiet bit set, so that NaN stays NaN.
     """
     if EMULATE_RNE:
         if dtype == tl.bfloat16:
             bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            x = bits.to(tl.float32, bitcast=True)
+            top = tl.where(x != x, (bits >> 16) | 0x40, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
+            x = top.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return x.to(dtype)
