@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import triton
 
 from codetta.matmul import launch, tuning
 from codetta.matmul.config import HOPPER, Config, SharedMemory, candidates
@@ -133,6 +134,37 @@ def test_candidates_are_prepared_once_before_timing(cache_dir):
     events.clear()
     assert tuning.choose("k5", CONFIGS, bench, prepare=prepare) == CONFIGS[1]
     assert events == []
+
+
+@pytest.mark.parametrize("written", ["aux_in_place", "accumulated_column_block"])
+def test_timed_launches_leave_what_the_kernel_reads_and_writes(cache_dir, monkeypatch, written):
+    """The tuner times its candidates on the call's own tensors. One the kernel reads and writes (an
+    aux operand given as its own out=, a tensor accumulated into, here a column block of a wider
+    buffer on the pointer path) holds its values again after the timings: the call then gives
+    x + acc, not x + acc once per timed launch."""
+    from codetta import epilogue as ep
+
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), fn(), 1.0)[-1])
+    m, n, k = 24, 40, 8
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    p = ep.Program(f"tuned_{written}")
+    buffer = torch.randn(m, n + 3)
+    if written == "aux_in_place":
+        p.store("y", p.aux("x") + p.acc, dtype=torch.float32)
+        x = buffer[:, :n].contiguous()
+        operands, out = {"x": x}, {"y": x}
+    else:
+        p.store("x", p.acc, accumulate=True, dtype=torch.float32)
+        x = buffer[:, 1 : n + 1]
+        operands, out = {"x": x}, {}
+    before = buffer.clone(), x.clone()
+    call = launch._Call(a, b, p, operands, out)
+    call.layout = launch._layouts(call)
+    configs = [Config(16, 16, 16), Config(32, 32, 16)]
+    assert launch._tuned(call, "ptr", configs) in configs
+    assert torch.equal(x, before[1])
+    if written != "aux_in_place":
+        assert torch.equal(buffer, before[0])
 
 
 def test_compile_in_parallel_runs_every_compile_and_survives_failures():

@@ -702,9 +702,11 @@ def _choose(call, config):
     if not configs:
         raise GemmError(f"program {call.program.name!r}: no tile config fits this GPU's shared memory "
                         f"({size['smem'].per_block // 1024} KiB per block)")
-    accumulated = {o.name for o in call.program.outputs.values() if o.kind == "store" and o.accumulate}
-    scratch = {k: (v.clone() if k in accumulated else v) for k, v in call.given.items()}
+    return path, _tuned(call, path, configs)
 
+
+def _tuned(call, path, configs):
+    """The fastest of ``configs`` for this call, timed on its own tensors (once per tuning key)."""
     plans = {}
 
     def plan_for(cfg):
@@ -713,15 +715,31 @@ def _choose(call, config):
         return plans[cfg]
 
     def compile_all(cfgs):
-        tuning.compile_in_parallel([lambda cfg=cfg: plan_for(cfg).compile(call.a, call.parts, scratch, call.user_out)
+        tuning.compile_in_parallel([lambda cfg=cfg: plan_for(cfg).compile(call.a, call.parts, call.given, call.user_out)
                                     for cfg in cfgs])
 
     def bench(cfg):
         plan = plan_for(cfg)
-        return triton.testing.do_bench(lambda: plan.launch(call.a, call.parts, scratch, call.user_out),
+        return triton.testing.do_bench(lambda: plan.launch(call.a, call.parts, call.given, call.user_out),
                                        warmup=5, rep=20)
 
-    return path, tuning.choose(_tuning_key(call, path), configs, bench, prepare=compile_all)
+    kept = [(t, t.clone()) for t in _read_and_written(call)]
+    try:
+        return tuning.choose(_tuning_key(call, path), configs, bench, prepare=compile_all)
+    finally:
+        for t, before in kept:
+            t.copy_(before)
+
+
+def _read_and_written(call):
+    """The tensors the kernel reads and writes: those accumulated into, and an aux operand written
+    in place (given in out=). The tuner's timed launches would each feed its result to the next, so
+    their values are put back after the timings (put back, not timed on clones: a clone of a
+    strided view is contiguous, and its strides would not be the plan's)."""
+    p = call.program
+    accumulated = [call.given[o.name] for o in p.outputs.values() if o.kind == "store" and o.accumulate]
+    aux = [call.given[o.name] for o in p.operands.values() if o.kind == "aux"]
+    return accumulated + [t for t in aux if any(_same_elements(t, w) for w in call.user_out.values())]
 
 
 def _epilogue_smem(call):
