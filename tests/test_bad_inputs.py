@@ -281,6 +281,14 @@ def test_mixing_full_and_half_widths_is_refused_at_build_time(combine):
         combine(p, g)
 
 
+@pytest.mark.parametrize("build", [lambda: ep.maximum(1.0, 2.0), lambda: ep.join(1.0, 2.0), lambda: ep.fma(1.0, 2.0, 3.0)],
+                         ids=["maximum", "join", "fma"])
+def test_functions_of_numbers_only_are_refused(build):
+    """An epilogue function given no epilogue value says so (it mixes no programs)."""
+    with pytest.raises(EpilogueError, match=r"takes epilogue values, got only \(1.0, 2.0"):
+        build()
+
+
 # --------------------------------------------------------------------------------------
 # Outputs
 

@@ -149,7 +149,9 @@ class Expr:
 
 def _program_of(*values):
     progs = {id(v.program): v.program for v in values if isinstance(v, Expr)}
-    if len(progs) != 1:
+    if not progs:
+        raise EpilogueError(f"an epilogue function takes epilogue values, got only {values!r}")
+    if len(progs) > 1:
         raise EpilogueError("an epilogue expression mixes values of different programs")
     return next(iter(progs.values()))
 
