@@ -739,7 +739,7 @@ def _read_and_written(call):
     p = call.program
     accumulated = [call.given[o.name] for o in p.outputs.values() if o.kind == "store" and o.accumulate]
     aux = [call.given[o.name] for o in p.operands.values() if o.kind == "aux"]
-    return accumulated + [t for t in aux if any(_same_elements(t, w) for w in call.user_out.values())]
+    return accumulated + [t for t in aux if any(same_elements(t, w) for w in call.user_out.values())]
 
 
 def _epilogue_smem(call):
