@@ -221,7 +221,10 @@ class _Call:
                 raise EpilogueError(f"out[{name!r}] of program {p.name!r} must be {dtype} ({kind}), got {t.dtype}")
             if tuple(t.shape) != shape:
                 raise EpilogueError(f"out[{name!r}] of program {p.name!r} must have shape {shape}, got {tuple(t.shape)}")
-            _check_no_overlap(t, f"out[{name!r}] of program {p.name!r}")
+            what = f"out[{name!r}] of program {p.name!r}"
+            _check_no_overlap(t, what)
+            if o.kind == "store":
+                _rows_view(t, shape[-1], what)  # written as [M, width] rows: a clear error if it cannot be
             checked[name] = t
         return checked
 
