@@ -10,8 +10,10 @@ import pytest
 import torch
 import triton
 
+import codetta
 from codetta.matmul import launch, tuning
 from codetta.matmul.config import HOPPER, Config, SharedMemory, candidates
+from conftest import DEVICE
 
 
 @pytest.fixture
@@ -146,9 +148,9 @@ def test_timed_launches_leave_what_the_kernel_reads_and_writes(cache_dir, monkey
 
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), fn(), 1.0)[-1])
     m, n, k = 24, 40, 8
-    a, b = torch.randn(m, k), torch.randn(k, n)
+    a, b = torch.randn(m, k, device=DEVICE), torch.randn(k, n, device=DEVICE)
     p = ep.Program(f"tuned_{written}")
-    buffer = torch.randn(m, n + 3)
+    buffer = torch.randn(m, n + 3, device=DEVICE)
     if written == "aux_in_place":
         p.store("y", p.aux("x") + p.acc, dtype=torch.float32)
         x = buffer[:, :n].contiguous()
@@ -165,6 +167,12 @@ def test_timed_launches_leave_what_the_kernel_reads_and_writes(cache_dir, monkey
     assert torch.equal(x, before[1])
     if written != "aux_in_place":
         assert torch.equal(buffer, before[0])
+    # the whole call, tuned afresh (on a GPU; the interpreter has one candidate): x + acc, once
+    monkeypatch.setenv("CODETTA_CACHE_DIR", str(cache_dir / "fresh"))
+    monkeypatch.setattr(tuning, "_MEMORY", None)
+    result = codetta.gemm(a, b, p, out=out, **operands)[next(iter(p.outputs))]
+    expected = before[1].double() + a.double() @ b.double()
+    torch.testing.assert_close(result.double(), expected, rtol=2e-3, atol=2e-3)  # tf32 on a GPU
 
 
 def test_compile_in_parallel_runs_every_compile_and_survives_failures():
