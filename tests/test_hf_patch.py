@@ -773,6 +773,44 @@ def test_global_module_hooks_run_as_the_model_runs_them(kind):
     assert_same_training_step(ref, model, input_ids=ids, labels=ids)
 
 
+
+def _instance_forward(module, scale=0.5):
+    """A forward set on the module instance around the one it had, as accelerate's add_hook_to_module
+    (device_map dispatch, offloading) and transformers' parallelism wrappers set one: scales the output
+    (a layer's hidden states, a model output's loss)."""
+    old = module.forward
+
+    def forward(*args, **kwargs):
+        out = old(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            return out * scale
+        out.loss = out.loss * scale
+        return out
+
+    module.forward = forward
+
+
+@pytest.mark.parametrize("path", ["model.layers.1", ""], ids=["layer", "causal_lm"])
+def test_a_forward_set_on_the_instance(path):
+    """patch() would replace a forward set on a decoder layer's (or the causal LM's) instance, dropping
+    what it adds: it refuses, changing nothing (without cross_entropy the causal LM's is kept). Set
+    after patching, it wraps the patched forward, and after unpatch() it calls the model's own."""
+    from codetta.integrations.hf import FusedForward, UnsupportedModelError
+
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    ref, model, patched = tiny("LlamaForCausalLM"), tiny("LlamaForCausalLM"), codetta.patch(tiny("LlamaForCausalLM"))
+    for m in (ref, model, patched):
+        _instance_forward(m.get_submodule(path))
+    with pytest.raises(UnsupportedModelError, match="forward set on its instance"):
+        codetta.patch(model)
+    assert not any(isinstance(m.__dict__.get("forward"), FusedForward) for m in model.modules())
+    if path == "":
+        codetta.patch(model, cross_entropy=False)
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    assert_same_training_step(ref, patched, input_ids=ids, labels=ids)
+    codetta.unpatch(patched)
+    assert_same_training_step(ref, patched, input_ids=ids, labels=ids)
+
 def test_positional_arguments_bind_as_the_models_forward():
     """The patched forwards take arguments by position as the model's own do (the KV cache after
     position_ids in a decoder layer; labels sixth in the causal LM)."""

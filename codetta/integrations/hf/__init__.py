@@ -26,19 +26,26 @@ class FusedForward:
     passed by position are bound by that signature and handed on by name, as the module's own
     forward would take them (``layer(h, mask, positions, cache)``). Unlike a bound method of a
     module-level function, it survives pickling (``torch.save`` of a whole model). It holds the
-    module weakly (:class:`WeakModule`): the module holds it."""
+    module weakly (:class:`WeakModule`): the module holds it. ``patched_by`` is the attribute that
+    :func:`patch` sets on the module and :func:`unpatch` removes: without it, the module's own
+    forward runs."""
 
-    def __init__(self, function, module):
-        self.function, self._module = function, WeakModule(module)
+    def __init__(self, function, module, patched_by):
+        self.function, self._module, self.patched_by = function, WeakModule(module), patched_by
 
     @property
     def module(self):
         return self._module()
 
     def __call__(self, *args, **kwargs):
+        module = self.module
+        if self.patched_by not in module.__dict__:
+            # unpatched, but still called through a forward set on the instance after patching (accelerate's
+            # hooks, transformers' tensor-parallel wrappers keep the forward they found): the module's own
+            return type(module).forward(module, *args, **kwargs)
         if len(args) > 1:  # transformers passes all but the first by name: the usual call skips this
             args, kwargs = self._by_name(args, kwargs)
-        return self.function(self.module, *args, **kwargs)
+        return self.function(module, *args, **kwargs)
 
     def _by_name(self, args, kwargs):
         bound = self.__signature__.bind(*args, **kwargs)
@@ -80,6 +87,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
         raise ValueError("rope and swiglu fusion need rms_norm=True (the norm is folded into their GEMMs)")
     classes = model_classes(model)
     check_model(model, arch, classes)
+    _check_instance_forwards(model, rms_norm, cross_entropy)
     unpatch(model)
     if rms_norm:
         layers = list(model.model.layers)
@@ -92,12 +100,27 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
             if i + 1 < len(layers):  # this layer's last GEMM makes the next layer's norm statistics
                 plan.next_layer, plan.outgoing = layers[i + 1], plans[i + 1].incoming
             layer._codetta_plan = plan
-            layer.forward = FusedForward(fused_decoder_forward, layer)
+            layer.forward = FusedForward(fused_decoder_forward, layer, "_codetta_plan")
     if cross_entropy:
-        model.forward = FusedForward(fused_causal_lm_forward, model)
+        model.forward = FusedForward(fused_causal_lm_forward, model, "_codetta_patched")
     model._codetta_patched = dict(rms_norm=rms_norm, rope=rope and rms_norm,
                                   swiglu=swiglu and rms_norm, cross_entropy=cross_entropy)
     return model
+
+
+def _check_instance_forwards(model, rms_norm: bool, cross_entropy: bool):
+    """Raise UnsupportedModelError if a module whose forward :func:`patch` would set (the decoder layers,
+    the causal LM with ``cross_entropy``) has a forward set on its instance other than codetta's:
+    accelerate's hooks (device_map dispatch, offloading), transformers' tensor- or pipeline-parallel
+    wrappers. Replacing it would drop what it adds; patched first, the wrapper calls the patched forward."""
+    replaced = ([("the model", model)] if cross_entropy else []) + (
+        [(f"model.layers.{i}", layer) for i, layer in enumerate(model.model.layers)] if rms_norm else [])
+    for where, module in replaced:
+        forward = module.__dict__.get("forward")
+        if forward is not None and not isinstance(forward, FusedForward):
+            raise UnsupportedModelError(f"{where} has a forward set on its instance (accelerate's hooks or a "
+                                        "parallelism wrapper set one), which patching would replace; patch the model "
+                                        "before adding them. Nothing was patched.")
 
 
 def unpatch(model):
