@@ -773,7 +773,6 @@ def test_global_module_hooks_run_as_the_model_runs_them(kind):
     assert_same_training_step(ref, model, input_ids=ids, labels=ids)
 
 
-
 def _instance_forward(module, scale=0.5):
     """A forward set on the module instance around the one it had, as accelerate's add_hook_to_module
     (device_map dispatch, offloading) and transformers' parallelism wrappers set one: scales the output
@@ -810,6 +809,7 @@ def test_a_forward_set_on_the_instance(path):
     assert_same_training_step(ref, patched, input_ids=ids, labels=ids)
     codetta.unpatch(patched)
     assert_same_training_step(ref, patched, input_ids=ids, labels=ids)
+
 
 def test_positional_arguments_bind_as_the_models_forward():
     """The patched forwards take arguments by position as the model's own do (the KV cache after
