@@ -131,6 +131,8 @@ def test_bad_inputs():
         swiglu_mlp(x, g, wg, wu[:5], wd)
     with pytest.raises(ValueError, match="next_norm_weight"):
         swiglu_mlp(x, g, wg, wu, wd, next_norm_weight=g[:4])
+    with pytest.raises(ValueError, match="next_norm_weight must be floating point"):  # as linear_residual's
+        swiglu_mlp(x, g, wg, wu, wd, next_norm_weight=torch.ones(g.shape, dtype=torch.long, device=g.device))
 
 
 @pytest.mark.parametrize("next_norm", [False, True])

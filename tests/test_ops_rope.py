@@ -228,6 +228,8 @@ def test_bad_inputs():
         rmsnorm_qkv_rope(*tensors, pos, inv_freq[:3], head_dim=16)
     with pytest.raises(ValueError, match="positions"):
         rmsnorm_qkv_rope(*tensors, pos.float(), inv_freq, head_dim=16)
+    with pytest.raises(ValueError, match="rotary_dim must be an integer"):  # was truncated to 8 silently
+        rmsnorm_qkv_rope(*tensors, pos, inv_freq[:4], head_dim=16, rotary_dim=8.5)
     qn, kn = make_qk_norm(16)
     with pytest.raises(ValueError, match="both q_norm_weight and k_norm_weight"):
         rmsnorm_qkv_rope(*tensors, pos, inv_freq, head_dim=16, q_norm_weight=qn)

@@ -517,8 +517,9 @@ def _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size, l
         fail(f"norm_weight has dtype {norm_weight.dtype}; it must be x's ({x.dtype}) or the weight's ({weight.dtype})")
     if reduction not in _REDUCTIONS:
         fail(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
-        fail(f"ignore_index must be an int, got {ignore_index!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral) \
+            or not -2**63 <= ignore_index < 2**63:
+        fail(f"ignore_index must be an int (int64), got {ignore_index!r}")
     check_eps(eps=eps)
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         fail(f"chunk_size must be a positive int or None, got {chunk_size!r}")

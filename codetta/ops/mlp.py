@@ -133,8 +133,9 @@ def swiglu_mlp(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_d
         raise ValueError(f"w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} differ")
     if w_down.shape != (d, f) or w_down.dtype != w_gate.dtype:
         raise ValueError(f"w_down must be [{d}, {f}] of {w_gate.dtype}, got {tuple(w_down.shape)} {w_down.dtype}")
-    if next_norm_weight is not None and next_norm_weight.shape != (d,):
-        raise ValueError(f"next_norm_weight must be [{d}], got {tuple(next_norm_weight.shape)}")
+    if next_norm_weight is not None and (next_norm_weight.shape != (d,) or not next_norm_weight.is_floating_point()):
+        raise ValueError(f"next_norm_weight must be floating point [{d}], got {tuple(next_norm_weight.shape)} "
+                         f"{next_norm_weight.dtype}")
     u, rstd = given_stats(x, stats, w_gate.dtype, norm_weight, eps)
     x2, u2, rstd2, *_ = _mlp_op(x, norm_weight, w_gate, w_up, w_down, float(eps), u, rstd, next_norm_weight,
                                 float(next_eps))

@@ -54,6 +54,7 @@ and the norm-backward GEMM follows as above.
 from __future__ import annotations
 
 import functools
+import numbers
 import weakref
 from typing import Optional
 
@@ -318,7 +319,11 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
     check_eps(qk_norm_eps=qk_norm_eps)
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
         raise ValueError(f"head_dim must be a positive integer, got {head_dim!r}")
-    rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
+    if rotary_dim is None:
+        rotary_dim = head_dim
+    elif isinstance(rotary_dim, bool) or not isinstance(rotary_dim, numbers.Integral):
+        raise ValueError(f"rotary_dim must be an integer, got {rotary_dim!r}")
+    rotary_dim = int(rotary_dim)
     nq, nk = (w_q.shape[0] // head_dim, w_q.shape[0] % head_dim), (w_k.shape[0] // head_dim, w_k.shape[0] % head_dim)
     if nq[1] or nk[1] or w_v.shape != w_k.shape:
         raise ValueError(f"q/k/v weights {[tuple(w.shape) for w in weights]} are not whole heads of {head_dim}")
