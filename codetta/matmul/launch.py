@@ -726,9 +726,14 @@ def _tuned(call, path, configs):
         return triton.testing.do_bench(lambda: plan.launch(call.a, call.parts, call.given, call.user_out),
                                        warmup=5, rep=20)
 
-    kept = [(t, t.clone()) for t in _read_and_written(call)]
+    kept = []
+
+    def prepare(cfgs):  # only when the candidates are timed (not on a cache hit)
+        kept.extend((t, t.clone()) for t in _read_and_written(call))
+        compile_all(cfgs)
+
     try:
-        return tuning.choose(_tuning_key(call, path), configs, bench, prepare=compile_all)
+        return tuning.choose(_tuning_key(call, path), configs, bench, prepare=prepare)
     finally:
         for t, before in kept:
             t.copy_(before)
