@@ -310,6 +310,21 @@ def test_return_dict_false_gives_the_models_tuple_layout():
     assert type(out[2]) is type(expected[2])
 
 
+def test_eval_mode_with_labels_returns_the_logits_and_the_loss():
+    """An evaluation loop (model.eval(), labels given) reads the logits: the model's own head and
+    loss run; in training mode the loss is fused (logits None)."""
+    ref = tiny("LlamaForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (2, 7), device=DEVICE)
+    assert model.training and model(input_ids=ids, labels=ids).logits is None
+    ref.eval(), model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # not a fallback: nothing to warn about
+        out, expected = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    torch.testing.assert_close(out.logits, expected.logits, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "training", "compiled"])
 @pytest.mark.parametrize("where", ["output_hook", "input_pre_hook"])
 def test_hooks_editing_the_residual_stream_in_place(where, mode):

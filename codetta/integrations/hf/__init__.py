@@ -76,7 +76,8 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
         in the same epilogue; a model whose head_dim is no power of two keeps the model's own
         RoPE, after the norm-folded QKV GEMM, with a warning); swiglu: SwiGLU in the gate/up
         GEMM's epilogue;
-        cross_entropy: LM head + loss fused when labels are given (``logits`` is then None).
+        cross_entropy: LM head + loss fused when labels are given in training mode (``logits`` is
+            then None; in eval mode the model's own head and loss run and return the logits).
         ``rope`` and ``swiglu`` need ``rms_norm``.
 
     Raises UnsupportedModelError (a ValueError) for a model or option it cannot patch,

@@ -3,9 +3,10 @@
 Same loss as transformers' ``ForCausalLMLoss``: labels shifted left by one (or the
 ``shift_labels`` given), ``ignore_index`` -100 (or the one passed), mean over the counted
 tokens, or the sum divided by ``num_items_in_batch`` when the trainer passes it; over the
-positions ``logits_to_keep`` selects. A model with another ``loss_function`` runs its own. With labels, the output's
-``logits`` is None: not materializing them is the point. Without labels the model's own
-forward runs.
+positions ``logits_to_keep`` selects. A model with another ``loss_function`` runs its own. In
+training mode with labels, the output's ``logits`` is None: not materializing them is the
+point. Without labels, or in eval mode (an evaluation loop reads the logits, and has no
+backward to keep memory for), the model's own forward runs.
 """
 
 from __future__ import annotations
@@ -48,10 +49,11 @@ def fused_causal_lm_forward(model, input_ids=None, attention_mask=None, position
                             labels=None, use_cache=None, logits_to_keep=0, **kwargs):
     """Drop-in for the causal LM's ``forward``; the KV cache (``cache`` or ``past_key_values``, as
     the installed transformers names it) is passed through in ``kwargs``."""
-    why = why_loss_unfusable(model) if labels is not None else None
+    fused = labels is not None and model.training  # no labels: as transformers, no loss (shift_labels only refines them)
+    why = why_loss_unfusable(model) if fused else None
     if why is not None:
         warnings.warn(f"codetta: {why}; the loss runs unfused", stacklevel=2)
-    if labels is None or why is not None:  # no labels: as transformers, no loss (shift_labels only refines labels)
+    if not fused or why is not None:
         return type(model).forward(model, input_ids=input_ids, attention_mask=attention_mask,
                                    position_ids=position_ids, inputs_embeds=inputs_embeds, labels=labels,
                                    use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
