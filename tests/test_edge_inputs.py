@@ -292,6 +292,24 @@ def test_forward_mode_ad_is_refused():
             pytest.fail(what)
 
 
+def test_torch_func_reverse_transforms_are_refused_by_name():
+    """torch.func.grad, vjp and jacrev cannot run PyTorch's custom operators: the error names the
+    operator and what works instead (PyTorch's own names neither)."""
+    x, w, g = (torch.randn(6, 16, device=DEVICE), torch.randn(16, 16, device=DEVICE),
+               torch.ones(16, device=DEVICE))
+    target = torch.randint(0, 16, (6,), device=DEVICE)
+    calls = {
+        "func.grad linear": lambda: torch.func.grad(lambda t: codetta.linear(t, w).sum())(x),
+        "func.vjp rmsnorm_linear": lambda: torch.func.vjp(lambda t: ops.rmsnorm_linear(t, g, w), x),
+        "func.jacrev swiglu_mlp": lambda: torch.func.jacrev(lambda t: ops.swiglu_mlp(t, g, w, w, w))(x),
+        "func.grad linear_cross_entropy": lambda: torch.func.grad(lambda t: ops.linear_cross_entropy(t, w, target))(x),
+    }
+    for what, call in calls.items():
+        with pytest.raises(RuntimeError, match=r"codetta::\w+: .*torch\.func\.grad, vjp or jacrev.*torch\.autograd\.grad"):
+            call()
+            pytest.fail(what)
+
+
 class _NoGradient(torch.autograd.Function):
     """Identity whose backward gives its input no gradient (None): what autograd then hands on."""
 

@@ -261,13 +261,14 @@ def _context_extended(rotary):
     return type(rotary)(config).to(rotary.inv_freq.device)
 
 
-@pytest.mark.parametrize("change, fused", [(_context_extended, True), (_with_hook, False), (_half_positions, False)],
+@pytest.mark.parametrize("change, fused", [(_context_extended, True), (_with_hook, True), (_half_positions, False)],
                          ids=["replaced", "hooked", "own_forward"])
 @pytest.mark.parametrize("when", ["before_patch", "after_patch"])
 def test_the_models_rotary_embedding_as_it_is_at_each_call(change, fused, when):
-    """RoPE follows the model's rotary_emb as it is when the model runs: a new one (context
-    extension) is read; one with hooks or a forward of its own makes the layers apply the
-    model's own position_embeddings, with a warning."""
+    """RoPE rotates by the position_embeddings the model's rotary_emb makes at each call: a new
+    one (context extension), one whose hooks change them; one of a class with a forward of its
+    own (whose cos and sin may not have two equal halves) makes the layers apply them as the
+    model's own code does, with a warning."""
     ref = tiny("LlamaForCausalLM")
     model = copy.deepcopy(ref)
     if when == "after_patch":
@@ -282,6 +283,42 @@ def test_the_models_rotary_embedding_as_it_is_at_each_call(change, fused, when):
         warnings.simplefilter("always")
         assert_same_training_step(ref, model, input_ids=ids, labels=ids)
     assert any("rotary_emb" in str(w.message) for w in seen) == (not fused)
+
+
+def test_position_embeddings_replaced_before_a_layer_are_applied():
+    """A layer's forward pre-hook that replaces the position_embeddings it is given (position
+    interpolation done in a hook), and a layer called with position_ids and position_embeddings
+    of another rotary embedding: the patched layer applies the position_embeddings, as the
+    model's own layer does, not angles of its own from position_ids."""
+    ref = tiny("LlamaForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+
+    def interpolated(layer, args, kwargs):
+        kwargs["position_embeddings"] = layer._rotary(args[0] if args else kwargs["hidden_states"],
+                                                      kwargs["position_ids"] // 4)
+        return args, kwargs
+
+    for m in (ref, model):
+        for layer in m.model.layers:
+            layer._rotary = m.model.rotary_emb
+            layer.register_forward_pre_hook(interpolated, with_kwargs=True)
+    ids = torch.randint(0, VOCAB, (2, 24), device=DEVICE)
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    x = torch.randn(2, 24, 64, device=DEVICE, requires_grad=True)
+    positions = torch.arange(24, device=DEVICE)[None]
+    cos_sin = _context_extended(ref.model.rotary_emb)(x, positions)
+    outs = [m.model.layers[1](x, position_ids=positions, position_embeddings=cos_sin) for m in (ref, model)]
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_long_positions_match_the_models_own_rope():
+    """At positions near 10^5 the model's fp32 angle products are off by ~1e-2 radians from exact
+    ones; the patched model rotates by the model's own cos and sin, so loss and gradients match."""
+    ref = tiny("LlamaForCausalLM", max_position_embeddings=2**17)
+    model = codetta.patch(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    positions = torch.arange(100_000, 100_008, device=DEVICE)[None]
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids, position_ids=positions)
 
 
 def test_a_layer_called_with_position_embeddings_alone_applies_them():
@@ -863,8 +900,8 @@ def test_16_bit_inputs_embeds_in_an_fp32_model(dtype):
     """16-bit inputs_embeds given to an fp32 model: the model's own first layer upcasts the stream
     (its norm and residual add make fp32); the patched first layer runs unfused, with a warning
     (the kernels take an fp32 stream with 16-bit weights, not the reverse), the others fused.
-    The model's rotary embedding rounds cos/sin to the embeddings' dtype, codetta's RoPE keeps
-    them fp32: the loss and gradients are compared with the fp64 model's, as for bf16 models."""
+    The model's rotary embedding rounds cos/sin to the embeddings' dtype: the loss and gradients
+    are compared with the fp64 model's, as for bf16 models."""
     ref = tiny("LlamaForCausalLM")
     model = codetta.patch(copy.deepcopy(ref))
     ref64 = copy.deepcopy(ref).double()

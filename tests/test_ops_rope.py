@@ -27,16 +27,19 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def hf_style(x, g, wq, wk, wv, pos, inv_freq, head_dim, rotary_dim, scale, bias, qk_norm=None):
+def hf_style(x, g, wq, wk, wv, pos, inv_freq, head_dim, rotary_dim, scale, bias, qk_norm=None, cos_sin=None):
+    """With ``cos_sin`` ([..., R] each), RoPE by those instead of positions, inv_freq and scale."""
     h = F.rms_norm(x, (x.shape[-1],), g, EPS)
     bq, bk, bv = bias if bias is not None else (None, None, None)
     q, k, v = F.linear(h, wq, bq), F.linear(h, wk, bk), F.linear(h, wv, bv)
     if qk_norm is not None:  # Qwen3: q_norm(q.view(..., heads, head_dim)), k_norm likewise
         q, k = (F.rms_norm(t.reshape(*t.shape[:-1], -1, head_dim), (head_dim,), w, QK_EPS).reshape(t.shape)
                 for t, w in zip((q, k), qk_norm))
-    freqs = pos.double()[..., None] * inv_freq.double()
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = (emb.cos() * scale).to(x.dtype)[..., None, :], (emb.sin() * scale).to(x.dtype)[..., None, :]
+    if cos_sin is None:
+        freqs = pos.double()[..., None] * inv_freq.double()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos_sin = emb.cos() * scale, emb.sin() * scale
+    cos, sin = (t.to(x.dtype)[..., None, :] for t in cos_sin)
 
     def apply(t):
         heads = t.reshape(*t.shape[:-1], -1, head_dim)
@@ -133,6 +136,48 @@ def test_qk_norm_forward_backward_fp32(case):
     for name, a, b in zip(names, got, want):
         assert a is not None and a.shape == b.shape, name
         assert rel(a, b) < 3e-5, (name, rel(a, b))
+
+
+@pytest.mark.parametrize("case", [(16, 4, 2, 16, True), (16, 2, 1, 8, False)], ids=str)
+def test_cos_sin_of_a_hf_rotary_embedding(case):
+    """cos_sin: a model's own (cos, sin), [1, S, R] for x [B, S, d], fp32 angle products and the
+    attention scaling in them as HF makes them: RoPE rotates by exactly those (also partially)."""
+    head_dim, hq, hkv, rotary_dim, bias = case
+    b, s, d = 2, 7, 32
+    tensors, biases, _, inv_freq = make(b * s, d, head_dim, hq, hkv, rotary_dim, bias, max_pos=2)
+    tensors[0] = tensors[0].reshape(b, s, d)
+    freqs = torch.arange(3000, 3000 + s, device=DEVICE)[None, :, None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos_sin = emb.cos() * 1.2, emb.sin() * 1.2
+    grads = [torch.randn(b, s, h * head_dim, device=DEVICE) for h in (hq, hkv, hkv)]
+
+    def ours(ts, bs):
+        return rmsnorm_qkv_rope(*ts, head_dim=head_dim, cos_sin=cos_sin, bias=bs, eps=EPS)
+
+    def ref(ts, bs):
+        return hf_style(*ts, None, None, head_dim, rotary_dim, None, bs, cos_sin=[t.double() for t in cos_sin])
+
+    got = run(ours, tensors, biases, grads, torch.float32)
+    want = run(ref, tensors, biases, grads, torch.float64)
+    for i, (a, b_) in enumerate(zip(got, want)):
+        assert a.shape == b_.shape and rel(a, b_) < 3e-5, i
+
+
+def test_cos_sin_refused_when_ambiguous_or_misshapen():
+    tensors, _, pos, inv_freq = make(6, 16, 16, 2, 1, 16, False, 64)
+    cos = torch.ones(6, 16, device=DEVICE)
+    calls = {
+        "not both": (dict(cos_sin=(cos, cos)), (pos, inv_freq), "not both"),
+        "scaling": (dict(cos_sin=(cos, cos), attention_scaling=2.0), (), "attention_scaling is part of cos_sin"),
+        "shape": (dict(cos_sin=(torch.ones(5, 16, device=DEVICE),) * 2), (), "for each token"),
+        "pair": (dict(cos_sin=(cos, cos[:, :8])), (), "of one shape"),
+        "rotary_dim": (dict(cos_sin=(cos, cos), rotary_dim=8), (), "differs"),
+        "neither": ({}, (), "positions and inv_freq, or cos_sin"),
+    }
+    for what, (kwargs, rope_args, message) in calls.items():
+        with pytest.raises(ValueError, match=message):
+            rmsnorm_qkv_rope(*tensors, *rope_args, head_dim=16, **kwargs)
+            pytest.fail(what)
 
 
 def test_angles_beat_fp32_tables_at_long_positions():
@@ -248,7 +293,7 @@ def test_custom_op_passes_opcheck(qk_norm):
     qn, kn = (t.requires_grad_() for t in make_qk_norm(16)) if qk_norm else (None, None)
     torch.library.opcheck(
         torch.ops.codetta.rmsnorm_qkv_rope.default,
-        (x, g, [wq, wk, wv], None, pos, inv_freq, 2, 1, 16, 16, 1.0, EPS, None, None, qn, kn, QK_EPS),
+        (x, g, [wq, wk, wv], None, *rope_tables(pos, inv_freq, 1.0), 2, 1, 16, 16, EPS, None, None, qn, kn, QK_EPS),
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )
 

@@ -195,6 +195,32 @@ def test_under_autocast_autograd_accumulates_without_warnings(added_in_gemm):
     assert added_in_gemm() == 0
 
 
+@pytest.mark.parametrize("how", ["autograd_grad", "backward_inputs"])
+def test_a_backward_that_leaves_grad_alone_inside_the_context(how, added_in_gemm):
+    """torch.autograd.grad returns the gradients asked for and leaves every .grad as it is, and
+    backward(inputs=[x]) touches x.grad only (a gradient penalty, a pipeline's dgrad-only pass):
+    inside the context, too, nothing is added into the weights' .grad."""
+    shapes, op, _ = OPS["swiglu_mlp"]
+    weights = [torch.nn.Parameter(torch.randn(*s, device=DEVICE) / D**0.5) for s in shapes]
+    for w in weights:
+        w.grad = torch.zeros_like(w)  # an earlier micro-batch's
+    g = torch.ones(D, device=DEVICE)
+    (x, pos), = _micro_batches(1)
+    x.requires_grad_()
+    dy = torch.randn(M, D, device=DEVICE)
+    with accumulate_weight_grads():
+        loss = (op(x, g, pos, weights) * dy).sum()
+        if how == "autograd_grad":
+            got = torch.autograd.grad(loss, weights)
+            for w, dw, ref in zip(weights, got, _reference_grads("swiglu_mlp", weights, g, [(x.detach(), pos)], [dy])):
+                assert ((dw.double() - ref).norm() / ref.norm()).item() < 1e-5
+        else:
+            loss.backward(inputs=[x])
+            assert x.grad is not None
+    assert added_in_gemm() == 0
+    assert all(torch.count_nonzero(w.grad) == 0 for w in weights)
+
+
 def test_a_weight_with_a_post_accumulate_hook_keeps_autograd_accumulation(added_in_gemm):
     shapes, op, _ = OPS["rmsnorm_qkv_rope"]
     weights = [torch.nn.Parameter(torch.randn(*s, device=DEVICE) / D**0.5) for s in shapes]

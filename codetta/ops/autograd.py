@@ -40,20 +40,25 @@ def refuse_double_backward(name: str, grads) -> None:
                            "create_graph=True (double backward) through them is not supported")
 
 
-def refuse_forward_ad(name: str, args) -> None:
-    """Raise when forward-mode AD (torch.func.jvp, jacfwd, torch.autograd.forward_ad dual tensors)
-    would pass through an operator: it has no forward derivative, and PyTorch would drop the
-    tangents silently (zeros, or None)."""
+def refuse_unsupported_autodiff(name: str, args) -> None:
+    """Raise when an operator would run under a kind of automatic differentiation it does not have:
+    forward mode (torch.func.jvp, jacfwd, torch.autograd.forward_ad dual tensors), whose tangents
+    PyTorch would drop silently (zeros, or None), and torch.func's reverse-mode transforms
+    (grad, vjp, jacrev), which PyTorch's custom operators do not support (PyTorch's own error
+    names none of codetta's). Reverse mode through autograd (``backward``, ``torch.autograd.grad``) works."""
     if torch.compiler.is_compiling():
         return
-    jvp = torch._C._are_functorch_transforms_active() and any(
-        interpreter.key() == TransformType.Jvp for interpreter in retrieve_all_functorch_interpreters())
+    transforms = ({interpreter.key() for interpreter in retrieve_all_functorch_interpreters()}
+                  if torch._C._are_functorch_transforms_active() else set())
     dual = forward_ad._current_level >= 0 and any(
         isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None
         for a in args for t in (a if isinstance(a, (list, tuple)) else (a,)))
-    if jvp or dual:
+    if TransformType.Jvp in transforms or dual:
         raise RuntimeError(f"{name}: codetta's operators have no forward-mode derivative (torch.func.jvp, jacfwd, "
-                           "torch.autograd.forward_ad); use reverse mode (backward, torch.func.vjp, jacrev)")
+                           "torch.autograd.forward_ad); use reverse mode (loss.backward(), torch.autograd.grad)")
+    if TransformType.Grad in transforms:
+        raise RuntimeError(f"{name}: codetta's operators do not run under torch.func.grad, vjp or jacrev (PyTorch's "
+                           "custom operators have no functorch autograd); use loss.backward() or torch.autograd.grad")
 
 
 def _undefined_gradient_is_zero(backward, n_inputs: int):
@@ -168,7 +173,7 @@ class DirectOp:
         self.backward, self.setup_context = backward, setup_context
 
     def __call__(self, *args):
-        refuse_forward_ad(self.op._qualname, args)
+        refuse_unsupported_autodiff(self.op._qualname, args)
         if not _runs_directly(args):
             return self.op(*args)
         flat, layout = _flatten(args)

@@ -103,7 +103,7 @@ from ..kernels.softmax_grad import softmax_grad_
 from ..matmul import gemm
 from .rmsnorm import check_eps, rms_rstd
 from .autocast import casts_under_autocast
-from .autograd import only_first_output_differentiable, refuse_double_backward, refuse_forward_ad
+from .autograd import only_first_output_differentiable, refuse_double_backward, refuse_unsupported_autodiff
 from .weight_grads import weight_grad_program
 from . import shapes
 
@@ -563,7 +563,7 @@ def linear_cross_entropy(x, weight, target, *, bias=None, ignore_index=-100, red
     vocab, d = weight.shape
     x2 = shapes.rows(x)
     chunk = default_chunk_size(vocab, weight.dtype, rows=x2.shape[0], d=d) if chunk_size is None else chunk_size
-    refuse_forward_ad("codetta::linear_cross_entropy", (x, weight, bias, norm_weight))
+    refuse_unsupported_autodiff("codetta::linear_cross_entropy", (x, weight, bias, norm_weight))
     # Under a torch.func transform (vmap) the gradients are not made in the forward: the
     # backward recomputes them with the gradients autograd asks for there.
     grad = torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()

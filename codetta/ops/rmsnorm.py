@@ -166,7 +166,8 @@ class NormStats(tuple):
     order (x or a reshape of it, not a transposed view of the same memory): stale or borrowed
     statistics would give a silently wrong norm. It holds a reference to x, so that a new
     tensor cannot take x's memory (and pass for it) while the statistics live. A plain
-    ``(u, rstd)`` pair is taken as it is.
+    ``(u, rstd)`` pair is taken as it is. Writes that PyTorch does not count in the version
+    counter (through ``.data``, or numpy memory shared with x) cannot be seen.
     """
 
     source: tuple

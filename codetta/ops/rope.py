@@ -22,6 +22,9 @@ cos_t = s cos(theta), sin_t = s sin(theta) [M, R/2] are computed from fp64 angle
 rounded once to fp32 (:func:`rope_tables`); the epilogue reads them as a per-row table
 repeated along the heads (``Program.table``), so it does no trigonometry at all: a tile
 of 128 x 256 would otherwise evaluate 32768 sines and cosines, more time than its MMAs.
+Given a Hugging Face rotary embedding's own (cos, sin) instead (``cos_sin``, as the patched
+models pass them), the tables are their first halves: RoPE rotates by exactly the model's
+angles, in the model's precision.
 
 Backward, given dqkv: the transposed rotation gives dz, and sum_k qkv_ik dqkv_ik =
 sum_k z_ik dz_ik (with the bias: minus sum_k b_k dz_ik) is the zdz of the norm backward;
@@ -134,43 +137,63 @@ def _forget_tables(ref) -> None:
         _LAST_TABLES[0] = None
 
 
-def rope_tables(positions: Tensor, inv_freq: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """(scale cos(theta), scale sin(theta)), [M, R/2] fp32 each, theta = position x inv_freq in fp64.
+def _cached_tables(inputs: tuple, extra, make) -> tuple[Tensor, Tensor]:
+    """``make()``: the RoPE tables made from the tensors ``inputs`` (and ``extra``, hashable).
 
-    The last result is reused while the same positions and inv_freq come back unchanged (same
-    memory, shape, strides and version counter): a model's layers all ask for the same tables,
-    forward and backward. Inference tensors, whose changes cannot be seen, are not reused.
-    The cache holds its inputs (the bases of views) only weakly and forgets the tables when one
-    of them dies (its memory could then pass for a new tensor's): nothing of a step, nor of a
-    deleted model, is kept after it.
+    The last result is reused while the same inputs come back unchanged (same memory, shape,
+    strides and version counter) with the same ``extra``: a model's layers all ask for the same
+    tables. Inference tensors, whose changes cannot be seen, are not reused, nor is anything
+    while torch.compile traces. The cache holds its inputs (the bases of views) only weakly and
+    forgets the tables when one of them dies (its memory could then pass for a new tensor's):
+    nothing of a step, nor of a deleted model, is kept after it.
     """
-    key = (_identity(positions), _identity(inv_freq), float(scale))
+    if torch.compiler.is_compiling():
+        return make()
+    key = (*map(_identity, inputs), extra)
     reusable = None not in key
     entry = _LAST_TABLES[0]  # read once: a weak reference's callback may empty the cache meanwhile
     if reusable and entry is not None and entry[0] == key:
         return entry[2]
-    theta = positions.reshape(-1, 1).double() * inv_freq.double().reshape(1, -1)
-    tables = (torch.cos(theta) * scale).float(), (torch.sin(theta) * scale).float()
+    tables = make()
     if reusable:
-        inputs = tuple(weakref.ref(_owner(t), _forget_tables) for t in (positions, inv_freq))
-        _LAST_TABLES[0] = (key, inputs, tables)
+        _LAST_TABLES[0] = (key, tuple(weakref.ref(_owner(t), _forget_tables) for t in inputs), tables)
     return tables
+
+
+def rope_tables(positions: Tensor, inv_freq: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """(scale cos(theta), scale sin(theta)), [M, R/2] fp32 each, theta = position x inv_freq in fp64
+    (reused while the inputs are unchanged: :func:`_cached_tables`)."""
+    def make():
+        theta = positions.reshape(-1, 1).double() * inv_freq.double().reshape(1, -1)
+        return (torch.cos(theta) * scale).float(), (torch.sin(theta) * scale).float()
+
+    return _cached_tables((positions, inv_freq), float(scale), make)
+
+
+def tables_from_cos_sin(cos: Tensor, sin: Tensor, lead: torch.Size) -> tuple[Tensor, Tensor]:
+    """A Hugging Face rotary embedding's (cos, sin) [..., R] (broadcasting to x's leading dims
+    ``lead``; their two halves equal, as its cat(freqs, freqs)) as the epilogue's tables: the
+    first halves, [M, R/2] fp32 each (reused while the inputs are unchanged: :func:`_cached_tables`)."""
+    def make():
+        half = cos.shape[-1] // 2
+        return tuple(t[..., :half].expand(*lead, half).reshape(-1, half).float().contiguous() for t in (cos, sin))
+
+    return _cached_tables((cos, sin), tuple(lead), make)
 
 
 @direct_op("codetta::rmsnorm_qkv_rope")
 def _qkv_rope_op(
-    x: Tensor, norm_weight: Tensor, weights: list[Tensor], bias: Optional[Tensor], positions: Tensor,
-    inv_freq: Tensor, n_q: int, n_kv: int, head_dim: int, rotary_dim: int, attention_scaling: float, eps: float,
-    u: Optional[Tensor], rstd: Optional[Tensor], q_norm_weight: Optional[Tensor], k_norm_weight: Optional[Tensor],
-    qk_norm_eps: float,
+    x: Tensor, norm_weight: Tensor, weights: list[Tensor], bias: Optional[Tensor], cos: Tensor, sin: Tensor,
+    n_q: int, n_kv: int, head_dim: int, rotary_dim: int, eps: float, u: Optional[Tensor], rstd: Optional[Tensor],
+    q_norm_weight: Optional[Tensor], k_norm_weight: Optional[Tensor], qk_norm_eps: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(qkv, rstd, z): z is the pre-QK-norm projection [..., N] with QK-norm, else empty."""
+    """(qkv, rstd, z): z is the pre-QK-norm projection [..., N] with QK-norm, else empty; cos and sin
+    are the per-token tables [M, R/2] fp32 (:func:`rope_tables`)."""
     x2 = rows(x)
     if u is None or rstd is None:
         u, rstd = rmsnorm_stats(x2, norm_weight, eps, weights[0].dtype)
     else:
         rstd = rstd.reshape(-1).clone()  # an output must not alias an input
-    cos, sin = rope_tables(positions, inv_freq, attention_scaling)
     operands = dict(rstd=rstd, cos=cos, sin=sin, rotated=_rotated_pairs(n_q, n_kv, head_dim, rotary_dim, x.device))
     if bias is not None:
         operands["bias"] = bias
@@ -187,21 +210,19 @@ def _qkv_rope_op(
 
 
 @_qkv_rope_op.register_fake
-def _(x, norm_weight, weights, bias, positions, inv_freq, n_q, n_kv, head_dim, rotary_dim, attention_scaling, eps, u,
-      rstd, q_norm_weight, k_norm_weight, qk_norm_eps):
+def _(x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, rotary_dim, eps, u, rstd, q_norm_weight,
+      k_norm_weight, qk_norm_eps):
     m, n, low = x.numel() // x.shape[-1], (n_q + 2 * n_kv) * head_dim, weights[0].dtype
     z = x.new_empty(*x.shape[:-1], n, dtype=low) if q_norm_weight is not None else x.new_empty(0)
     return x.new_empty(*x.shape[:-1], n, dtype=low), x.new_empty(m, dtype=torch.float32), z
 
 
-def rmsnorm_qkv_rope_backward(dqkv, qkv, x, norm_weight, weights, bias, positions, inv_freq, n_q, n_kv, head_dim,
-                              rotary_dim, attention_scaling, rstd, z, q_norm_weight, k_norm_weight, qk_norm_eps,
-                              dweights_into=()):
+def rmsnorm_qkv_rope_backward(dqkv, qkv, x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, rotary_dim,
+                              rstd, z, q_norm_weight, k_norm_weight, qk_norm_eps, dweights_into=()):
     """(dx, dnorm_weight, [dW_q, dW_k, dW_v], dbias, dq_norm_weight, dk_norm_weight) given dqkv (the
     module doc's backward). Without QK-norm it reads the output qkv; with QK-norm the pre-norm z
     instead (qkv unused)."""
     dqkv2 = rows(dqkv)
-    cos, sin = rope_tables(positions, inv_freq, attention_scaling)
     qk_norm = q_norm_weight is not None
     dz, zdz = rope_backward(dqkv2, None if qk_norm else rows(qkv), cos, sin,
                             n_rotated=(n_q + n_kv) * head_dim, head_dim=head_dim)
@@ -220,17 +241,16 @@ def rmsnorm_qkv_rope_backward(dqkv, qkv, x, norm_weight, weights, bias, position
 @direct_op("codetta::rmsnorm_qkv_rope_backward")
 def _qkv_rope_backward_op(
     dqkv: Tensor, qkv: Optional[Tensor], x: Tensor, norm_weight: Tensor, weights: list[Tensor], bias: Optional[Tensor],
-    positions: Tensor, inv_freq: Tensor, n_q: int, n_kv: int, head_dim: int, rotary_dim: int,
-    attention_scaling: float, rstd: Tensor, z: Optional[Tensor], q_norm_weight: Optional[Tensor],
-    k_norm_weight: Optional[Tensor], qk_norm_eps: float,
+    cos: Tensor, sin: Tensor, n_q: int, n_kv: int, head_dim: int, rotary_dim: int, rstd: Tensor, z: Optional[Tensor],
+    q_norm_weight: Optional[Tensor], k_norm_weight: Optional[Tensor], qk_norm_eps: float,
 ) -> tuple[Tensor, Tensor, list[Tensor], Tensor, Tensor, Tensor]:
-    return rmsnorm_qkv_rope_backward(dqkv, qkv, x, norm_weight, weights, bias, positions, inv_freq, n_q, n_kv, head_dim,
-                                     rotary_dim, attention_scaling, rstd, z, q_norm_weight, k_norm_weight, qk_norm_eps)
+    return rmsnorm_qkv_rope_backward(dqkv, qkv, x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, rotary_dim,
+                                     rstd, z, q_norm_weight, k_norm_weight, qk_norm_eps)
 
 
 @_qkv_rope_backward_op.register_fake
-def _(dqkv, qkv, x, norm_weight, weights, bias, positions, inv_freq, n_q, n_kv, head_dim, rotary_dim, attention_scaling,
-      rstd, z, q_norm_weight, k_norm_weight, qk_norm_eps):
+def _(dqkv, qkv, x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, rotary_dim, rstd, z, q_norm_weight,
+      k_norm_weight, qk_norm_eps):
     def grad_like(t):
         return torch.empty_like(t) if t is not None else dqkv.new_empty(0, dtype=torch.float32)
 
@@ -240,27 +260,27 @@ def _(dqkv, qkv, x, norm_weight, weights, bias, positions, inv_freq, n_q, n_kv, 
 
 def _setup(ctx, inputs, output):
     only_first_output_differentiable(ctx, output)
-    (x, norm_weight, weights, bias, positions, inv_freq, n_q, n_kv, head_dim, rotary_dim, scale, eps, u, rstd,
-     q_norm_weight, k_norm_weight, qk_norm_eps) = inputs
+    (x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, rotary_dim, eps, u, rstd, q_norm_weight,
+     k_norm_weight, qk_norm_eps) = inputs
     qkv, rstd_used, z = output
     qk_norm = q_norm_weight is not None
-    ctx.meta = (n_q, n_kv, head_dim, rotary_dim, scale, bias is not None, qk_norm, qk_norm_eps)
+    ctx.meta = (n_q, n_kv, head_dim, rotary_dim, bias is not None, qk_norm, qk_norm_eps)
     empty = x.new_empty(0)
-    ctx.save_for_backward(z if qk_norm else qkv, x, norm_weight, positions, inv_freq, rstd_used,
+    ctx.save_for_backward(z if qk_norm else qkv, x, norm_weight, cos, sin, rstd_used,
                           bias if bias is not None else empty, q_norm_weight if qk_norm else empty,
                           k_norm_weight if qk_norm else empty, *weights)
 
 
 def _backward(ctx, dqkv, _drstd, _dz):
-    saved, x, norm_weight, positions, inv_freq, rstd, bias, q_norm_weight, k_norm_weight, *weights = ctx.saved_tensors
-    n_q, n_kv, head_dim, rotary_dim, scale, has_bias, qk_norm, qk_norm_eps = ctx.meta
+    saved, x, norm_weight, cos, sin, rstd, bias, q_norm_weight, k_norm_weight, *weights = ctx.saved_tensors
+    n_q, n_kv, head_dim, rotary_dim, has_bias, qk_norm, qk_norm_eps = ctx.meta
     qk = (saved, q_norm_weight, k_norm_weight) if qk_norm else (None, None, None)
     dx, dg, dws, dbias, dqw, dkw = run_backward(
         ctx, weights, _qkv_rope_backward_op, rmsnorm_qkv_rope_backward,
-        dqkv, None if qk_norm else saved, x, norm_weight, weights, bias if has_bias else None, positions, inv_freq,
-        n_q, n_kv, head_dim, rotary_dim, scale, rstd, *qk, qk_norm_eps)
-    none10 = (None,) * 10
-    return (dx, dg, for_autograd(dws), dbias if has_bias else None, *none10, dqw if qk_norm else None,
+        dqkv, None if qk_norm else saved, x, norm_weight, weights, bias if has_bias else None, cos, sin,
+        n_q, n_kv, head_dim, rotary_dim, rstd, *qk, qk_norm_eps)
+    none9 = (None,) * 9  # cos, sin, n_q, n_kv, head_dim, rotary_dim, eps, u, rstd
+    return (dx, dg, for_autograd(dws), dbias if has_bias else None, *none9, dqw if qk_norm else None,
             dkw if qk_norm else None, None)
 
 
@@ -283,9 +303,53 @@ def _token_positions(positions: Tensor, lead: torch.Size) -> Tensor:
     raise ValueError(f"positions {tuple(positions.shape)} are not one per token of x's leading dims {tuple(lead)}")
 
 
+def _tables_of_positions(positions, inv_freq, rotary_dim: int, attention_scaling: float, x: Tensor):
+    """The tables of :func:`rope_tables`, the arguments checked. inv_freq is used as given (a bf16
+    model holds it in bf16): the tables are made from it in fp64, and the same tensor in every
+    layer lets them all share one pair of tables."""
+    if positions is None or inv_freq is None:
+        raise ValueError("RoPE needs positions and inv_freq, or cos_sin")
+    if not isinstance(inv_freq, Tensor) or inv_freq.shape != (rotary_dim // 2,) or not inv_freq.is_floating_point():
+        raise ValueError(f"inv_freq must be a floating point tensor [{rotary_dim // 2}], got "
+                         f"{getattr(inv_freq, 'dtype', type(inv_freq).__name__)} {tuple(getattr(inv_freq, 'shape', ()))}")
+    for name, t in (("positions", positions), ("inv_freq", inv_freq)):
+        if isinstance(t, Tensor) and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    return rope_tables(_token_positions(positions, x.shape[:-1]), inv_freq, float(attention_scaling))
+
+
+def _check_cos_sin(cos_sin, positions, inv_freq, rotary_dim, attention_scaling, x: Tensor) -> int:
+    """The rotary dim of a valid ``cos_sin`` (see :func:`rmsnorm_qkv_rope`), or a ValueError."""
+    if positions is not None or inv_freq is not None:
+        raise ValueError("give positions and inv_freq, or cos_sin, not both")
+    if attention_scaling != 1.0:
+        raise ValueError("attention_scaling is part of cos_sin (HF's rotary embedding multiplies it in): leave it 1")
+    if not isinstance(cos_sin, (tuple, list)) or len(cos_sin) != 2 or not all(isinstance(t, Tensor) for t in cos_sin):
+        raise ValueError(f"cos_sin must be a pair of tensors (cos, sin), got {type(cos_sin).__name__}")
+    cos, sin = cos_sin
+    lead = x.shape[:-1]
+    if cos.shape != sin.shape or cos.dim() < 1 or not (cos.is_floating_point() and sin.is_floating_point()):
+        raise ValueError(f"cos and sin must be floating point tensors of one shape, got {cos.dtype} "
+                         f"{tuple(cos.shape)} and {sin.dtype} {tuple(sin.shape)}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    try:
+        fits = torch.broadcast_shapes(cos.shape[:-1], lead) == lead
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"cos and sin {tuple(cos.shape)} are not [..., R] for each token of x's leading dims "
+                         f"{tuple(lead)}")
+    if rotary_dim is not None and rotary_dim != cos.shape[-1]:
+        raise ValueError(f"rotary_dim {rotary_dim} differs from cos and sin's last dim {cos.shape[-1]}")
+    return cos.shape[-1]
+
+
 @casts_under_autocast("w_q", "w_k", "w_v", "bias", "stats", streams=("x",))
-def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w_v: Tensor, positions: Tensor,
-                     inv_freq: Tensor, *, head_dim: int, rotary_dim: int | None = None, attention_scaling: float = 1.0,
+def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w_v: Tensor,
+                     positions: Tensor | None = None, inv_freq: Tensor | None = None, *, head_dim: int,
+                     rotary_dim: int | None = None, attention_scaling: float = 1.0, cos_sin: tuple | None = None,
                      bias: tuple | None = None, eps: float = 1e-6, stats=None, q_norm_weight: Tensor | None = None,
                      k_norm_weight: Tensor | None = None, qk_norm_eps: float = 1e-6):
     """q, k, v = RoPE(RMSNorm(x) W_q^T + b_q), RoPE(RMSNorm(x) W_k^T + b_k), RMSNorm(x) W_v^T + b_v, fused.
@@ -307,6 +371,13 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
             ``.data``) is not seen; pass new tensors for new positions.
         head_dim: D; rotary_dim: R (default D) with D a multiple of R (partial rotary), R a
             power of two. attention_scaling: HF's factor on cos and sin (rope scaling types).
+        cos_sin: instead of positions and inv_freq (pass neither then): the (cos, sin) a Hugging
+            Face rotary embedding returns, [..., R] each (a shape that broadcasts to x's leading
+            dims, e.g. [1, S, R]), attention_scaling included, the two halves of each equal (its
+            cat(freqs, freqs): only the first halves are read). RoPE then rotates by exactly the
+            model's own angles, in their precision (fp32 products, or bf16 values in a bf16
+            model); the model's position_embeddings, passed to every layer, make one pair of
+            tables for all of them (reused while the same tensors come back unchanged).
         bias: optional (b_q, b_k, b_v) (Qwen2). stats: optional (u, rstd) from linear_residual.
         q_norm_weight, k_norm_weight: optional [D] each, both or neither (QK-norm, Qwen3; D a
             power of two).
@@ -319,23 +390,16 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
     check_eps(qk_norm_eps=qk_norm_eps)
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
         raise ValueError(f"head_dim must be a positive integer, got {head_dim!r}")
-    if rotary_dim is None:
-        rotary_dim = head_dim
-    elif isinstance(rotary_dim, bool) or not isinstance(rotary_dim, numbers.Integral):
+    if rotary_dim is not None and (isinstance(rotary_dim, bool) or not isinstance(rotary_dim, numbers.Integral)):
         raise ValueError(f"rotary_dim must be an integer, got {rotary_dim!r}")
-    rotary_dim = int(rotary_dim)
+    if cos_sin is not None:
+        rotary_dim = _check_cos_sin(cos_sin, positions, inv_freq, rotary_dim, attention_scaling, x)
+    rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
     nq, nk = (w_q.shape[0] // head_dim, w_q.shape[0] % head_dim), (w_k.shape[0] // head_dim, w_k.shape[0] % head_dim)
     if nq[1] or nk[1] or w_v.shape != w_k.shape:
         raise ValueError(f"q/k/v weights {[tuple(w.shape) for w in weights]} are not whole heads of {head_dim}")
     if rotary_dim < 2 or rotary_dim & (rotary_dim - 1) or head_dim % rotary_dim:
         raise ValueError(f"rotary_dim {rotary_dim} must be a power of two dividing head_dim {head_dim}")
-    if not isinstance(inv_freq, Tensor) or inv_freq.shape != (rotary_dim // 2,) or not inv_freq.is_floating_point():
-        raise ValueError(f"inv_freq must be a floating point tensor [{rotary_dim // 2}], got "
-                         f"{getattr(inv_freq, 'dtype', type(inv_freq).__name__)} {tuple(getattr(inv_freq, 'shape', ()))}")
-    for name, t in (("positions", positions), ("inv_freq", inv_freq)):
-        if isinstance(t, Tensor) and t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
-    positions = _token_positions(positions, x.shape[:-1])
     b = None
     if bias is not None:
         if len(bias) != 3 or any(not isinstance(t, Tensor) or t.shape != (w.shape[0],) for t, w in zip(bias, weights)):
@@ -354,12 +418,13 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
                                  f"{tuple(w.shape) if isinstance(w, Tensor) else type(w).__name__}")
             if w.device != x.device:
                 raise ValueError(f"{name} is on {w.device} but x is on {x.device}")
+    if cos_sin is None:
+        cos, sin = _tables_of_positions(positions, inv_freq, rotary_dim, attention_scaling, x)
+    else:
+        cos, sin = tables_from_cos_sin(*cos_sin, x.shape[:-1])
     u, rstd = given_stats(x, stats, weights[0].dtype, norm_weight, eps)
-    # inv_freq as given (a bf16 model holds it in bf16): the tables are made from it in fp64, and
-    # the same tensor in every layer lets them all share one pair of tables (rope_tables).
-    qkv = _qkv_rope_op(x, norm_weight, weights, b, positions, inv_freq, nq[0], nk[0], head_dim, rotary_dim,
-                       float(attention_scaling), float(eps), u, rstd, q_norm_weight, k_norm_weight,
-                       float(qk_norm_eps))[0]
+    qkv = _qkv_rope_op(x, norm_weight, weights, b, cos, sin, nq[0], nk[0], head_dim, rotary_dim, float(eps), u, rstd,
+                       q_norm_weight, k_norm_weight, float(qk_norm_eps))[0]
     return tuple(torch.split(qkv, [w.shape[0] for w in weights], dim=-1))
 
 

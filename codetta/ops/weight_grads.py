@@ -14,7 +14,8 @@ for it, but hooks that autograd's C++ side keeps, as DistributedDataParallel's r
 does, cannot be seen:
 **do not use it with DDP.** Weights that are not plain tensors (FSDP2's DTensors), weights
 without a .grad yet (the first micro-batch), torch.compile and create_graph backward passes
-take the usual path. The layer operators are covered (linear_residual, rmsnorm_linear,
+take the usual path, and so do ``torch.autograd.grad`` and ``backward(inputs=...)`` passes
+that do not accumulate into the weight's .grad. The layer operators are covered (linear_residual, rmsnorm_linear,
 rmsnorm_swiglu, swiglu_mlp, rmsnorm_qkv_rope); linear_cross_entropy, whose dW is computed in
 its forward, is not.
 """
@@ -52,11 +53,23 @@ def accumulate_weight_grads():
         _ENABLED[0] -= 1
 
 
+def _engine_accumulates(w: Tensor) -> bool:
+    """Whether the backward running now accumulates into the leaf w's .grad: ``loss.backward()``
+    does, ``backward(inputs=...)`` without w does not, nor does ``torch.autograd.grad``, which
+    returns the gradients it is asked for and leaves every .grad alone (PyTorch then refuses the
+    question)."""
+    try:
+        return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(w).node)
+    except RuntimeError:  # inside torch.autograd.grad
+        return False
+
+
 def _existing_grad(w: Tensor) -> Optional[Tensor]:
     """w's .grad to add into, or None: w must be a leaf (under autocast the operators get cast
     copies of the weights, whose gradients autograd carries to the leaves: no accumulation
-    in the epilogue then)."""
-    if (type(w) is not torch.nn.Parameter and type(w) is not torch.Tensor) or not w.is_leaf:
+    in the epilogue then) whose .grad this backward accumulates into."""
+    if (type(w) is not torch.nn.Parameter and type(w) is not torch.Tensor) or not w.is_leaf \
+            or not _engine_accumulates(w):
         return None
     g = w.grad
     # hooks on the weight's gradient (register_hook: a mask, a clip) or after its accumulation

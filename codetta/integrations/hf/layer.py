@@ -153,33 +153,48 @@ class LayerPlan:
     outgoing: Optional[StatsHandoff] = None  # the next layer's incoming slot
 
 
+def _rope_arguments(plan: LayerPlan, x, position_ids, position_embeddings):
+    """(the RoPE arguments of rmsnorm_qkv_rope, None), or (None, why RoPE runs as the model's own
+    code after the norm-folded GEMM: None where the model's own layer would fail as well).
+
+    The position_embeddings (cos, sin) the layer is given are what the model's own attention
+    applies (also when a hook or a caller replaced them): the fused RoPE rotates by exactly
+    those. They have the two equal halves of the model's own rotary class (cat(freqs, freqs));
+    a rotary embedding of another class may not. A layer called with position_ids alone takes
+    positions and the model's rotary_emb (its inv_freq and attention_scaling, as they are now)."""
+    base = plan.base_model.get()  # None for a layer copied by itself: its model's copy is gone
+    rotary = base.rotary_emb if base is not None else None
+    if position_embeddings is not None:
+        if rotary is not None and type(rotary).forward is not plan.classes.rotary.forward:
+            return None, f"rotary_emb is a {type(rotary).__name__} whose forward is not {plan.classes.rotary.__name__}'s"
+        return dict(cos_sin=tuple(position_embeddings)), None
+    if position_ids is None:
+        return None, None
+    why_not = "the model this layer was patched in is gone" if base is None else \
+        why_rotary_unfusable(rotary, plan.classes)
+    if why_not is not None:
+        return None, why_not
+    return dict(positions=position_ids.expand(x.shape[:-1]), inv_freq=rotary.inv_freq,
+                attention_scaling=rotary.attention_scaling), None
+
+
 def _qkv(layer, plan: LayerPlan, x, stats, position_ids, position_embeddings, kwargs):
     """q, k, v as [..., heads * head_dim] each, RoPE applied (and QK-norm where the model has it)."""
     attn, ln = layer.self_attn, layer.input_layernorm
     weights = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
     biases = (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)
     has_bias = biases[0] is not None
-    base = plan.base_model.get()  # None for a layer copied by itself: its model's copy is gone
-    rotary = base.rotary_emb if base is not None else None
-    why_not = None
-    if plan.fuse_rope:
-        why_not = why_rotary_unfusable(rotary, plan.classes) if base is not None else \
-            "the model this layer was patched in is gone"
+    rope, why_not = _rope_arguments(plan, x, position_ids, position_embeddings) if plan.fuse_rope else (None, None)
     if why_not is not None:
         warnings.warn(f"codetta: {why_not}; RoPE runs as the model's own code on its position_embeddings",
                       stacklevel=4)
-    # The fused RoPE needs the tokens' positions, which the model passes; a layer called with its
-    # position_embeddings alone applies those, as the model's own layer does.
-    if plan.fuse_rope and why_not is None and position_ids is not None:
+    if rope is not None:
         qk_norm = {}
         if plan.arch.qk_norm:  # the modules' own weights: their gradients land there
             qk_norm = dict(q_norm_weight=attn.q_norm.weight, k_norm_weight=attn.k_norm.weight,
                            qk_norm_eps=attn.q_norm.variance_epsilon)
-        return rmsnorm_qkv_rope(
-            x, ln.weight, *weights, position_ids.expand(x.shape[:-1]), rotary.inv_freq,
-            head_dim=attn.head_dim, attention_scaling=rotary.attention_scaling,
-            bias=biases if has_bias else None, eps=ln.variance_epsilon, stats=stats, **qk_norm,
-        )
+        return rmsnorm_qkv_rope(x, ln.weight, *weights, head_dim=attn.head_dim, bias=biases if has_bias else None,
+                                eps=ln.variance_epsilon, stats=stats, **qk_norm, **rope)
     qkv = rmsnorm_linear(x, ln.weight, list(weights), ln.variance_epsilon, stats=stats)
     if has_bias:
         qkv = qkv + torch.cat(biases)
