@@ -95,7 +95,8 @@ def test_rmsnorm_backward_empty_and_bad_shapes():
 
 
 @pytest.mark.parametrize("shape", [(1, 8), (33, 40), (2, 5, 24)], ids=str)
-@pytest.mark.parametrize("n_out", [(56,), (24, 16, 16)], ids=["one_weight", "qkv_parts"])
+@pytest.mark.parametrize("n_out", [(56,), (24, 16, 16), (8, 16, 8, 24, 8, 16)],
+                         ids=["one_weight", "qkv_parts", "more_parts_than_gemm_reads_as_one"])
 def test_rmsnorm_linear_forward_backward_fp32(shape, n_out):
     d = shape[-1]
     x = torch.randn(*shape, device=DEVICE) * 3

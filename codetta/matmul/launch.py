@@ -28,7 +28,7 @@ from .config import WIDEST_BN, Config, SharedMemory, candidates, interpreter_con
 from .memory import byte_span, same_elements, share_elements, spans_meet
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_MAX_B_PARTS = 4
+MAX_B_PARTS = 4  # B parts read as one without a copy
 
 
 class GemmError(ValueError):
@@ -95,8 +95,8 @@ class _Call:
         device = a.device
         interleaved = isinstance(b, Interleaved)
         parts = list(b) if isinstance(b, (list, tuple)) else [b]
-        if not 1 <= len(parts) <= _MAX_B_PARTS:
-            raise GemmError(f"b must be a tensor or a list of 1 to {_MAX_B_PARTS} tensors, got {len(parts)}")
+        if not 1 <= len(parts) <= MAX_B_PARTS:
+            raise GemmError(f"b must be a tensor or a list of 1 to {MAX_B_PARTS} tensors, got {len(parts)}")
         for i, t in enumerate(parts):
             _check_tensor(t, f"b[{i}]" if len(parts) > 1 else "b", device)
         if a.dtype not in _DTYPES:
@@ -416,7 +416,7 @@ class _Plan:
                 fills[f"b{i}"] = lambda a, b, o, w, q, i=i: b[i]
             values.update(stride_a0=c.a.stride(0), stride_a1=c.a.stride(1),
                           stride_b0=tuple(t.stride(0) for t in c.parts), stride_b1=tuple(t.stride(1) for t in c.parts))
-        values.update({f"b{i}": None for i in range(len(c.parts), _MAX_B_PARTS)})
+        values.update({f"b{i}": None for i in range(len(c.parts), MAX_B_PARTS)})
         values.update(b_starts=c.starts, b_ends=c.ends, M=c.M, N=c.N, K=c.K)
         partial_strides = {name: shape[1] for name, _, shape in self.partials}
         for name, kind in kernel_args(c.program, self.path):

@@ -57,6 +57,7 @@ from torch import Tensor
 from .. import epilogue as ep
 from ..kernels.rmsnorm import rmsnorm_stats
 from ..matmul import check_device, gemm
+from ..matmul.launch import MAX_B_PARTS
 from ..matmul.memory import merged_leading_dims
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
@@ -235,15 +236,21 @@ def _as_list(weight) -> list[Tensor]:
 
 
 def _weight_t(weights: list[Tensor]):
-    """The forward GEMM's B: W^T, or the W_i^T read as one along N."""
-    return weights[0].t() if len(weights) == 1 else [w.t() for w in weights]
+    """The forward GEMM's B: W^T, or the W_i^T read as one along N (concatenated, a copy, when
+    there are more than the GEMM reads as one: MAX_B_PARTS)."""
+    if len(weights) == 1:
+        return weights[0].t()
+    return torch.cat(weights).t() if len(weights) > MAX_B_PARTS else [w.t() for w in weights]
 
 
 def _weight_k(weights: list[Tensor]):
     """The dgrad GEMM's B: W, or the W_i read as one along K (those with rows: with none, one
-    [0, d] W reads as K = 0, where several would read as parts along N)."""
+    [0, d] W reads as K = 0, where several would read as parts along N; concatenated beyond
+    MAX_B_PARTS)."""
     held = [w for w in weights if w.shape[0]] or weights[:1]
-    return held[0] if len(held) == 1 else held
+    if len(held) == 1:
+        return held[0]
+    return torch.cat(held) if len(held) > MAX_B_PARTS else held
 
 
 def rstd_from_sumsq(sumsq: Tensor, d: int, eps: float) -> Tensor:
@@ -343,7 +350,8 @@ def rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight, eps: float = 1e-6, *,
 
     Args:
         x: [..., d]; norm_weight: [d]; weight: [N, d], or a list of [N_i, d] (e.g. W_q, W_k,
-            W_v) used as their concatenation along the output features, without a copy.
+            W_v) used as their concatenation along the output features, without a copy for up
+            to four (more are concatenated first).
         stats: optional (u, rstd) from :func:`linear_residual` (u = x g, rstd fp32 [M]); they
             are not differentiated: the gradient of the norm flows through x and norm_weight.
         x may be fp32 with 16-bit weights (a wider residual stream: see the module doc).
