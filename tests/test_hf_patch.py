@@ -7,10 +7,12 @@ state_dict, unpatch, and clear errors for what is not supported.
 """
 
 import copy
+import gc
 import inspect
 import io
 import shutil
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -494,8 +496,22 @@ def test_copied_pickled_and_inspected_like_the_model():
     ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
     for other in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
         assert other._codetta_patched == model._codetta_patched
-        assert other.model.layers[0]._codetta_plan.next_layer is other.model.layers[1]
+        assert other.model.layers[0]._codetta_plan.next_layer.get() is other.model.layers[1]
         assert_same_training_step(ref, other, input_ids=ids, labels=ids)
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+
+
+def test_a_layer_removed_after_patching_is_freed():
+    """Pruning a patched model (model.model.layers[:1]) frees the removed layers, as for the
+    unpatched model: the layer before them holds its next layer weakly, and hands it nothing."""
+    ref = tiny("LlamaForCausalLM", num_hidden_layers=3)
+    model = codetta.patch(copy.deepcopy(ref))
+    removed = weakref.ref(model.model.layers[1])
+    for m in (ref, model):
+        m.model.layers = m.model.layers[:1]
+    gc.collect()
+    assert removed() is None
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
     assert_same_training_step(ref, model, input_ids=ids, labels=ids)
 
 
@@ -595,9 +611,13 @@ def test_unsupported_models_and_options_are_refused_untouched():
         codetta.patch(tiny("LlamaForCausalLM").double())
     custom_layer = tiny("LlamaForCausalLM")
     _wrap(custom_layer, "model.layers.1", _with_own_forward)  # the fused forward would replace its forward
-    with pytest.raises(UnsupportedModelError, match="forward of its own"):
+    with pytest.raises(UnsupportedModelError, match="forward of its own.*added after patching"):
         codetta.patch(custom_layer)
     assert all("forward" not in layer.__dict__ for layer in custom_layer.model.layers)
+    sharded = tiny("LlamaForCausalLM")  # FSDP2's fully_shard(model) swaps in a class of its own
+    sharded.__class__ = type("FSDPLlamaForCausalLM", (transformers.LlamaForCausalLM,), {})
+    with pytest.raises(UnsupportedModelError, match="subclass of LlamaForCausalLM.*patch, then wrap"):
+        codetta.patch(sharded)
 
 
 class LoraLike(torch.nn.Module):

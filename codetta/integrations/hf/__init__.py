@@ -99,7 +99,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
         plans = [LayerPlan(arch, classes, WeakModule(model.model), rope, swiglu) for _ in layers]
         for i, (layer, plan) in enumerate(zip(layers, plans)):
             if i + 1 < len(layers):  # this layer's last GEMM makes the next layer's norm statistics
-                plan.next_layer, plan.outgoing = layers[i + 1], plans[i + 1].incoming
+                plan.next_layer, plan.outgoing = WeakModule(layers[i + 1]), plans[i + 1].incoming
             layer._codetta_plan = plan
             layer.forward = FusedForward(fused_decoder_forward, layer, "_codetta_plan")
     if cross_entropy:

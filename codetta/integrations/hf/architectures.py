@@ -194,8 +194,11 @@ def why_unfusable(modules: tuple, arch: Architecture, classes: ModelClasses):
 def architecture_of(model) -> Architecture:
     name = type(model).__name__
     if name not in ARCHITECTURES:
+        base = next((c.__name__ for c in type(model).__mro__[1:] if c.__name__ in ARCHITECTURES), None)
+        wrapped = (f" (a subclass of {base}: a wrapper's, as FSDP2's fully_shard(model) makes, is patched before "
+                   "wrapping: patch, then wrap)") if base else ""
         raise UnsupportedModelError(
-            f"codetta.patch supports {sorted(ARCHITECTURES)}; got {name}. Nothing was patched."
+            f"codetta.patch supports {sorted(ARCHITECTURES)}; got {name}{wrapped}. Nothing was patched."
         )
     return ARCHITECTURES[name]
 
@@ -227,7 +230,8 @@ def check_model(model, arch: Architecture, classes: ModelClasses):
         what = f"layer {i} ({type(layer).__name__})"
         if type(layer).forward is not classes.layer.forward:
             raise UnsupportedModelError(f"{what} has a forward of its own (not {classes.layer.__name__}'s), which the "
-                                        "fused forward would replace. Nothing was patched.")
+                                        "fused forward would replace; a wrapper of the layer (activation checkpointing, "
+                                        "FSDP) is added after patching. Nothing was patched.")
         for path in ("input_layernorm.weight", "input_layernorm.variance_epsilon", "post_attention_layernorm.weight",
                      "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                      "self_attn.head_dim", "self_attn.scaling", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",

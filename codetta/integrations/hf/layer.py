@@ -149,7 +149,9 @@ class LayerPlan:
     unfusable: Optional[str] = None  # why the fused forward cannot read them, if it cannot
     hooked: Optional[str] = None  # the last module found with hooks the fused forward would skip (warned once)
     incoming: StatsHandoff = field(default_factory=StatsHandoff)  # stats of this layer's input
-    next_layer: Optional[torch.nn.Module] = None  # the next decoder layer, if any
+    # the next decoder layer, if any: weakly, so that a layer removed from the model after patching
+    # (pruning) is freed, and no statistics are made for it
+    next_layer: Optional[WeakModule] = None
     outgoing: Optional[StatsHandoff] = None  # the next layer's incoming slot
 
 
@@ -297,12 +299,13 @@ def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_id
     q, k, v = _qkv(layer, plan, x, plan.incoming.take(x), position_ids, position_embeddings, kwargs)
     a = _attention(attn, plan, q, k, v, attention_mask, dict(position_ids=position_ids, use_cache=use_cache, **kwargs))
     x1, stats = linear_residual(a, attn.o_proj.weight, x, ln2.weight, ln2.variance_epsilon, bias=attn.o_proj.bias)
-    ln_next = plan.next_layer.input_layernorm if plan.next_layer is not None else None
+    next_layer = plan.next_layer.get() if plan.next_layer is not None else None
+    ln_next = next_layer.input_layernorm if next_layer is not None else None
     hand_on = (
-        plan.outgoing is not None
+        next_layer is not None
         # hooks may change x2 in place: traced by torch.compile, there is no version counter to tell
         # (StatsHandoff.take checks it in eager mode)
-        and not hooks_between(layer, plan.next_layer)
+        and not hooks_between(layer, next_layer)
         and not (layer.training and getattr(layer, "gradient_checkpointing", False))
         # a plain tensor: under FSDP2 the next layer's weights are sharded (DTensor) until its own forward
         and type(ln_next.weight) in (torch.Tensor, torch.nn.Parameter)
