@@ -804,7 +804,7 @@ def test_outputs_sharing_memory_with_the_programs_operands():
     p.store("y", p.acc + p.col("c") + p.aux("r"))
     r = torch.randn(40, 32, device=DEVICE)
     buf = torch.randn(41, 32, device=DEVICE)
-    with pytest.raises(GemmError, match="out\['y'\] is written but shares memory with operand 'c'"):
+    with pytest.raises(GemmError, match=r"out\['y'\] is written but shares memory with operand 'c'"):
         codetta.gemm(a, b, p, out={"y": buf[:-1]}, c=buf[0], r=r)
     with pytest.raises(GemmError, match="shares memory with operand 'r'"):
         codetta.gemm(a, b, p, out={"y": buf[1:]}, c=torch.zeros(32, device=DEVICE), r=buf[:-1])

@@ -536,14 +536,14 @@ def test_copied_after_a_step_in_which_a_layers_next_layer_did_not_run():
 
 def test_a_layer_that_does_not_run_keeps_no_activations():
     """The last layer run hands its output and statistics to a layer that does not run (layers cut
-    after patching; an exception raised before the next layer takes them): once the caller has let
-    go of the forward's outputs, that slot keeps nothing, not the autograd graph of a forward whose
-    loss was only read (an evaluation with grad mode on), nor its activations."""
-    import gc
-    import weakref
-
+    after patching but kept elsewhere, so alive; an exception raised before the next layer takes
+    them): once the caller has let go of the forward's outputs, that slot keeps nothing, not the
+    autograd graph of a forward whose loss was only read (an evaluation with grad mode on), nor
+    its activations."""
     model = codetta.patch(tiny("LlamaForCausalLM", num_hidden_layers=3))
     slot = model.model.layers[1]._codetta_plan.outgoing
+    cut = model.model.layers[2]  # alive, not run
+    assert slot is cut._codetta_plan.incoming
     model.model.layers = model.model.layers[:2]
     ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
     out = model(input_ids=ids, labels=ids)
