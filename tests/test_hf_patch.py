@@ -556,8 +556,6 @@ def test_a_layer_that_does_not_run_keeps_no_activations():
 
 
 def test_a_layer_interrupted_before_taking_its_statistics_keeps_nothing():
-    import gc
-
     class OwnLinear(torch.nn.Linear):  # a projection the fused forward cannot read: the layer warns
         def forward(self, x):
             return super().forward(x)
@@ -579,9 +577,6 @@ def test_a_layer_interrupted_before_taking_its_statistics_keeps_nothing():
 def test_deleted_patched_model_is_freed_without_the_garbage_collector():
     """As the unpatched model: ``del model`` frees its parameters at once (a reference cycle would
     keep them, on a GPU too, until Python's cycle collector happens to run)."""
-    import gc
-    import weakref
-
     model = codetta.patch(tiny("LlamaForCausalLM"))
     ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
     model(input_ids=ids, labels=ids).loss.backward()
