@@ -387,11 +387,13 @@ class _Plan:
         self.accumulate = accum
         written = [o for o in p.outputs.values() if (o.kind == "store" and not o.accumulate) or o.segment]
         self.user_written = [(o.name, (c.M, c.output_shape(o)[-1])) for o in written if o.name in c.user_out]
-        self.allocated = [(o.name, c.output_shape(o), c.output_dtype(o), (c.M, c.output_shape(o)[-1]))
-                          for o in written if o.name not in c.user_out]
+        # (name, shape, dtype, the [M, cols] view the kernel writes, None when it is the shape itself)
+        self.allocated = [(o.name, shape, c.output_dtype(o), None if shape == (c.M, shape[-1]) else (c.M, shape[-1]))
+                          for o in written if o.name not in c.user_out for shape in [c.output_shape(o)]]
         self.partials = _partial_shapes(c, cfg)
-        self.finished = [(o.name, _FINISH[o.kind], c.output_shape(o)) for o in p.outputs.values()
-                         if not (o.kind == "store" or o.segment)]
+        # (name, finishing step, the output's shape when it is not the finished [M] or [N] one)
+        self.finished = [(o.name, _FINISH[o.kind], None if len(shape) == 1 else shape) for o in p.outputs.values()
+                         if not (o.kind == "store" or o.segment) for shape in [c.output_shape(o)]]
         self.template, self.filled = self._arguments(c)
 
     def _arguments(self, c):
@@ -475,7 +477,7 @@ class _Plan:
         outs = {name: (operands[name], ops[name]) for name in self.accumulate}
         for name, shape, dtype, rows in self.allocated:
             t = torch.empty(shape, device=self.device, dtype=dtype)
-            outs[name] = (t, t.view(rows))
+            outs[name] = (t, t if rows is None else t.view(rows))
         for name, rows in self.user_written:
             outs[name] = (out[name], out[name].view(rows))
         bufs = {name: tuple(torch.empty(shape, device=self.device, dtype=torch.float32) for _ in range(count))
@@ -501,7 +503,8 @@ class _Plan:
         outs, bufs = self.launch(a, b, operands, out)
         results = {name: pair[0] for name, pair in outs.items()}
         for name, finish_fn, shape in self.finished:
-            val = finish_fn(*bufs[name]).view(shape)
+            val = finish_fn(*bufs[name])
+            val = val if shape is None else val.view(shape)
             results[name] = val if name not in out else out[name].copy_(val)
         return results
 

@@ -42,9 +42,9 @@ from ..matmul import gemm
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .rmsnorm import (NormStats, _check_norm_inputs, _linear_residual_op, _weight_k, check_eps, given_stats,
-                      rmsnorm_linear_backward)
+                      rmsnorm_linear_backward, rstd_like, used_rstd)
 from .swiglu import _rmsnorm_swiglu_op
-from .weight_grads import for_autograd, run_backward, weight_grad
+from .weight_grads import for_autograd, run_backward, stacked_like, weight_grad
 from .shapes import rows
 
 
@@ -55,9 +55,9 @@ def _mlp_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(x2, u2, rstd2, z, rstd): x2 and its next norm's statistics (empty without
     next_norm_weight), then what the backward keeps."""
-    y, z, rstd_used = _rmsnorm_swiglu_op.impl(x, norm_weight, w_gate, w_up, eps, u, rstd)
+    y, z, rstd_out = _rmsnorm_swiglu_op.impl(x, norm_weight, w_gate, w_up, eps, u, rstd)
     x2, u2, rstd2 = _linear_residual_op.impl(y, [w_down], x, None, next_norm_weight, next_eps)
-    return x2, u2, rstd2, z, rstd_used
+    return x2, u2, rstd2, z, rstd_out
 
 
 @_mlp_op.register_fake
@@ -65,47 +65,48 @@ def _(x, norm_weight, w_gate, w_up, w_down, eps, u, rstd, next_norm_weight, next
     m, f, low = x.numel() // x.shape[-1], w_gate.shape[0], w_gate.dtype
     stats = (x.new_empty(m, x.shape[-1], dtype=low), x.new_empty(m, dtype=torch.float32)) if next_norm_weight is not None \
         else (x.new_empty(0), x.new_empty(0, dtype=torch.float32))
-    return torch.empty_like(x), *stats, x.new_empty(m, 2 * f, dtype=low), x.new_empty(m, dtype=torch.float32)
+    return torch.empty_like(x), *stats, x.new_empty(m, 2 * f, dtype=low), rstd_like(x, u, rstd)
 
 
 def swiglu_mlp_backward(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, dweights_into=()):
-    """(dx, dnorm_weight, dW_gate, dW_up, dW_down) given dx2 (the module doc's backward)."""
+    """(dx, dnorm_weight, the weight gradients of W_gate and W_up as
+    :func:`codetta.ops.weight_grads.weight_grads` gives them, dW_down) given dx2 (the module doc's backward)."""
     into = list(dweights_into) or [None] * 3
     f, d = w_gate.shape
     dx2_2 = rows(dx2).to(w_down.dtype).contiguous()  # x2's gradient as the GEMMs' operand
     y = z.new_empty(z.shape[0], f)
     dz, zdz = swiglu_backward(gemm(dx2_2, _weight_k([w_down])), z, y_out=y)
     dw_down = weight_grad(dx2_2, y, into[2])
-    dx, dg, (dw_gate, dw_up) = rmsnorm_linear_backward(dz, zdz, x, norm_weight, [w_gate, w_up], rstd, into[:2],
-                                                       residual_grad=dx2)
-    return dx, dg, dw_gate, dw_up, dw_down
+    dx, dg, dws_gate_up = rmsnorm_linear_backward(dz, zdz, x, norm_weight, [w_gate, w_up], rstd, into[:2],
+                                                  residual_grad=dx2)
+    return dx, dg, dws_gate_up, dw_down
 
 
 @direct_op("codetta::swiglu_mlp_backward")
 def _mlp_backward_op(
     dx2: Tensor, x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, z: Tensor, rstd: Tensor,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, list[Tensor], Tensor]:
     return swiglu_mlp_backward(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd)
 
 
 @_mlp_backward_op.register_fake
 def _(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd):
-    return tuple(torch.empty_like(t) for t in (x, norm_weight, w_gate, w_up, w_down))
+    return torch.empty_like(x), torch.empty_like(norm_weight), stacked_like([w_gate, w_up]), torch.empty_like(w_down)
 
 
 def _setup(ctx, inputs, output):
     only_first_output_differentiable(ctx, output)
-    x, norm_weight, w_gate, w_up, w_down, *_ = inputs
-    *_, z, rstd_used = output
-    ctx.save_for_backward(x, norm_weight, w_gate, w_up, w_down, z, rstd_used)
+    x, norm_weight, w_gate, w_up, w_down, _, u, rstd, *_ = inputs
+    *_, z, rstd_out = output
+    ctx.save_for_backward(x, norm_weight, w_gate, w_up, w_down, z, used_rstd(u, rstd, rstd_out))
 
 
 def _backward(ctx, dx2, *_unused):
     x, norm_weight, w_gate, w_up, w_down, z, rstd = ctx.saved_tensors
     grads = run_backward(ctx, [w_gate, w_up, w_down], _mlp_backward_op, swiglu_mlp_backward,
                          dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd)
-    dx, dg, *dws = grads
-    return dx, dg, *for_autograd(dws), *(None,) * 5
+    dx, dg, dws_gate_up, dw_down = grads
+    return dx, dg, *for_autograd(dws_gate_up, [w_gate, w_up]), *for_autograd([dw_down], [w_down]), *(None,) * 5
 
 
 _mlp_op.register_autograd(_backward, setup_context=_setup)

@@ -61,7 +61,7 @@ from ..matmul.launch import MAX_B_PARTS
 from ..matmul.memory import merged_leading_dims
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
-from .weight_grads import for_autograd, run_backward, weight_grads
+from .weight_grads import for_autograd, run_backward, stacked_like, weight_grads
 from .shapes import rows
 
 # ---------------------------------------------------------------------------------------
@@ -273,19 +273,36 @@ def _rmsnorm_linear_op(
     x: Tensor, norm_weight: Tensor, weights: list[Tensor], eps: float, u: Optional[Tensor], rstd: Optional[Tensor]
 ) -> tuple[Tensor, Tensor]:
     x2 = rows(x)
-    if u is None or rstd is None:
-        u, rstd = rmsnorm_stats(x2, norm_weight, eps, weights[0].dtype)
-    else:
-        rstd = rstd.reshape(-1).clone()  # an output must not alias an input
+    u, rstd, rstd_out = norm_operands(x2, norm_weight, eps, weights[0].dtype, u, rstd)
     z = gemm(u.reshape(x2.shape), _weight_t(weights), _consumer(), rstd=rstd)["z"]
-    return z.reshape(*x.shape[:-1], z.shape[-1]), rstd
+    return z.reshape(*x.shape[:-1], z.shape[-1]), rstd_out
 
 
 @_rmsnorm_linear_op.register_fake
 def _(x, norm_weight, weights, eps, u, rstd):
     n = sum(w.shape[0] for w in weights)
-    m = x.numel() // x.shape[-1]
-    return x.new_empty(*x.shape[:-1], n, dtype=weights[0].dtype), x.new_empty(m, dtype=torch.float32)
+    return x.new_empty(*x.shape[:-1], n, dtype=weights[0].dtype), rstd_like(x, u, rstd)
+
+
+def norm_operands(x2: Tensor, norm_weight: Tensor, eps: float, dtype: torch.dtype, u: Optional[Tensor],
+                  rstd: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """(u, rstd, the rstd a consumer operator returns) of x2 [M, d]: the statistics given (both u and
+    rstd), or made from x2. A consumer returns the rstd it made, or an empty tensor for one it was
+    given (an output must not alias an input; :func:`used_rstd` finds it again)."""
+    if u is None or rstd is None:
+        u, rstd = rmsnorm_stats(x2, norm_weight, eps, dtype)
+        return u, rstd, rstd
+    return u, rstd.reshape(-1), rstd.new_empty(0)
+
+
+def used_rstd(u: Optional[Tensor], rstd: Optional[Tensor], returned: Tensor) -> Tensor:
+    """In a consumer's setup_context: the rstd it normalized with, given (with u) or ``returned``."""
+    return returned if u is None or rstd is None else rstd.reshape(-1)
+
+
+def rstd_like(x: Tensor, u: Optional[Tensor], rstd: Optional[Tensor]) -> Tensor:
+    """The rstd a consumer operator returns, as an empty tensor of its shape (a fake implementation's)."""
+    return x.new_empty(x.numel() // x.shape[-1] if u is None or rstd is None else 0, dtype=torch.float32)
 
 
 def row_dot(a: Tensor, b: Tensor) -> Tensor:
@@ -324,21 +341,21 @@ def _rmsnorm_linear_backward_op(
 
 @_rmsnorm_linear_backward_op.register_fake
 def _(dz, z, x, norm_weight, weights, rstd):
-    return torch.empty_like(x), torch.empty_like(norm_weight), [torch.empty_like(w) for w in weights]
+    return torch.empty_like(x), torch.empty_like(norm_weight), stacked_like(weights)
 
 
 def _rmsnorm_linear_setup(ctx, inputs, output):
     only_first_output_differentiable(ctx, output)
     x, norm_weight, weights, eps, u, rstd = inputs
-    z, rstd_used = output
-    ctx.save_for_backward(z, x, norm_weight, rstd_used, *weights)
+    z, rstd_out = output
+    ctx.save_for_backward(z, x, norm_weight, used_rstd(u, rstd, rstd_out), *weights)
 
 
 def _rmsnorm_linear_backward(ctx, dz, _drstd):
     z, x, norm_weight, rstd, *weights = ctx.saved_tensors
     dx, dg, dws = run_backward(ctx, weights, _rmsnorm_linear_backward_op, _rmsnorm_linear_backward_from_z,
                                dz, z, x, norm_weight, weights, rstd)
-    return dx, dg, for_autograd(dws), None, None, None
+    return dx, dg, for_autograd(dws, weights), None, None, None
 
 
 _rmsnorm_linear_op.register_autograd(_rmsnorm_linear_backward, setup_context=_rmsnorm_linear_setup)
@@ -410,7 +427,7 @@ def _linear_residual_backward_op(dx: Tensor, a: Tensor, weights: list[Tensor]) -
 
 @_linear_residual_backward_op.register_fake
 def _(dx, a, weights):
-    return torch.empty_like(a), [torch.empty_like(w) for w in weights]
+    return torch.empty_like(a), stacked_like(weights)
 
 
 def _linear_residual_setup(ctx, inputs, output):
@@ -424,7 +441,7 @@ def _linear_residual_backward(ctx, dx, _du, _drstd):
     a, *weights = ctx.saved_tensors
     da, dws = run_backward(ctx, weights, _linear_residual_backward_op, linear_residual_backward, dx, a, weights)
     dbias = rows(dx).sum(0) if ctx.has_bias else None
-    return da, for_autograd(dws), dx, dbias, None, None
+    return da, for_autograd(dws, weights), dx, dbias, None, None
 
 
 _linear_residual_op.register_autograd(_linear_residual_backward, setup_context=_linear_residual_setup)

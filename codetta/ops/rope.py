@@ -68,11 +68,11 @@ from .. import epilogue as ep
 from ..matmul import gemm
 from ..kernels.qk_norm import qk_norm_backward
 from ..kernels.rope import rope_backward
-from ..kernels.rmsnorm import rmsnorm_stats
-from .rmsnorm import _check_norm_inputs, _weight_t, check_eps, given_stats, rmsnorm_linear_backward
+from .rmsnorm import (_check_norm_inputs, _weight_t, check_eps, given_stats, norm_operands, rmsnorm_linear_backward,
+                      rstd_like, used_rstd)
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
-from .weight_grads import for_autograd, run_backward
+from .weight_grads import for_autograd, run_backward, stacked_like
 from .shapes import rows
 
 
@@ -190,10 +190,7 @@ def _qkv_rope_op(
     """(qkv, rstd, z): z is the pre-QK-norm projection [..., N] with QK-norm, else empty; cos and sin
     are the per-token tables [M, R/2] fp32 (:func:`rope_tables`)."""
     x2 = rows(x)
-    if u is None or rstd is None:
-        u, rstd = rmsnorm_stats(x2, norm_weight, eps, weights[0].dtype)
-    else:
-        rstd = rstd.reshape(-1).clone()  # an output must not alias an input
+    u, rstd, rstd_out = norm_operands(x2, norm_weight, eps, weights[0].dtype, u, rstd)
     operands = dict(rstd=rstd, cos=cos, sin=sin, rotated=_rotated_pairs(n_q, n_kv, head_dim, rotary_dim, x.device))
     if bias is not None:
         operands["bias"] = bias
@@ -206,15 +203,15 @@ def _qkv_rope_op(
     lead = x.shape[:-1]
     qkv = out["qkv"].reshape(*lead, out["qkv"].shape[-1])
     z = out["z"].reshape(*lead, out["z"].shape[-1]) if qk_norm else x.new_empty(0)
-    return qkv, rstd, z
+    return qkv, rstd_out, z
 
 
 @_qkv_rope_op.register_fake
 def _(x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, rotary_dim, eps, u, rstd, q_norm_weight,
       k_norm_weight, qk_norm_eps):
-    m, n, low = x.numel() // x.shape[-1], (n_q + 2 * n_kv) * head_dim, weights[0].dtype
+    n, low = (n_q + 2 * n_kv) * head_dim, weights[0].dtype
     z = x.new_empty(*x.shape[:-1], n, dtype=low) if q_norm_weight is not None else x.new_empty(0)
-    return x.new_empty(*x.shape[:-1], n, dtype=low), x.new_empty(m, dtype=torch.float32), z
+    return x.new_empty(*x.shape[:-1], n, dtype=low), rstd_like(x, u, rstd), z
 
 
 def rmsnorm_qkv_rope_backward(dqkv, qkv, x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, rotary_dim,
@@ -254,7 +251,7 @@ def _(dqkv, qkv, x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, r
     def grad_like(t):
         return torch.empty_like(t) if t is not None else dqkv.new_empty(0, dtype=torch.float32)
 
-    return (torch.empty_like(x), torch.empty_like(norm_weight), [torch.empty_like(w) for w in weights],
+    return (torch.empty_like(x), torch.empty_like(norm_weight), stacked_like(weights),
             grad_like(bias), grad_like(q_norm_weight), grad_like(k_norm_weight))
 
 
@@ -262,11 +259,11 @@ def _setup(ctx, inputs, output):
     only_first_output_differentiable(ctx, output)
     (x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, rotary_dim, eps, u, rstd, q_norm_weight,
      k_norm_weight, qk_norm_eps) = inputs
-    qkv, rstd_used, z = output
+    qkv, rstd_out, z = output
     qk_norm = q_norm_weight is not None
     ctx.meta = (n_q, n_kv, head_dim, rotary_dim, bias is not None, qk_norm, qk_norm_eps)
     empty = x.new_empty(0)
-    ctx.save_for_backward(z if qk_norm else qkv, x, norm_weight, cos, sin, rstd_used,
+    ctx.save_for_backward(z if qk_norm else qkv, x, norm_weight, cos, sin, used_rstd(u, rstd, rstd_out),
                           bias if bias is not None else empty, q_norm_weight if qk_norm else empty,
                           k_norm_weight if qk_norm else empty, *weights)
 
@@ -280,7 +277,7 @@ def _backward(ctx, dqkv, _drstd, _dz):
         dqkv, None if qk_norm else saved, x, norm_weight, weights, bias if has_bias else None, cos, sin,
         n_q, n_kv, head_dim, rotary_dim, rstd, *qk, qk_norm_eps)
     none9 = (None,) * 9  # cos, sin, n_q, n_kv, head_dim, rotary_dim, eps, u, rstd
-    return (dx, dg, for_autograd(dws), dbias if has_bias else None, *none9, dqw if qk_norm else None,
+    return (dx, dg, for_autograd(dws, weights), dbias if has_bias else None, *none9, dqw if qk_norm else None,
             dkw if qk_norm else None, None)
 
 

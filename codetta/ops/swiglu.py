@@ -40,11 +40,10 @@ from torch import Tensor
 from .. import epilogue as ep
 from ..matmul import gemm
 from ..kernels.swiglu import swiglu_backward
-from ..kernels.rmsnorm import rmsnorm_stats
-from .rmsnorm import _check_norm_inputs, given_stats, rmsnorm_linear_backward
+from .rmsnorm import _check_norm_inputs, given_stats, norm_operands, rmsnorm_linear_backward, rstd_like, used_rstd
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
-from .weight_grads import for_autograd, run_backward
+from .weight_grads import for_autograd, run_backward, stacked_like
 from .shapes import rows
 
 
@@ -64,55 +63,52 @@ def _rmsnorm_swiglu_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     d, f = x.shape[-1], w_gate.shape[0]
     x2 = rows(x)
-    if u is None or rstd is None:
-        u, rstd = rmsnorm_stats(x2, norm_weight, eps, w_gate.dtype)
-    else:
-        rstd = rstd.reshape(-1).clone()  # an output must not alias an input
+    u, rstd, rstd_out = norm_operands(x2, norm_weight, eps, w_gate.dtype, u, rstd)
     z = x.new_empty(x2.shape[0], 2 * f, dtype=w_gate.dtype)
     w_gate_up = torch.stack((w_gate, w_up), dim=1).reshape(2 * f, d)  # rows g0, u0, g1, u1, ...
     out = gemm(u.reshape(x2.shape), w_gate_up.t(), _forward_program(), rstd=rstd,
                out={"z_gate": z[:, :f], "z_up": z[:, f:]})
-    return out["y"].reshape(*x.shape[:-1], f), z, rstd
+    return out["y"].reshape(*x.shape[:-1], f), z, rstd_out
 
 
 @_rmsnorm_swiglu_op.register_fake
 def _(x, norm_weight, w_gate, w_up, eps, u, rstd):
     m, f = x.numel() // x.shape[-1], w_gate.shape[0]
     return (x.new_empty(*x.shape[:-1], f, dtype=w_gate.dtype), x.new_empty(m, 2 * f, dtype=w_gate.dtype),
-            x.new_empty(m, dtype=torch.float32))
+            rstd_like(x, u, rstd))
 
 
 def rmsnorm_swiglu_backward(dy, z, x, norm_weight, w_gate, w_up, rstd, dweights_into=()):
-    """(dx, dnorm_weight, dW_gate, dW_up) given dy (the module doc's steps 1 and 2)."""
+    """(dx, dnorm_weight, the weight gradients of W_gate and W_up as :func:`codetta.ops.weight_grads.weight_grads`
+    gives them) given dy (the module doc's steps 1 and 2)."""
     dz, zdz = swiglu_backward(dy.reshape(z.shape[0], z.shape[1] // 2).to(z.dtype), z)
-    dx, dg, (dwg, dwu) = rmsnorm_linear_backward(dz, zdz, x, norm_weight, [w_gate, w_up], rstd, dweights_into)
-    return dx, dg, dwg, dwu
+    return rmsnorm_linear_backward(dz, zdz, x, norm_weight, [w_gate, w_up], rstd, dweights_into)
 
 
 @direct_op("codetta::rmsnorm_swiglu_backward")
 def _rmsnorm_swiglu_backward_op(
     dy: Tensor, z: Tensor, x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, rstd: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, list[Tensor]]:
     return rmsnorm_swiglu_backward(dy, z, x, norm_weight, w_gate, w_up, rstd)
 
 
 @_rmsnorm_swiglu_backward_op.register_fake
 def _(dy, z, x, norm_weight, w_gate, w_up, rstd):
-    return torch.empty_like(x), torch.empty_like(norm_weight), torch.empty_like(w_gate), torch.empty_like(w_up)
+    return torch.empty_like(x), torch.empty_like(norm_weight), stacked_like([w_gate, w_up])
 
 
 def _setup(ctx, inputs, output):
     only_first_output_differentiable(ctx, output)
     x, norm_weight, w_gate, w_up, eps, u, rstd = inputs
-    _, z, rstd_used = output
-    ctx.save_for_backward(z, x, norm_weight, w_gate, w_up, rstd_used)
+    _, z, rstd_out = output
+    ctx.save_for_backward(z, x, norm_weight, w_gate, w_up, used_rstd(u, rstd, rstd_out))
 
 
 def _backward(ctx, dy, _dz, _drstd):
     z, x, norm_weight, w_gate, w_up, rstd = ctx.saved_tensors
-    dx, dg, dwg, dwu = run_backward(ctx, [w_gate, w_up], _rmsnorm_swiglu_backward_op, rmsnorm_swiglu_backward,
+    dx, dg, dws = run_backward(ctx, [w_gate, w_up], _rmsnorm_swiglu_backward_op, rmsnorm_swiglu_backward,
                                     dy, z, x, norm_weight, w_gate, w_up, rstd)
-    return dx, dg, *for_autograd([dwg, dwu]), None, None, None
+    return dx, dg, *for_autograd(dws, [w_gate, w_up]), None, None, None
 
 
 _rmsnorm_swiglu_op.register_autograd(_backward, setup_context=_setup)

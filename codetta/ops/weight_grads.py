@@ -117,13 +117,27 @@ def weight_grad_program(dtype: torch.dtype, accumulate: bool) -> ep.Program:
 
 
 def weight_grads(dz: Tensor, h: Tensor, weights: list[Tensor], dweights_into=()) -> list[Tensor]:
-    """dW_i = dz_i^T h for the column blocks dz_i of dz [M, sum N_i] (one per weight [N_i, d]),
-    h [M, d]; where ``dweights_into`` gives a tensor, dW_i is added into it instead (nothing
-    is computed for an empty one: a frozen weight) and comes back empty (see
-    :func:`for_autograd`)."""
-    parts = torch.split(dz, [w.shape[0] for w in weights], dim=-1)
+    """The gradients dW_i = dz_i^T h of the weights [N_i, d] whose outputs are the column blocks dz_i
+    of dz [M, sum N_i], h [M, d].
+
+    Without a tensor in ``dweights_into``: one GEMM, dz^T h, which holds every dW_i, stacked
+    along the rows, in one [sum N_i, d] tensor, returned alone in a list (:func:`for_autograd`
+    cuts it into per-weight views). One GEMM of sum N_i rows fills the GPU where a GEMM per weight
+    (W_k and W_v have few rows) leaves most of it idle, and it launches once. Where
+    ``dweights_into`` gives a tensor, a GEMM per weight instead: dW_i added into that tensor
+    (nothing computed for an empty one, a frozen weight) and an empty tensor returned for it.
+    """
     into = list(dweights_into) or [None] * len(weights)
+    if all(t is None for t in into):
+        return [gemm(dz.t(), h)]
+    parts = torch.split(dz, [w.shape[0] for w in weights], dim=-1)
     return [weight_grad(part, h, t) for part, t in zip(parts, into)]
+
+
+def stacked_like(weights: list[Tensor]) -> list[Tensor]:
+    """What :func:`weight_grads` returns without ``dweights_into``, as empty tensors (a fake
+    implementation's)."""
+    return [weights[0].new_empty(sum(w.shape[0] for w in weights), weights[0].shape[1])]
 
 
 def weight_grad(dz: Tensor, h: Tensor, into: Optional[Tensor]) -> Tensor:
@@ -137,6 +151,10 @@ def weight_grad(dz: Tensor, h: Tensor, into: Optional[Tensor]) -> Tensor:
     return h.new_empty(0)
 
 
-def for_autograd(dws: list[Tensor]) -> list[Optional[Tensor]]:
-    """The gradients to hand autograd: None for those already added into .grad."""
+def for_autograd(dws: list[Tensor], weights: list[Tensor]) -> list[Optional[Tensor]]:
+    """The gradients of :func:`weight_grads` to hand autograd, one per weight: the stacked tensor cut
+    into per-weight row blocks (views of it: autograd keeps them as the weights' .grad without a
+    copy), None for those already added into .grad."""
+    if len(dws) == 1 and len(weights) > 1:
+        return list(dws[0].split([w.shape[0] for w in weights]))
     return [None if dw.numel() == 0 else dw for dw in dws]
