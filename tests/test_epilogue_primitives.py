@@ -5,6 +5,7 @@ formulas), not with codetta's reference executor, so the two executors are check
 against something neither of them is. Shapes are odd (no multiple of any tile).
 """
 
+import functools
 import math
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 import codetta
 from codetta import epilogue as ep
+from codetta.kernels.rmsnorm import rstd_of_partial_sums
 from conftest import DEVICE
 
 M, N, K = 37, 48, 20
@@ -168,6 +170,47 @@ def test_row_and_column_reductions(ab):
     close(out["lse_seg"], torch.log(torch.exp(acc.view(M, 3, 16)).sum(-1)))
     close(out["rsum_seg"], acc.view(M, 6, 8).sum(-1))
     close(out["csum"], (acc * w.double().cpu()[:, None]).sum(0))
+
+
+def test_finish_replaces_a_reductions_finishing_step(ab):
+    """``finish=`` hands a reduction's fp32 partials to a function of the caller's: here the sums
+    of squares finished straight into an RMSNorm's rstd (one kernel), also for a call without
+    rows or columns; the other reductions keep their own finishing step."""
+    a, b, acc = ab
+    p = ep.Program("finish_override")
+    p.row_sumsq("rstd", p.acc)
+    p.col_sum("csum", p.acc)
+    eps = 1e-5
+    finish = {"rstd": functools.partial(rstd_of_partial_sums, d=N, eps=eps)}
+    out = codetta.gemm(a, b, p, finish=finish)
+    close(out["rstd"], 1 / ((acc * acc).mean(1) + eps) ** 0.5)
+    close(out["csum"], acc.sum(0))
+    seen = []
+    codetta.gemm(a, b, p, finish={"csum": lambda part: seen.append(tuple(part.shape)) or part.sum(0)})
+    assert len(seen) == 1 and seen[0][1] == N  # [row tiles, N] partials
+    empty = codetta.gemm(a[:0], b, p, finish=finish)
+    assert empty["rstd"].shape == (0,) and empty["csum"].shape == (N,)
+
+
+def test_rstd_of_partial_sums_matches_torch():
+    part = torch.rand(45, 7, device=DEVICE) * 3
+    ref = 1 / (part.double().sum(1) / 9 + 1e-6) ** 0.5
+    close(rstd_of_partial_sums(part, 9, 1e-6), ref.cpu(), tol=1e-6)
+    assert rstd_of_partial_sums(part[:0], 9, 1e-6).shape == (0,)
+
+
+@pytest.mark.parametrize("finish, message", [
+    ([], "must be a dict"), ({"nope": abs}, "no reduction 'nope'"), ({"out": abs}, "no reduction 'out'"),
+    ({"seg": abs}, "no reduction 'seg'"), ({"rss": 3}, "must be a function"),
+])
+def test_finish_refuses_what_it_cannot_replace(finish, message, ab):
+    a, b, _ = ab
+    p = ep.Program("finish_checked")
+    p.store("out", p.acc)
+    p.row_sumsq("rss", p.acc)
+    p.row_sum("seg", p.acc, segment=8)
+    with pytest.raises(codetta.GemmError, match=message):
+        codetta.gemm(a, b, p, finish=finish)
 
 
 def test_max_reductions_keep_nan(ab):

@@ -62,7 +62,7 @@ LOGICAL = ("and", "or", "not")
 STORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The parameters of codetta.gemm other than the operands: no operand (nor accumulating store,
 # whose tensor is passed as an operand) may take their names.
-GEMM_PARAMETERS = ("a", "b", "epilogue", "out", "config")
+GEMM_PARAMETERS = ("a", "b", "epilogue", "out", "config", "finish")
 
 
 class Expr:

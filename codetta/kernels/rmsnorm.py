@@ -106,6 +106,32 @@ def _rmsnorm_backward_kernel(x_ptr, g_ptr, rstd_ptr, dh_ptr, dx_ptr, dg_part_ptr
         tl.store(dg_part_ptr + pid.to(tl.int64) * D + cols, tl.sum(dh * xhat, axis=0), mask=col_ok)
 
 
+@triton.jit
+def _rstd_of_partials_kernel(part_ptr, rstd_ptr, M, T, D, eps, BM: tl.constexpr, BT: tl.constexpr):
+    """rstd_i = rsqrt(sum_t part_it / D + eps) of contiguous partial sums of squares part [M, T]."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)[:, None]
+    sumsq = tl.zeros((BM,), dtype=tl.float32)
+    for start in range(0, T, BT):
+        cols, _, mask = _columns(start, row_ok, T, BT)
+        sumsq += tl.sum(_tile(part_ptr, rows64, T, cols, mask), axis=1)
+    tl.store(rstd_ptr + rows, tl.rsqrt(sumsq / D + eps), mask=row_ok)
+
+
+def rstd_of_partial_sums(part: Tensor, d: int, eps: float) -> Tensor:
+    """rstd [M] fp32 = rsqrt(sum_j x_ij^2 / d + eps) from the per-tile partial sums of squares
+    part [M, T] (fp32, contiguous) that a GEMM epilogue's ``row_sumsq`` wrote: the reduction's
+    finishing step and the norm's statistic in one launch (``codetta.gemm(..., finish=...)``)."""
+    m, t = part.shape
+    rstd = torch.empty(m, device=part.device, dtype=torch.float32)
+    if m:
+        bm, bt, warps = (16, 8, 1) if interpreting() else (128, 32, 4)
+        launch(_rstd_of_partials_kernel, (triton.cdiv(m, bm),), part, rstd, m, t, d, float(eps),
+               BM=bm, BT=bt, num_warps=warps)
+    return rstd
+
+
 def _rows(x: Tensor) -> Tensor:
     """x [..., d] as [M, d] with contiguous columns."""
     x2 = x.reshape(-1, x.shape[-1])

@@ -22,7 +22,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..epilogue.codegen import kernel_args, load_kernel
 from ..epilogue.ir import FULL, HALF, EpilogueError, Program
 from ..interpreter import interpreting
-from ..kernels import finish
+from ..kernels import finish as finishing
 from . import tuning
 from .config import WIDEST_BN, Config, SharedMemory, candidates, interpreter_config
 from .memory import byte_span, same_elements, share_elements, spans_meet
@@ -498,12 +498,13 @@ class _Plan:
                 self.compiled, self.describe = compiled, _UncheckedDescriptor.of
         return outs, bufs
 
-    def execute(self, a, b, operands, out):
-        """The results of one call: the tensors the kernel wrote, the reductions finished."""
+    def execute(self, a, b, operands, out, finish):
+        """The results of one call: the tensors the kernel wrote, the reductions finished (by
+        ``finish[name]`` where given)."""
         outs, bufs = self.launch(a, b, operands, out)
         results = {name: pair[0] for name, pair in outs.items()}
         for name, finish_fn, shape in self.finished:
-            val = finish_fn(*bufs[name])
+            val = finish[name](*bufs[name]) if name in finish else finish_fn(*bufs[name])
             val = val if shape is None else val.view(shape)
             results[name] = val if name not in out else out[name].copy_(val)
         return results
@@ -546,10 +547,11 @@ def _partial_shapes(c, cfg):
     return shapes
 
 
-_FINISH = {"col_sum": finish.col_sum, "row_sum": finish.row_sum, "row_max": finish.row_max, "row_logsumexp": finish.row_logsumexp}
+_FINISH = {"col_sum": finishing.col_sum, "row_sum": finishing.row_sum, "row_max": finishing.row_max,
+           "row_logsumexp": finishing.row_logsumexp}
 
 
-def gemm(a, b, epilogue: Program | None = None, *, out=None, config=None, **operands):
+def gemm(a, b, epilogue: Program | None = None, *, out=None, config=None, finish=None, **operands):
     """``a @ b`` with ``epilogue`` run on each output tile before it is written.
 
     Args:
@@ -560,6 +562,10 @@ def gemm(a, b, epilogue: Program | None = None, *, out=None, config=None, **oper
         epilogue: a :class:`codetta.epilogue.Program`; None means a plain GEMM.
         out: optional name -> tensor to write outputs into (checked: shape, dtype, device).
         config: a :class:`codetta.Config` to use instead of tuning.
+        finish: optional name -> function replacing the finishing step of that reduction
+            output (not per segment): it gets the fp32 partials ([M, T] per row tile column,
+            [T, N] for a column sum; logsumexp's (maxima, sums)) and returns the result, e.g.
+            to fold what follows the sum into the same small kernel.
         **operands: the program's operands by name (and, for accumulating stores, the
             tensor to add into).
 
@@ -570,12 +576,32 @@ def gemm(a, b, epilogue: Program | None = None, *, out=None, config=None, **oper
     """
     program = epilogue if epilogue is not None else _plain_program()
     out = _outputs_given(out, epilogue)
+    finish = _finishers(finish, program)
     b = _without_empty_parts(b)
     _warn_if_differentiable(a, b, operands)
     _check_written_apart(program, a, b, operands, out)  # before any launch: the tuner's write into out too
     plan = _plan(a, b, program, operands, out, config)
-    results = _trivial(_Call(a, b, program, operands, out)) if plan is None else plan.execute(a, b, operands, out)
+    if plan is None:
+        results = _trivial(_Call(a, b, program, operands, out), finish)
+    else:
+        results = plan.execute(a, b, operands, out, finish)
     return results["out"] if epilogue is None else results
+
+
+def _finishers(finish, program):
+    """``finish`` checked: a dict of the program's reductions with a finishing step -> a callable."""
+    if finish is None:
+        return {}
+    if not isinstance(finish, dict):
+        raise GemmError(f"finish must be a dict of output name -> function, got {type(finish).__name__}")
+    for name, fn in finish.items():
+        o = program.outputs.get(name) if isinstance(program, Program) else None
+        if o is None or o.kind == "store" or o.segment:
+            raise GemmError(f"finish[{name!r}]: program {getattr(program, 'name', program)!r} has no reduction "
+                            f"{name!r} with a finishing step (a store or a per-segment reduction has none)")
+        if not callable(fn):
+            raise GemmError(f"finish[{name!r}] must be a function of the partials, got {type(fn).__name__}")
+    return finish
 
 
 def _outputs_given(out, epilogue):
@@ -610,9 +636,17 @@ def _without_empty_parts(b):
     return kept if 0 < len(kept) < len(b) else b
 
 
-def _trivial(call):
+def _trivial(call, finish):
+    """The results of a call without rows or columns: reductions over nothing (a ``finish``
+    function gets partials over no tile)."""
     results = {}
     for o in call.program.outputs.values():
+        if o.name in finish:
+            shape = (0, call.width(o.width)) if o.kind == "col_sum" else (call.M, 0)
+            parts = [torch.empty(shape, device=call.device, dtype=torch.float32)
+                     for _ in range(2 if o.kind == "row_logsumexp" else 1)]
+            results[o.name] = finish[o.name](*parts).reshape(call.output_shape(o))
+            continue
         shape, dtype = call.output_shape(o), call.output_dtype(o)
         if o.kind == "store" and o.accumulate:
             results[o.name] = call.given[o.name]

@@ -55,7 +55,7 @@ import torch
 from torch import Tensor
 
 from .. import epilogue as ep
-from ..kernels.rmsnorm import rmsnorm_stats
+from ..kernels.rmsnorm import rmsnorm_stats, rstd_of_partial_sums
 from ..matmul import check_device, gemm
 from ..matmul.launch import MAX_B_PARTS
 from ..matmul.memory import merged_leading_dims
@@ -253,11 +253,6 @@ def _weight_k(weights: list[Tensor]):
     return torch.cat(held) if len(held) > MAX_B_PARTS else held
 
 
-def rstd_from_sumsq(sumsq: Tensor, d: int, eps: float) -> Tensor:
-    """r = rsqrt(sum_j x_j^2 / d + eps), fp32."""
-    return torch.rsqrt(sumsq / d + eps)
-
-
 def rms_rstd(x: Tensor, eps: float) -> Tensor:
     """rsqrt(mean_j x_ij^2 + eps) over the last dim, fp32, reading x once (fp32 accumulation)."""
     norm = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)
@@ -397,9 +392,10 @@ def _linear_residual_op(
     if norm_weight is None:
         x = gemm(a2, _weight_t(weights), program, **operands)["x"]
         return x.reshape(residual.shape), x.new_empty(0), x.new_empty(0, dtype=torch.float32)
-    out = gemm(a2, _weight_t(weights), program, norm_weight=norm_weight, **operands)
-    rstd = rstd_from_sumsq(out["sumsq"], residual.shape[-1], eps)
-    return out["x"].reshape(residual.shape), out["u"], rstd
+    # the sums of squares finished straight into r (one small kernel)
+    finish = {"sumsq": functools.partial(rstd_of_partial_sums, d=residual.shape[-1], eps=eps)}
+    out = gemm(a2, _weight_t(weights), program, norm_weight=norm_weight, finish=finish, **operands)
+    return out["x"].reshape(residual.shape), out["u"], out["sumsq"]
 
 
 @_linear_residual_op.register_fake
