@@ -311,3 +311,26 @@ def test_bf16_accumulation_within_twice_eager_error(added_in_gemm):
         assert got.dtype == torch.bfloat16
         err, eager_err = ((t.double() - ref).norm() / ref.norm() for t in (got, base))
         assert err <= 2 * eager_err, (err, eager_err)
+
+
+@pytest.mark.parametrize("name", [n for n, (shapes, _, _) in OPS.items() if len(shapes) > 1])
+def test_weights_read_as_one_get_one_wgrad_gemm(name, wgrad_programs):
+    """Weights read as one (q/k/v, gate/up) get their gradients from one GEMM: their .grad are row
+    blocks of one buffer, each contiguous in its weight's shape; a second backward outside the
+    context accumulates into them as autograd does, to the fp64 sum of both."""
+    shapes, op, _ = OPS[name]
+    weights = [torch.nn.Parameter(torch.randn(*s, device=DEVICE) / D**0.5) for s in shapes]
+    g = 1 + 0.2 * torch.randn(D, device=DEVICE)
+    batches = _micro_batches(2)
+    out_grads = [torch.randn_like(op(x, g, pos, weights)) for x, pos in batches]
+    wgrad_programs.clear()
+    (op(batches[0][0], g, batches[0][1], weights) * out_grads[0]).sum().backward()
+    read_as_one = 2 if name == "swiglu_mlp" else len(weights)  # W_down is a GEMM of its own
+    assert len(wgrad_programs) == len(weights) - read_as_one + 1
+    stacked = weights[:read_as_one]
+    assert all(w.grad.shape == w.shape and w.grad.is_contiguous() for w in weights)
+    assert len({w.grad.untyped_storage().data_ptr() for w in stacked}) == 1
+    (op(batches[1][0], g, batches[1][1], weights) * out_grads[1]).sum().backward()
+    for w, ref in zip(weights, _reference_grads(name, weights, g, batches, out_grads)):
+        err = ((w.grad.double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-5, err
