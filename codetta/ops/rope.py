@@ -99,10 +99,8 @@ def _forward_program(rotary_dim: int, with_bias: bool, qk_norm_dim: int = 0) -> 
 
 
 @functools.lru_cache(maxsize=64)
-@functools.lru_cache(maxsize=64)
 def _rotated_pairs(n_q: int, n_kv: int, head_dim: int, rotary_dim: int, device: torch.device) -> Tensor:
-    """1 for every column pair of qkv that RoPE rotates (q and k heads, first R columns), else 0; [N/2] fp32.
-    Made once per head layout and device (ten small launches otherwise in every call); read only."""
+    """1 for every column pair of qkv that RoPE rotates (q and k heads, first R columns), else 0; [N/2] fp32."""
     half = rotary_dim // 2
     pair = torch.arange((n_q + 2 * n_kv) * head_dim // 2, device=device)
     col = (pair // half) * rotary_dim + pair % half  # the first column of each pair
