@@ -180,17 +180,23 @@ def candidates(*, elem_bytes: int, min_bn: int, n_parts_sizes=(), m: int = 0, n:
     return chosen
 
 
+# In Triton's CPU interpreter, GEMM dims (M, N, K) up to this size count as small.
+INTERPRETER_SMALL_DIM = 128
+
+
 def interpreter_config(*, min_bn: int, n_parts_sizes=(), m: int = 0, n: int = 0, k: int = 0):
     """A config for Triton's CPU interpreter, which pays per operation more than per element.
 
     Small problems (tests) get 16-wide tiles, so that they still span several tiles and
     exercise the persistent loop and the masks; larger ones (the demo) 64-wide tiles.
-    None when no tile width both holds the program's segments and divides the B parts.
+    Small means at most ``INTERPRETER_SMALL_DIM`` along that dim. None when no tile width
+    both holds the program's segments and divides the B parts.
     """
-    bm = 16 if m <= 128 else 64
-    bn = max(16 if n <= 128 else 64, min_bn)
+    small = INTERPRETER_SMALL_DIM
+    bm = 16 if m <= small else 64
+    bn = max(16 if n <= small else 64, min_bn)
     if any(size % bn for size in n_parts_sizes):
         bn = max(16, min_bn)
         if any(size % bn for size in n_parts_sizes):
             return None
-    return Config(BM=bm, BN=bn, BK=16 if k <= 128 else 32, GROUP_M=2, STAGES=1, num_warps=4)
+    return Config(BM=bm, BN=bn, BK=16 if k <= small else 32, GROUP_M=2, STAGES=1, num_warps=4)
