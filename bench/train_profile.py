@@ -69,17 +69,48 @@ def main():
     kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
     gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / args.steps
     table = events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=70)
-    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
-        prof.export_chrome_trace(trace.name)
-        idle = idle_report(json.loads(Path(trace.name).read_text())["traceEvents"], args.steps)
+    idle = idle_report(trace_events(prof), args.steps)
+    # The GPU's own timeline with the host unslowed: no CPU-side tracing, only kernel records.
+    with profile(activities=[ProfilerActivity.CUDA]) as quiet:
+        for _ in range(args.steps):
+            step()
+        torch.cuda.synchronize()
+    gaps = gap_report(trace_events(quiet), args.steps)
     text = (f"{environment()}\nvariant {args.variant}: GPU kernel time per step {gpu_ms:.1f} ms, "
-            f"wall time per step {wall_ms:.1f} ms (unprofiled)\n{table}\n{idle}\n")
+            f"wall time per step {wall_ms:.1f} ms (unprofiled)\n{table}\n{idle}\n\n{gaps}\n")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"profile_{args.variant}.txt").write_text(text)
     print(text)
 
 
 _GPU = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def trace_events(prof) -> list:
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        prof.export_chrome_trace(trace.name)
+        return json.loads(Path(trace.name).read_text())["traceEvents"]
+
+
+def gap_report(events: list, steps: int, rows: int = 20) -> str:
+    """Idle time between consecutive GPU operations of a CUDA-only profile (the host runs at its
+    own speed), per step, by the pair of kernels around each gap."""
+    ops = sorted((e for e in events if e.get("cat") in _GPU and "dur" in e), key=lambda e: e["ts"])
+    busy = sum(e["dur"] for e in ops)
+    by_pair, count, idle, end, before = collections.Counter(), collections.Counter(), 0.0, None, None
+    for e in ops:
+        if end is not None and e["ts"] > end:
+            key = (before[:45], e["name"][:45])
+            by_pair[key] += e["ts"] - end
+            count[key] += 1
+            idle += e["ts"] - end
+        if end is None or e["ts"] + e["dur"] >= end:
+            end, before = e["ts"] + e["dur"], e["name"]
+    ms = 1e3 * steps
+    lines = [f"CUDA-only profile: GPU busy {busy / ms:.2f} ms, idle {idle / ms:.2f} ms per step",
+             "| before the gap | after the gap | gaps per step | idle ms per step |", "|---|---|---|---|"]
+    lines += [f"| {a} | {b} | {count[(a, b)] / steps:.0f} | {v / ms:.3f} |" for (a, b), v in by_pair.most_common(rows)]
+    return "\n".join(lines)
 _LAUNCH = ("cuda_runtime", "cuda_driver")
 
 
