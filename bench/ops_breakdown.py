@@ -24,7 +24,8 @@ from codetta.kernels.rope import rope_backward  # noqa: E402
 from codetta.kernels.softmax_grad import softmax_grad_  # noqa: E402
 from codetta.kernels.swiglu import swiglu_backward  # noqa: E402
 from codetta.ops import rmsnorm, rope, swiglu  # noqa: E402
-from codetta.kernels.rmsnorm import rmsnorm as rmsnorm_rows, rmsnorm_backward, rmsnorm_stats  # noqa: E402
+from codetta.kernels.rmsnorm import (rmsnorm as rmsnorm_rows, rmsnorm_backward, rmsnorm_stats,  # noqa: E402
+                                     rstd_of_partial_sums)
 
 from common import markdown_table, median_graph_ms, require_gpu, write_results  # noqa: E402
 
@@ -67,6 +68,9 @@ def pieces():
         return lambda: dz @ w
 
     dx2, wd = _bf16(M, D), _bf16(D, F, scale=F**-0.5)
+    attn, wo, y = _bf16(M, D), _bf16(D, D, scale=D**-0.5), _bf16(M, F)
+    producer = rmsnorm._producer(torch.bfloat16, True, False)
+    rstd_finish = {"sumsq": lambda part: rstd_of_partial_sums(part, D, 1e-5)}
 
     return {
         "qkv: codetta plain GEMM, one B": (lambda: codetta.gemm(u, wqkv.t()), cublas(qkv_n, D), None),
@@ -101,6 +105,12 @@ def pieces():
         "swiglu backward kernel": (lambda: swiglu_backward(dy, z), None, 5 * M * F * 2),
         "swiglu backward kernel, recomputing y (swiglu_mlp)": (lambda: swiglu_backward(dy, z, y_out=y_out), None,
                                                               6 * M * F * 2),
+        "O-proj: residual + norm-producer epilogue GEMM (linear_residual)": (
+            lambda: codetta.gemm(attn, wo.t(), producer, residual=x, norm_weight=g, finish=rstd_finish),
+            cublas(D, D), None),
+        "down: residual + norm-producer epilogue GEMM (linear_residual)": (
+            lambda: codetta.gemm(y, wd.t(), producer, residual=x, norm_weight=g, finish=rstd_finish),
+            cublas(D, F), None),
         "down dgrad: plain GEMM (dy for the kernel above)": (lambda: codetta.gemm(dx2, wd), cublas_dgrad(D, F), None),
         "CE softmax gradient (4096 x 128256, in place)": (lambda: softmax_grad_(logits, lse, target, scale), None,
                                                           2 * CE_ROWS * VOCAB * 2),
