@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import codetta
-from codetta.matmul import config, launch
+from codetta.matmul import large_interpreter_tiles
 from conftest import DEVICE
 
 pytest.importorskip("transformers")
@@ -38,17 +38,16 @@ STEPS = 200
 
 
 @pytest.fixture
-def large_interpreter_tiles(monkeypatch):
-    """The interpreter's 64-wide tiles for every GEMM (and plans made afresh, and forgotten after)."""
-    monkeypatch.setattr(config, "INTERPRETER_SMALL_DIM", 0)
-    monkeypatch.setattr(launch, "_PLANS", {})
+def large_tiles():
+    with large_interpreter_tiles():
+        yield
 
 
 def relative(losses, reference):
     return [abs(a - b) / b for a, b in zip(losses, reference)]
 
 
-def test_patched_training_tracks_unpatched(large_interpreter_tiles):
+def test_patched_training_tracks_unpatched(large_tiles):
     setup = demo.Setup(hidden=32, layers=1, heads=2, kv_heads=1, ffn=64, seq=16, batch=2, steps=STEPS, lr=3e-3,
                        dtype=torch.float32)
     data = demo.corpus()

@@ -10,6 +10,7 @@ import torch
 
 import codetta
 from codetta import Config
+from codetta.matmul import launch
 from conftest import DEVICE, INTERPRET
 
 SHAPES = [(1, 1, 1), (1, 24, 8), (37, 50, 70), (64, 48, 16), (5, 130, 33)] if INTERPRET else [
@@ -160,7 +161,6 @@ def test_repeated_calls_reuse_the_plan_with_new_tensors(path, monkeypatch):
     """A second call with the same signature but other tensors and scalars (the plan's path, and on
     a GPU the compiled-kernel launch) writes its own results: every operand kind and output kind."""
     from codetta import epilogue as ep
-    from codetta.matmul import launch
 
     if path == "ptr":
         monkeypatch.setenv("CODETTA_PATH", "ptr")
@@ -187,6 +187,21 @@ def test_repeated_calls_reuse_the_plan_with_new_tensors(path, monkeypatch):
         assert rel_err(out["cs"], ref.sum(0)) < 1e-5
         assert rel_err(out["lse"], torch.logsumexp(ref, 1)) < 1e-5
     assert len(launch._PLANS) == plans
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter's tiles; a GPU tunes its own")
+def test_large_interpreter_tiles_within_and_the_usual_ones_after():
+    """Inside ``large_interpreter_tiles`` a small GEMM runs on the interpreter's 64-wide tiles and
+    is still exact; outside, before and after, it gets the usual 16-wide ones and the plans made
+    outside are the same objects."""
+    a, b = operands(40, 48, 24, "fwd", torch.float32)
+    small = codetta.explain(a, b)["config"]
+    plans = dict(launch._PLANS)
+    with codetta.matmul.large_interpreter_tiles():
+        large = codetta.explain(a, b)["config"]
+        assert rel_err(codetta.gemm(a, b), a.double() @ b.double()) < 1e-5
+    assert (small.BM, small.BN, large.BM, large.BN) == (16, 16, 64, 64)
+    assert codetta.explain(a, b)["config"] == small and launch._PLANS == plans
 
 
 @pytest.mark.parametrize("x_shape", [(3, 7, 40), (40,), (1, 40)], ids=str)

@@ -10,6 +10,7 @@ PyTorch: ``gemm(x, w.t())`` (forward), ``gemm(dy, w)`` (dgrad), ``gemm(dy.t(), x
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -23,7 +24,7 @@ from ..epilogue.codegen import kernel_args, load_kernel
 from ..epilogue.ir import FULL, HALF, EpilogueError, Program
 from ..interpreter import interpreting
 from ..kernels import finish as finishing
-from . import tuning
+from . import config as tile_configs, tuning
 from .config import WIDEST_BN, Config, SharedMemory, candidates, interpreter_config
 from .memory import byte_span, same_elements, share_elements, spans_meet
 
@@ -686,6 +687,21 @@ def _meta(v):
 
 _PLANS = {}
 _MAX_PLANS = 4096
+
+
+@contextlib.contextmanager
+def large_interpreter_tiles():
+    """Within it, Triton's CPU interpreter runs every GEMM on its large (64-wide) tiles, not only
+    the large problems (:func:`codetta.matmul.config.interpreter_config`): for runs about
+    training rather than tile edges (the CPU demo, the convergence test), about twice as fast.
+    Plans made within are kept apart and forgotten after."""
+    global _PLANS
+    saved = tile_configs.INTERPRETER_SMALL_DIM, _PLANS
+    tile_configs.INTERPRETER_SMALL_DIM, _PLANS = 0, {}
+    try:
+        yield
+    finally:
+        tile_configs.INTERPRETER_SMALL_DIM, _PLANS = saved
 
 
 def _plan(a, b, program, operands, out, config):
