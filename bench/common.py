@@ -6,8 +6,10 @@ import datetime
 import json
 import os
 import platform
+import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -30,6 +32,27 @@ def median_ms(fn, *, warmup=25, rep=100) -> float:
 def median_graph_ms(fn, *, rep=100) -> float:
     """Median GPU time of ``fn`` replayed from a CUDA graph: no host (Python, launch) overhead."""
     return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+
+
+def graph_ms_in_rounds(runs: dict, rounds: int) -> dict:
+    """key -> the :func:`median_graph_ms` of ``runs[key]`` in each of ``rounds`` rounds (a list).
+    Each round times every run in a new random order (seeded), after two seconds of the first
+    run that bring the GPU to its loaded clocks: timed from idle, in a fixed order, the first
+    runs would see boost clocks the others do not."""
+    times = {key: [] for key in runs}
+    rng = random.Random(0)
+    warm_up = next(iter(runs.values()))
+    for r in range(rounds):
+        end = time.perf_counter() + 2.0
+        while time.perf_counter() < end:
+            warm_up()
+            torch.cuda.synchronize()
+        order = list(runs.items())
+        rng.shuffle(order)
+        for key, run in order:
+            times[key].append(median_graph_ms(run))
+        print(f"round {r + 1} of {rounds} done", flush=True)
+    return times
 
 
 def environment() -> dict:

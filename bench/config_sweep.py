@@ -13,18 +13,14 @@ the first candidates look faster than they are. Writes bench/results/config_swee
 from __future__ import annotations
 
 import argparse
-import random
 import sys
-import time
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from codetta.matmul import launch, tuning  # noqa: E402
 
-from common import markdown_table, median_graph_ms, require_gpu, write_results  # noqa: E402
+from common import graph_ms_in_rounds, markdown_table, require_gpu, write_results  # noqa: E402
 from ops_breakdown import pieces  # noqa: E402
 
 
@@ -81,22 +77,9 @@ def main():
                 break
             runs.append((name, _config_name(cfg), run, base))
             print(f"compiled {name}: {_config_name(cfg)}", flush=True)
-    bases = {name: base for name, _, _, base in runs}
-    times = {(name, cfg): [] for name, cfg, _, _ in runs}
-    cublas = {name: [] for name in bases}
-    rng = random.Random(0)
-    for r in range(args.rounds):
-        end = time.perf_counter() + 2.0  # warm-up: loaded clocks before the first timing
-        while time.perf_counter() < end:
-            runs[0][2]()
-            torch.cuda.synchronize()
-        order = runs[:]
-        rng.shuffle(order)
-        for name, cfg, run, _ in order:
-            times[(name, cfg)].append(median_graph_ms(run))
-        for name, base in bases.items():
-            cublas[name].append(median_graph_ms(base))
-        print(f"round {r + 1} of {args.rounds} done", flush=True)
+    bases = {(name, "cuBLAS"): base for name, _, _, base in runs}
+    times = graph_ms_in_rounds({**{(name, cfg): run for name, cfg, run, _ in runs}, **bases}, args.rounds)
+    cublas = {name: times.pop((name, cfg)) for name, cfg in bases}
     rows = []
     for (name, cfg), ts in times.items():
         ms = sorted(ts)[len(ts) // 2]

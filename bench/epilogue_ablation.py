@@ -17,9 +17,7 @@ bench/results/epilogue_ablation.{md,json}.
 from __future__ import annotations
 
 import argparse
-import random
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import codetta  # noqa: E402
 from codetta import epilogue as ep  # noqa: E402
 
-from common import markdown_table, median_graph_ms, require_gpu, write_results  # noqa: E402
+from common import graph_ms_in_rounds, markdown_table, require_gpu, write_results  # noqa: E402
 
 SHAPES = {"O-proj 16384x4096x4096": (16384, 4096, 4096), "down 16384x4096x14336": (16384, 4096, 14336)}
 CONFIGS = {"128x256 s3 w8 e1": codetta.Config(BM=128, BN=256, BK=64, STAGES=3, num_warps=8, EPI_SPLIT=1),
@@ -80,18 +78,7 @@ def main():
         cublas = (shape, "cuBLAS", "torch.matmul", lambda a=a, w=w: a @ w.t())
         runs.append(cublas)
     torch.cuda.synchronize()
-    times = {run[:3]: [] for run in runs}
-    rng = random.Random(0)
-    for r in range(args.rounds):
-        end = time.perf_counter() + 2.0  # loaded clocks before the first timing
-        while time.perf_counter() < end:
-            runs[0][3]()
-            torch.cuda.synchronize()
-        order = runs[:]
-        rng.shuffle(order)
-        for shape, cfg_name, name, run in order:
-            times[(shape, cfg_name, name)].append(median_graph_ms(run))
-        print(f"round {r + 1} of {args.rounds} done", flush=True)
+    times = graph_ms_in_rounds({run[:3]: run[3] for run in runs}, args.rounds)
     median = {key: sorted(ts)[len(ts) // 2] for key, ts in times.items()}
     rows = []
     for (shape, cfg_name, name), ms in median.items():
