@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-import triton
 
 import codetta
 from codetta.matmul import launch, tuning
@@ -73,7 +72,7 @@ def test_failing_configs_are_skipped(cache_dir):
 def test_a_damaged_cache_file_is_tuned_over(cache_dir, contents):
     """A tuning.json that is no table, or whose entry is no config: timed again, and rewritten."""
     key = "k_damaged"
-    hashed = f"{key}|" + hashlib.sha256(repr(CONFIGS).encode()).hexdigest()[:8]
+    hashed = tuning.cache_key(key, CONFIGS)
     (cache_dir / "tuning.json").write_text(contents.replace("KEY", hashed))
     times = {CONFIGS[0]: 3.0, CONFIGS[1]: 2.0, CONFIGS[2]: 1.0}
     assert tuning.choose(key, CONFIGS, times.__getitem__) == CONFIGS[2]
@@ -146,7 +145,7 @@ def test_timed_launches_leave_what_the_kernel_reads_and_writes(cache_dir, monkey
     x + acc, not x + acc once per timed launch."""
     from codetta import epilogue as ep
 
-    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), fn(), 1.0)[-1])
+    monkeypatch.setattr(tuning, "graph_ms", lambda fn: (fn(), fn(), 1.0)[-1])
     m, n, k = 24, 40, 8
     a, b = torch.randn(m, k, device=DEVICE), torch.randn(k, n, device=DEVICE)
     p = ep.Program(f"tuned_{written}")
@@ -192,6 +191,16 @@ def test_new_candidate_list_retunes(cache_dir):
     tuning.choose("k3", CONFIGS, {CONFIGS[0]: 2.0, CONFIGS[1]: 3.0, CONFIGS[2]: 1.0}.__getitem__)
     fewer = CONFIGS[:2]
     assert tuning.choose("k3", fewer, {CONFIGS[0]: 2.0, CONFIGS[1]: 1.0}.__getitem__) == CONFIGS[1]
+
+
+def test_a_choice_timed_another_way_is_timed_again(cache_dir):
+    """An entry under the key of an older way of timing (do_bench's, before graph replay) is not
+    taken: the candidates are timed again, and the new choice written beside it."""
+    old = "k_old|" + hashlib.sha256(repr(CONFIGS).encode()).hexdigest()[:8]
+    (cache_dir / "tuning.json").write_text(json.dumps({old: CONFIGS[0].as_dict()}))
+    assert tuning.choose("k_old", CONFIGS, {CONFIGS[0]: 3.0, CONFIGS[1]: 2.0, CONFIGS[2]: 1.0}.__getitem__) == CONFIGS[2]
+    table = json.loads((cache_dir / "tuning.json").read_text())
+    assert Config(**table[tuning.cache_key("k_old", CONFIGS)]) == CONFIGS[2] and old in table
 
 
 def test_autotune_off_takes_first(cache_dir, monkeypatch):

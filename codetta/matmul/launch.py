@@ -776,8 +776,7 @@ def _tuned(call, path, configs):
 
     def bench(cfg):
         plan = plan_for(cfg)
-        return triton.testing.do_bench(lambda: plan.launch(call.a, call.parts, call.given, call.user_out),
-                                       warmup=5, rep=20)
+        return tuning.graph_ms(lambda: plan.launch(call.a, call.parts, call.given, call.user_out))
 
     kept = []
 

@@ -2,9 +2,9 @@
 
 The cache is a JSON file (``$CODETTA_CACHE_DIR/tuning.json``, default
 ``~/.cache/codetta``) mapping a key (GPU, Triton version, program fingerprint,
-layout, dtype, N, K, M rounded up to a power of two, and the candidate list) to a
-config, so a second process does not re-tune. ``CODETTA_AUTOTUNE=0`` skips timing and takes the first
-candidate.
+layout, dtype, N, K, M rounded up to a power of two, the candidate list and the way they
+were timed) to a config, so a second process does not re-tune. ``CODETTA_AUTOTUNE=0``
+skips timing and takes the first candidate.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 from .config import Config
 
 _LOCK = threading.Lock()
+TIMING = "graph replay"  # how candidates are timed (:func:`graph_ms`); part of the cache key
 _MEMORY: dict | None = None
 
 
@@ -98,6 +99,41 @@ def compile_in_parallel(compiles):
         return
 
 
+def graph_ms(fn, *, budget_ms: float = 5.0, replays: int = 3) -> float:
+    """The GPU time in ms of one call of ``fn``, launched back to back as a training step
+    launches its kernels: the median of ``replays`` replays of a CUDA graph of as many calls
+    as take about ``budget_ms``.
+
+    Not ``triton.testing.do_bench``, which flushes the L2 cache before every call: between
+    the flushes (memory-bound, at low power) the GPU holds higher clocks than under a steady
+    tensor-core load. On the H200 it ranked a two-CTAs-per-SM config of the O-projection +
+    residual + norm-statistics GEMM (16384 x 4096 x 4096) 6% ahead of a 128 x 256 one that
+    graph replay, and the operator that runs it, measured 4-5% faster
+    (bench/results/config_sweep_producer.md, config_ab.md)."""
+    import torch
+
+    torch.cuda.synchronize()  # the inputs are ready (their producers may still be queued)
+    fn()  # compiled and launched once outside the graph
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    calls = max(1, min(200, int(budget_ms / max(start.elapsed_time(end), 1e-3))))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
+
+
 def autotune_enabled() -> bool:
     return os.environ.get("CODETTA_AUTOTUNE", "1") != "0"
 
@@ -144,6 +180,11 @@ def _log_timings(key: str, timings: dict, best: Config):
                             "ms": sorted(([t, c.as_dict()] for c, t in timings.items()), key=lambda x: x[0])}) + "\n")
 
 
+def cache_key(key: str, configs: list[Config]) -> str:
+    """The cache file's key of a tuning: a new candidate list, or a new way of timing them, tunes again."""
+    return f"{key}|{TIMING}|{hashlib.sha256(repr(configs).encode()).hexdigest()[:8]}"
+
+
 def choose(key: str, configs: list[Config], bench, prepare=None) -> Config:
     """The best of ``configs`` for ``key``; ``bench(cfg)`` returns its time in ms (or raises).
 
@@ -152,7 +193,7 @@ def choose(key: str, configs: list[Config], bench, prepare=None) -> Config:
     """
     if len(configs) == 1 or not autotune_enabled():
         return configs[0]
-    key = f"{key}|{hashlib.sha256(repr(configs).encode()).hexdigest()[:8]}"  # a new candidate list re-tunes
+    key = cache_key(key, configs)
     with _LOCK:
         hit = _load().get(key)
         cfg = _cached_config(hit, configs)
