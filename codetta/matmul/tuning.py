@@ -22,7 +22,7 @@ from pathlib import Path
 from .config import Config
 
 _LOCK = threading.Lock()
-TIMING = "graph replay"  # how candidates are timed (:func:`graph_ms`); part of the cache key
+TIMING = "graph replay ~25 ms"  # how candidates are timed (:func:`graph_ms`); part of the cache key
 _MEMORY: dict | None = None
 
 
@@ -99,17 +99,21 @@ def compile_in_parallel(compiles):
         return
 
 
-def graph_ms(fn, *, budget_ms: float = 5.0, replays: int = 3) -> float:
+def graph_ms(fn, *, budget_ms: float = 25.0, replays: int = 3) -> float:
     """The GPU time in ms of one call of ``fn``, launched back to back as a training step
     launches its kernels: the median of ``replays`` replays of a CUDA graph of as many calls
     as take about ``budget_ms``.
 
-    Not ``triton.testing.do_bench``, which flushes the L2 cache before every call: between
-    the flushes (memory-bound, at low power) the GPU holds higher clocks than under a steady
-    tensor-core load. On the H200 it ranked a two-CTAs-per-SM config of the O-projection +
-    residual + norm-statistics GEMM (16384 x 4096 x 4096) 6% ahead of a 128 x 256 one that
-    graph replay, and the operator that runs it, measured 4-5% faster
-    (bench/results/config_sweep_producer.md, config_ab.md)."""
+    The H200 slows under a steady load: cuBLAS's 16384 x 4096 x 4096 GEMM took 0.709 ms in
+    ~5 ms graphs after an idle pause, 0.758 ms after a second of load, 0.821 ms in ~25 ms
+    graphs and 0.839 ms in ~100 ms graphs (bench/results/tuner_timing.md). Configs do not
+    slow alike: in short graphs (and with ``triton.testing.do_bench``, which flushes the L2
+    cache between calls) two CTAs per SM ranked ahead for the O-projection + residual +
+    norm-statistics GEMM, in ~25 ms graphs the 128 x 256 tiles did, as they do in long runs
+    (4.6% ahead in ~100 ms graphs, 3.8% inside the operator: config_ab.md). Short of
+    ~100 ms graphs, which would make a tuning several seconds long, ~25 ms ones rank the
+    best first; the tuner's rounds keep the GPU loaded.
+    """
     import torch
 
     torch.cuda.synchronize()  # the inputs are ready (their producers may still be queued)
