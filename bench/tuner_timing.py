@@ -5,10 +5,11 @@
 The O-projection + residual + norm-statistics GEMM (16384 x 4096 x 4096, bf16) with four
 configs, each timed in four ways, in shuffled rounds:
 
-- ``cold``: after 2 s idle, :func:`codetta.matmul.tuning.graph_ms` (a CUDA graph of ~5 ms
-  replayed 3 times), as the tuner did at 853abaa;
+- ``cold``: after 2 s idle, :func:`codetta.matmul.tuning.graph_ms` with a CUDA graph of ~5 ms
+  replayed 3 times, as the tuner did at 853abaa;
 - ``warm``: the same after 1 s of steady load;
-- ``warm 25ms``: after 1 s of steady load, graphs of ~25 ms;
+- ``warm 25ms``: after 1 s of steady load, graphs of ~25 ms (the tuner since: one replay each
+  in each of its rounds);
 - ``sustained``: after 2 s of steady load, ``triton.testing.do_bench_cudagraph`` (~100 ms
   graphs, 10 replays), as bench/config_sweep.py and bench/gemm_bench.py time.
 
@@ -68,9 +69,9 @@ def main():
         run()
     heavy = runs["128x256 s3 w8 e1"]
     ways = {
-        "cold": (lambda: time.sleep(2.0), lambda fn: tuning.graph_ms(fn)),
-        "warm": (lambda: load(1.0, heavy), lambda fn: tuning.graph_ms(fn)),
-        "warm 25ms": (lambda: load(1.0, heavy), lambda fn: tuning.graph_ms(fn, budget_ms=25.0)),
+        "cold": (lambda: time.sleep(2.0), lambda fn: tuning.graph_ms(fn, budget_ms=5.0, replays=3)),
+        "warm": (lambda: load(1.0, heavy), lambda fn: tuning.graph_ms(fn, budget_ms=5.0, replays=3)),
+        "warm 25ms": (lambda: load(1.0, heavy), lambda fn: tuning.graph_ms(fn, budget_ms=25.0, replays=3)),
         "sustained": (lambda: load(2.0, heavy), lambda fn: median_graph_ms(fn)),
     }
     times = {(way, name): [] for way in ways for name in runs}
