@@ -1,0 +1,307 @@
+"""Probe: the residual + norm-producer epilogue in a Gluon (Triton 3.6) Hopper GEMM (H200).
+
+    python bench/gluon_producer_probe.py [--rounds 3]
+
+codetta's Triton kernels pay ~6 µs per 128 x 256 tile for this epilogue (x = acc + residual,
+u = x * gamma, row sums of x^2: bench/results/epilogue_ablation.md), because Triton 3.6 waits
+for the residual's TMA load right after the K loop and stages every TMA store through one
+buffer with a full wait before each (docs/internals.md). Gluon states the schedule itself.
+This kernel is persistent (one CTA per SM), not warp-specialized:
+
+- mainloop: a ring of STAGES (A, B) slots filled by TMA, asynchronous wgmma with one group in
+  flight; the loads run STAGES - 1 K-steps ahead across tile boundaries, so the next tile's
+  first loads are in flight during this tile's epilogue;
+- epilogue: the 128 x 256 accumulator in four 128 x 64 column slices (no data movement: the
+  slices of wgmma's register layout); the residual's slices come through a ring of three
+  shared-memory slots whose TMA loads are issued one tile ahead (during the mainloop); x and u
+  go out through their own staging buffers, each store waiting only for the store that used
+  the same buffer (``tma.store_wait(pendings=1)``).
+
+Compared at the Llama-3 O-projection and down-projection shapes, from CUDA graphs in shuffled
+rounds: cuBLAS's plain GEMM (the speed of light), codetta's tuned Triton kernel for the same
+program, and this kernel. Outputs are checked against PyTorch first. A probe for the next
+step, not a codetta path: Gluon has no CPU interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+@gluon.jit
+def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+    in_group = GROUP_M * num_pid_n
+    first_m = (tile // in_group) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile % in_group) % group_m, (tile % in_group) // group_m
+
+
+@gluon.jit
+def _issue_ab(a_desc, b_desc, a_ring, b_ring, ready, slot, tile, k, num_pid_m, num_pid_n,
+              BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, GROUP_M: gl.constexpr):
+    pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+    bar = ready.index(slot)
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(a_desc, [pid_m * BM, k * BK], bar, a_ring.index(slot))
+    tma.async_copy_global_to_shared(b_desc, [pid_n * BN, k * BK], bar, b_ring.index(slot))
+
+
+@gluon.jit
+def _issue_residual(r_desc, r_ring, r_ready, slot, tile, quarter, num_pid_m, num_pid_n,
+                    BM: gl.constexpr, BN: gl.constexpr, EN: gl.constexpr, GROUP_M: gl.constexpr):
+    pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+    bar = r_ready.index(slot)
+    mbarrier.expect(bar, r_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(r_desc, [pid_m * BM, pid_n * BN + quarter * EN], bar, r_ring.index(slot))
+
+
+@gluon.jit
+def _quarters(acc, BM: gl.constexpr, EN: gl.constexpr):
+    """The four [BM, EN] column slices of a [BM, 4 EN] tile, in column order."""
+    t = gl.permute(gl.reshape(acc, [BM, 2, 2, EN]), [0, 3, 1, 2])  # [BM, EN, q1, q0]: column (2 q1 + q0) EN + j
+    lo, hi = gl.split(t)
+    c0, c2 = gl.split(lo)
+    c1, c3 = gl.split(hi)
+    return c0, c1, c2, c3
+
+
+@gluon.jit
+def _epilogue_slice(c, q: gl.constexpr, slot: gl.constexpr, phase, r_ring, r_ready, x_stage, u_stage, x_desc, u_desc,
+                    gamma_ptr, off_m, off_n, ss, epi_layout: gl.constexpr, EN: gl.constexpr):
+    c = gl.convert_layout(c, epi_layout, assert_trivial=True)
+    mbarrier.wait(r_ready.index(slot), phase)
+    x = c + r_ring.index(slot).load(epi_layout).to(gl.float32)
+    xb = x.to(x_desc.dtype)
+    xr = xb.to(gl.float32)
+    cols = off_n + q * EN + gl.arange(0, EN, layout=gl.SliceLayout(0, epi_layout))
+    gamma = gl.load(gamma_ptr + cols).to(gl.float32)
+    ub = (xr * gamma[None, :]).to(u_desc.dtype)
+    ss += gl.sum(xr * xr, axis=1)
+    # x's buffer: free once the x store issued one slice ago has been read (u's may still run)
+    tma.store_wait(pendings=1)
+    gl.thread_barrier()
+    x_stage.store(xb)
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(x_desc, [off_m, off_n + q * EN], x_stage)
+    tma.store_wait(pendings=1)
+    gl.thread_barrier()
+    u_stage.store(ub)
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(u_desc, [off_m, off_n + q * EN], u_stage)
+    return ss
+
+
+@gluon.jit
+def producer_kernel(a_desc, b_desc, r_desc, x_desc, u_desc, gamma_ptr, part_ptr, M, N, K,
+                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = b_desc.block_type.shape[0]
+    EN: gl.constexpr = r_desc.block_type.shape[1]
+    gl.static_assert(BN == 4 * EN)
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BN, 16])
+    epi_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, EN, 16])
+    a_ring = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+    b_ring = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    r_ring = gl.allocate_shared_memory(r_desc.dtype, [3, BM, EN], r_desc.layout)
+    x_stage = gl.allocate_shared_memory(x_desc.dtype, [BM, EN], x_desc.layout)
+    u_stage = gl.allocate_shared_memory(u_desc.dtype, [BM, EN], u_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    r_ready = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    for i in gl.static_range(3):
+        mbarrier.init(r_ready.index(i), count=1)
+
+    num_pid_m = gl.cdiv(M, BM)
+    num_pid_n = gl.cdiv(N, BN)
+    num_tiles = num_pid_m * num_pid_n
+    k_steps = gl.cdiv(K, BK)
+    first = gl.program_id(0)
+    step = gl.num_programs(0)
+
+    # loads run STAGES - 1 K-steps ahead, across tiles: (ld_tile, ld_k) is the next one to issue
+    ld_tile = first
+    ld_k = 0
+    produced = 0
+    for _ in gl.static_range(STAGES - 1):
+        if ld_tile < num_tiles:
+            _issue_ab(a_desc, b_desc, a_ring, b_ring, ready, produced % STAGES, ld_tile, ld_k, num_pid_m, num_pid_n,
+                      BM, BN, BK, GROUP_M)
+            produced += 1
+            ld_k += 1
+            if ld_k == k_steps:
+                ld_k = 0
+                ld_tile += step
+    if first < num_tiles:  # the first tile's residual slices 0-2 (slice 3 reuses slot 0)
+        for q in gl.static_range(3):
+            _issue_residual(r_desc, r_ring, r_ready, q, first, q, num_pid_m, num_pid_n, BM, BN, EN, GROUP_M)
+
+    consumed = 0
+    done = 0  # tiles finished by this program: the residual slots' phases
+    for tile in range(first, num_tiles, step):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        acc = gl.zeros([BM, BN], gl.float32, acc_layout)
+        for k in range(k_steps):
+            slot = consumed % STAGES
+            mbarrier.wait(ready.index(slot), (consumed // STAGES) & 1)
+            acc = warpgroup_mma(a_ring.index(slot), b_ring.index(slot).permute((1, 0)), acc, use_acc=k > 0,
+                                is_async=True)
+            # the previous K-step's MMA is done: its slot takes the load STAGES - 1 steps ahead
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+            consumed += 1
+            if ld_tile < num_tiles:
+                _issue_ab(a_desc, b_desc, a_ring, b_ring, ready, produced % STAGES, ld_tile, ld_k, num_pid_m,
+                          num_pid_n, BM, BN, BK, GROUP_M)
+                produced += 1
+                ld_k += 1
+                if ld_k == k_steps:
+                    ld_k = 0
+                    ld_tile += step
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+
+        phase = done & 1
+        c0, c1, c2, c3 = _quarters(acc, BM, EN)
+        ss = gl.zeros([BM], gl.float32, gl.SliceLayout(1, epi_layout))
+        ss = _epilogue_slice(c0, 0, 0, 0, r_ring, r_ready, x_stage, u_stage, x_desc, u_desc, gamma_ptr, off_m,
+                             off_n, ss, epi_layout, EN)
+        gl.thread_barrier()  # every warp has read slot 0: slice 3 of this tile goes there
+        _issue_residual(r_desc, r_ring, r_ready, 0, tile, 3, num_pid_m, num_pid_n, BM, BN, EN, GROUP_M)
+        ss = _epilogue_slice(c1, 1, 1, phase, r_ring, r_ready, x_stage, u_stage, x_desc, u_desc, gamma_ptr, off_m,
+                             off_n, ss, epi_layout, EN)
+        ss = _epilogue_slice(c2, 2, 2, phase, r_ring, r_ready, x_stage, u_stage, x_desc, u_desc, gamma_ptr, off_m,
+                             off_n, ss, epi_layout, EN)
+        ss = _epilogue_slice(c3, 3, 0, 1, r_ring, r_ready, x_stage, u_stage, x_desc, u_desc, gamma_ptr, off_m,
+                             off_n, ss, epi_layout, EN)
+        rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, epi_layout))
+        gl.store(part_ptr + rows * num_pid_n + pid_n, ss, mask=rows < M)
+        gl.thread_barrier()  # every warp has read slots 0-2: the next tile's slices 0-2 go there
+        nxt = tile + step
+        if nxt < num_tiles:
+            for q in gl.static_range(3):
+                _issue_residual(r_desc, r_ring, r_ready, q, nxt, q, num_pid_m, num_pid_n, BM, BN, EN, GROUP_M)
+        done += 1
+    tma.store_wait(pendings=0)
+
+
+def gluon_producer(a, w, residual, gamma, *, BM=128, BN=256, BK=64, EN=64, STAGES=3, GROUP_M=8):
+    """(x = a @ w.T + residual, u = x * gamma, sumsq = rowsum(x^2) in fp32), x and u in a's dtype."""
+    M, K = a.shape
+    N = w.shape[0]
+    x = torch.empty(M, N, device=a.device, dtype=a.dtype)
+    u = torch.empty_like(x)
+    tiles_n = triton.cdiv(N, BN)
+    part = torch.empty(M, tiles_n, device=a.device, dtype=torch.float32)
+
+    def desc(t, block):
+        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
+
+    grid = (min(torch.cuda.get_device_properties(a.device).multi_processor_count,
+                triton.cdiv(M, BM) * tiles_n),)
+    producer_kernel[grid](desc(a, [BM, BK]), desc(w, [BN, BK]), desc(residual, [BM, EN]), desc(x, [BM, EN]),
+                          desc(u, [BM, EN]), gamma, part, M, N, K, GROUP_M=GROUP_M, STAGES=STAGES, num_warps=8)
+    return x, u, part.sum(1)
+
+
+def compile_sm90(m=16384, n=4096, k=4096):
+    """The kernel compiled for sm_90 on any machine (CPU tensors stand in for the arguments): its
+    registers, spills and shared memory, and the TTGIR, without a GPU."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from ttgir_probe import resources
+
+    def desc(shape, block):
+        t = torch.empty(shape, dtype=torch.bfloat16)
+        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
+
+    args = dict(a_desc=desc((m, k), [128, 64]), b_desc=desc((n, k), [256, 64]), r_desc=desc((m, n), [128, 64]),
+                x_desc=desc((m, n), [128, 64]), u_desc=desc((m, n), [128, 64]),
+                gamma_ptr=torch.empty(n, dtype=torch.bfloat16), part_ptr=torch.empty(m, dtype=torch.float32),
+                M=m, N=n, K=k)
+    consts = dict(GROUP_M=8, STAGES=3, num_warps=8)
+    fn = producer_kernel
+    signature = {name: native_specialize_impl(BaseBackend, args[name], False, True, True)[0] if name in args
+                 else "constexpr" for name in fn.arg_names}
+    source = GluonASTSource(fn, signature, {(fn.arg_names.index(n),): v for n, v in consts.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=8))
+    return compiled, resources(compiled)
+
+
+SHAPES = {"8B O-proj": (16384, 4096, 4096), "8B down": (16384, 4096, 14336),
+          "1B O-proj": (8192, 2048, 2048), "1B down": (8192, 2048, 8192)}
+
+
+def main():
+    import codetta
+    from codetta.ops import rmsnorm
+
+    from common import graph_ms_in_rounds, markdown_table, require_gpu, write_results
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--compile-only", action="store_true", help="compile for sm_90 and report (no GPU needed)")
+    args = parser.parse_args()
+    if args.compile_only:
+        compiled, res = compile_sm90()
+        Path("/tmp/gluon_producer.ttgir").write_text(compiled.asm["ttgir"])
+        print(res, "TTGIR in /tmp/gluon_producer.ttgir")
+        return
+    require_gpu("gluon_producer_probe")
+    program = rmsnorm._producer(torch.bfloat16, True, False)
+    rows, runs = [], {}
+    for name, (m, n, k) in SHAPES.items():
+        torch.manual_seed(0)
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16)
+        residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        gamma = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        x, u, ss = gluon_producer(a, w, residual, gamma)
+        ref_x = a.float() @ w.float().t() + residual.float()
+        err = {"x": ((x.float() - ref_x).abs().max() / ref_x.abs().max()).item(),
+               "u": ((u.float() - x.float() * gamma.float()).abs().max() / u.float().abs().max()).item(),
+               "sumsq": ((ss - x.float().pow(2).sum(1)).abs().max() / ss.abs().max()).item()}
+        print(name, "relative max errors", err, flush=True)
+        assert err["x"] < 1e-2 and err["u"] < 1e-2 and err["sumsq"] < 1e-3, err
+        runs[name, "cuBLAS plain"] = lambda a=a, w=w: torch.mm(a, w.t())
+        runs[name, "codetta (Triton)"] = lambda a=a, w=w, r=residual, g=gamma: codetta.gemm(
+            a, w.t(), program, residual=r, norm_weight=g)
+        runs[name, "Gluon probe"] = lambda a=a, w=w, r=residual, g=gamma: gluon_producer(a, w, r, g)
+        rows.append({"shape": name, "M x N x K": f"{m}x{n}x{k}", **{f"err {key}": v for key, v in err.items()}})
+    for run in runs.values():
+        run()
+    times = graph_ms_in_rounds(runs, args.rounds)
+    for row in rows:
+        ms = {what: sorted(times[row["shape"], what])[args.rounds // 2] for what in
+              ("cuBLAS plain", "codetta (Triton)", "Gluon probe")}
+        row.update({f"{what} ms": v for what, v in ms.items()})
+        row["codetta / cuBLAS"] = ms["codetta (Triton)"] / ms["cuBLAS plain"]
+        row["Gluon / cuBLAS"] = ms["Gluon probe"] / ms["cuBLAS plain"]
+    columns = ["shape", "M x N x K", "cuBLAS plain ms", "codetta (Triton) ms", "Gluon probe ms", "codetta / cuBLAS",
+               "Gluon / cuBLAS", "err x", "err u", "err sumsq"]
+    table = markdown_table(rows, columns)
+    print(table)
+    write_results("gluon_producer_probe", rows, table)
+
+
+if __name__ == "__main__":
+    main()
