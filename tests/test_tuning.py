@@ -3,6 +3,7 @@
 import hashlib
 import json
 import subprocess
+import warnings
 import sys
 from dataclasses import replace
 
@@ -300,3 +301,31 @@ def test_shared_memory_of_the_device(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index, props=props: props)
         assert launch._shared_memory(0) == expected
     launch._shared_memory.cache_clear()
+
+
+def test_what_cannot_be_timed_takes_a_choice_made_before_or_the_first_with_a_warning(cache_dir):
+    """While a CUDA graph is captured no kernel can be timed: a choice on disk is taken silently;
+    without one the first candidate, with a warning that says why, and nothing is written (a
+    later tuning outside the capture is not pre-empted)."""
+    never = lambda cfg: pytest.fail("timed a config during a capture")  # noqa: E731
+    with pytest.warns(UserWarning, match="captured"):
+        assert tuning.choose("k6", CONFIGS, never, cannot_time="being captured") == CONFIGS[0]
+    assert not (cache_dir / "tuning.json").exists()
+    assert tuning.choose("k6", CONFIGS, {CONFIGS[0]: 3.0, CONFIGS[1]: 1.0, CONFIGS[2]: 2.0}.__getitem__) == CONFIGS[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tuning.choose("k6", CONFIGS, never, cannot_time="being captured") == CONFIGS[1]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
+def test_a_first_call_captured_into_a_cuda_graph_runs_untuned_and_replays_right(cache_dir):
+    torch.manual_seed(0)
+    a = torch.randn(200, 96, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(96, 136, device=DEVICE, dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.warns(UserWarning, match="CUDA graph"), torch.cuda.graph(graph):
+        out = codetta.gemm(a, b)
+    a.copy_(torch.randn_like(a))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), (a.float() @ b.float()).bfloat16().float(), rtol=2e-2, atol=2e-2)

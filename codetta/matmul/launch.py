@@ -784,8 +784,11 @@ def _tuned(call, path, configs):
         kept.extend((t, t.clone()) for t in _read_and_written(call))
         compile_all(cfgs)
 
+    capturing = call.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    cannot_time = ("its first call is being captured into a CUDA graph, where no kernel can be timed; run the "
+                   "model once before capturing it (as PyTorch advises for warm-up) to tune") if capturing else None
     try:
-        return tuning.choose(_tuning_key(call, path), configs, bench, prepare=prepare)
+        return tuning.choose(_tuning_key(call, path), configs, bench, prepare=prepare, cannot_time=cannot_time)
     finally:
         for t, before in kept:
             t.copy_(before)

@@ -189,11 +189,13 @@ def cache_key(key: str, configs: list[Config]) -> str:
     return f"{key}|{TIMING}|{hashlib.sha256(repr(configs).encode()).hexdigest()[:8]}"
 
 
-def choose(key: str, configs: list[Config], bench, prepare=None) -> Config:
+def choose(key: str, configs: list[Config], bench, prepare=None, cannot_time: str | None = None) -> Config:
     """The best of ``configs`` for ``key``; ``bench(cfg)`` returns its time in ms (or raises).
 
     ``prepare(configs)``, if given, runs before the timings when they are needed (e.g. to
-    compile every candidate at once).
+    compile every candidate at once). ``cannot_time``: why the candidates cannot be timed
+    now (a CUDA graph being captured); then a choice made before is taken, else the first
+    candidate, with a warning, and nothing is written.
     """
     if len(configs) == 1 or not autotune_enabled():
         return configs[0]
@@ -203,6 +205,10 @@ def choose(key: str, configs: list[Config], bench, prepare=None) -> Config:
         cfg = _cached_config(hit, configs)
         if cfg is not None:
             return cfg
+        if cannot_time is not None:
+            warnings.warn(f"codetta: a GEMM runs untuned, with its first candidate config: {cannot_time}",
+                          stacklevel=2)
+            return configs[0]
         if prepare is not None:
             prepare(configs)
         timings = _timed_in_rounds(configs, bench)
