@@ -94,20 +94,21 @@ def _epilogue_slice(c, q: gl.constexpr, slot: gl.constexpr, phase, r_ring, r_rea
     gamma = gl.load(gamma_ptr + cols).to(gl.float32)
     ub = (xr * gamma[None, :]).to(u_desc.dtype)
     ss += gl.sum(xr * xr, axis=1)
-    # x's buffer: free once the x store issued one slice ago has been read (u's may still run)
-    tma.store_wait(pendings=1)
-    gl.thread_barrier()
-    x_stage.store(xb)
-    fence_async_shared()
-    gl.thread_barrier()
-    tma.async_copy_shared_to_global(x_desc, [off_m, off_n + q * EN], x_stage)
-    tma.store_wait(pendings=1)
-    gl.thread_barrier()
-    u_stage.store(ub)
-    fence_async_shared()
-    gl.thread_barrier()
-    tma.async_copy_shared_to_global(u_desc, [off_m, off_n + q * EN], u_stage)
+    _staged_store(xb, x_stage, x_desc, off_m, off_n + q * EN)
+    _staged_store(ub, u_stage, u_desc, off_m, off_n + q * EN)
     return ss
+
+
+@gluon.jit
+def _staged_store(value, stage, desc, row, col):
+    """A TMA store of ``value`` through ``stage``, once the store issued before the latest one
+    (x's for u, u's for x: the previous user of this buffer) has been read out of it."""
+    tma.store_wait(pendings=1)
+    gl.thread_barrier()
+    stage.store(value)
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(desc, [row, col], stage)
 
 
 @gluon.jit
