@@ -19,8 +19,13 @@ This kernel is persistent (one CTA per SM), not warp-specialized:
 
 Compared at the Llama-3 O-projection and down-projection shapes, from CUDA graphs in shuffled
 rounds: cuBLAS's plain GEMM (the speed of light), codetta's tuned Triton kernel for the same
-program, and this kernel. Outputs are checked against PyTorch first. A probe for the next
-step, not a codetta path: Gluon has no CPU interpreter.
+program, this kernel, the same with the programs that have one tile fewer started half a
+tile later (``stagger``: SMs out of phase), and the same mainloop storing only the tile
+(``plain``: what its mainloop can reach). Outputs are checked against PyTorch first.
+``--compile-only`` compiles both kernels for sm_90 without a GPU and reports registers,
+spills and shared memory. A probe for the next step, not a codetta path: Gluon has no CPU
+interpreter. Results: bench/results/gluon_producer_probe.md (the plain variant came after
+that run).
 """
 
 from __future__ import annotations
@@ -100,6 +105,12 @@ def _epilogue_slice(c, q: gl.constexpr, slot: gl.constexpr, phase, r_ring, r_rea
 
 
 @gluon.jit
+def _plain_slice(c, q: gl.constexpr, stage, x_desc, off_m, off_n, epi_layout: gl.constexpr, EN: gl.constexpr):
+    _staged_store(gl.convert_layout(c, epi_layout, assert_trivial=True).to(x_desc.dtype), stage, x_desc, off_m,
+                  off_n + q * EN)
+
+
+@gluon.jit
 def _staged_store(value, stage, desc, row, col):
     """A TMA store of ``value`` through ``stage``, once the store issued before the latest one
     (x's for u, u's for x: the previous user of this buffer) has been read out of it."""
@@ -113,7 +124,7 @@ def _staged_store(value, stage, desc, row, col):
 
 @gluon.jit
 def producer_kernel(a_desc, b_desc, r_desc, x_desc, u_desc, gamma_ptr, part_ptr, M, N, K, stagger_ns,
-                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                    GROUP_M: gl.constexpr, STAGES: gl.constexpr, PLAIN: gl.constexpr, num_warps: gl.constexpr):
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = b_desc.block_type.shape[0]
@@ -155,7 +166,7 @@ def producer_kernel(a_desc, b_desc, r_desc, x_desc, u_desc, gamma_ptr, part_ptr,
             if ld_k == k_steps:
                 ld_k = 0
                 ld_tile += step
-    if first < num_tiles:  # the first tile's residual slices 0-2 (slice 3 reuses slot 0)
+    if (first < num_tiles) & (not PLAIN):  # the first tile's residual slices 0-2 (slice 3 reuses slot 0)
         for q in gl.static_range(3):
             _issue_residual(r_desc, r_ring, r_ready, q, first, q, num_pid_m, num_pid_n, BM, BN, EN, GROUP_M)
 
@@ -190,34 +201,41 @@ def producer_kernel(a_desc, b_desc, r_desc, x_desc, u_desc, gamma_ptr, part_ptr,
                     ld_tile += step
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
 
-        phase = done & 1
         c0, c1, c2, c3 = _quarters(acc, BM, EN)
-        ss = gl.zeros([BM], gl.float32, gl.SliceLayout(1, epi_layout))
-        ss = _epilogue_slice(c0, 0, 0, 0, r_ring, r_ready, x_stage, u_stage, x_desc, u_desc, gamma_ptr, off_m,
-                             off_n, ss, epi_layout, EN)
-        gl.thread_barrier()  # every warp has read slot 0: slice 3 of this tile goes there
-        _issue_residual(r_desc, r_ring, r_ready, 0, tile, 3, num_pid_m, num_pid_n, BM, BN, EN, GROUP_M)
-        ss = _epilogue_slice(c1, 1, 1, phase, r_ring, r_ready, x_stage, u_stage, x_desc, u_desc, gamma_ptr, off_m,
-                             off_n, ss, epi_layout, EN)
-        ss = _epilogue_slice(c2, 2, 2, phase, r_ring, r_ready, x_stage, u_stage, x_desc, u_desc, gamma_ptr, off_m,
-                             off_n, ss, epi_layout, EN)
-        ss = _epilogue_slice(c3, 3, 0, 1, r_ring, r_ready, x_stage, u_stage, x_desc, u_desc, gamma_ptr, off_m,
-                             off_n, ss, epi_layout, EN)
-        rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, epi_layout))
-        gl.store(part_ptr + rows * num_pid_n + pid_n, ss, mask=rows < M)
-        gl.thread_barrier()  # every warp has read slots 0-2: the next tile's slices 0-2 go there
-        nxt = tile + step
-        if nxt < num_tiles:
-            for q in gl.static_range(3):
-                _issue_residual(r_desc, r_ring, r_ready, q, nxt, q, num_pid_m, num_pid_n, BM, BN, EN, GROUP_M)
+        if PLAIN:  # this mainloop's speed of light: the tile stored, nothing else (both buffers in turn)
+            _plain_slice(c0, 0, x_stage, x_desc, off_m, off_n, epi_layout, EN)
+            _plain_slice(c1, 1, u_stage, x_desc, off_m, off_n, epi_layout, EN)
+            _plain_slice(c2, 2, x_stage, x_desc, off_m, off_n, epi_layout, EN)
+            _plain_slice(c3, 3, u_stage, x_desc, off_m, off_n, epi_layout, EN)
+        else:
+            phase = done & 1
+            ss = gl.zeros([BM], gl.float32, gl.SliceLayout(1, epi_layout))
+            ss = _epilogue_slice(c0, 0, 0, 0, r_ring, r_ready, x_stage, u_stage, x_desc, u_desc, gamma_ptr, off_m,
+                                 off_n, ss, epi_layout, EN)
+            gl.thread_barrier()  # every warp has read slot 0: slice 3 of this tile goes there
+            _issue_residual(r_desc, r_ring, r_ready, 0, tile, 3, num_pid_m, num_pid_n, BM, BN, EN, GROUP_M)
+            ss = _epilogue_slice(c1, 1, 1, phase, r_ring, r_ready, x_stage, u_stage, x_desc, u_desc, gamma_ptr, off_m,
+                                 off_n, ss, epi_layout, EN)
+            ss = _epilogue_slice(c2, 2, 2, phase, r_ring, r_ready, x_stage, u_stage, x_desc, u_desc, gamma_ptr, off_m,
+                                 off_n, ss, epi_layout, EN)
+            ss = _epilogue_slice(c3, 3, 0, 1, r_ring, r_ready, x_stage, u_stage, x_desc, u_desc, gamma_ptr, off_m,
+                                 off_n, ss, epi_layout, EN)
+            rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, epi_layout))
+            gl.store(part_ptr + rows * num_pid_n + pid_n, ss, mask=rows < M)
+            gl.thread_barrier()  # every warp has read slots 0-2: the next tile's slices 0-2 go there
+            nxt = tile + step
+            if nxt < num_tiles:
+                for q in gl.static_range(3):
+                    _issue_residual(r_desc, r_ring, r_ready, q, nxt, q, num_pid_m, num_pid_n, BM, BN, EN, GROUP_M)
         done += 1
     tma.store_wait(pendings=0)
 
 
-def gluon_producer(a, w, residual, gamma, *, stagger=0.0, BM=128, BN=256, BK=64, EN=64, STAGES=3, GROUP_M=8):
+def gluon_producer(a, w, residual, gamma, *, stagger=0.0, plain=False, BM=128, BN=256, BK=64, EN=64, STAGES=3,
+                   GROUP_M=8):
     """(x = a @ w.T + residual, u = x * gamma, sumsq = rowsum(x^2) in fp32), x and u in a's dtype.
     ``stagger``: the fraction of a tile's mainloop time (at ~5.2 TFLOP/s per SM) by which the
-    programs with one tile fewer start later."""
+    programs with one tile fewer start later. ``plain``: x = a @ w.T alone (u and sumsq are garbage)."""
     M, K = a.shape
     N = w.shape[0]
     x = torch.empty(M, N, device=a.device, dtype=a.dtype)
@@ -231,11 +249,12 @@ def gluon_producer(a, w, residual, gamma, *, stagger=0.0, BM=128, BN=256, BK=64,
     grid = (min(torch.cuda.get_device_properties(a.device).multi_processor_count,
                 triton.cdiv(M, BM) * tiles_n),)
     producer_kernel[grid](desc(a, [BM, BK]), desc(w, [BN, BK]), desc(residual, [BM, EN]), desc(x, [BM, EN]),
-                          desc(u, [BM, EN]), gamma, part, M, N, K, int(stagger * 2 * BM * BN * K / 5.2e3), GROUP_M=GROUP_M, STAGES=STAGES, num_warps=8)
+                          desc(u, [BM, EN]), gamma, part, M, N, K, int(stagger * 2 * BM * BN * K / 5.2e3),
+                          GROUP_M=GROUP_M, STAGES=STAGES, PLAIN=plain, num_warps=8)
     return x, u, part.sum(1)
 
 
-def compile_sm90(m=16384, n=4096, k=4096):
+def compile_sm90(m=16384, n=4096, k=4096, plain=False):
     """The kernel compiled for sm_90 on any machine (CPU tensors stand in for the arguments): its
     registers, spills and shared memory, and the TTGIR, without a GPU."""
     from triton._C.libtriton import native_specialize_impl
@@ -252,7 +271,7 @@ def compile_sm90(m=16384, n=4096, k=4096):
                 x_desc=desc((m, n), [128, 64]), u_desc=desc((m, n), [128, 64]),
                 gamma_ptr=torch.empty(n, dtype=torch.bfloat16), part_ptr=torch.empty(m, dtype=torch.float32),
                 M=m, N=n, K=k, stagger_ns=1000)
-    consts = dict(GROUP_M=8, STAGES=3, num_warps=8)
+    consts = dict(GROUP_M=8, STAGES=3, PLAIN=plain, num_warps=8)
     fn = producer_kernel
     signature = {name: native_specialize_impl(BaseBackend, args[name], False, True, True)[0] if name in args
                  else "constexpr" for name in fn.arg_names}
@@ -276,9 +295,11 @@ def main():
     parser.add_argument("--compile-only", action="store_true", help="compile for sm_90 and report (no GPU needed)")
     args = parser.parse_args()
     if args.compile_only:
-        compiled, res = compile_sm90()
-        Path("/tmp/gluon_producer.ttgir").write_text(compiled.asm["ttgir"])
-        print(res, "TTGIR in /tmp/gluon_producer.ttgir")
+        for plain in (False, True):
+            compiled, res = compile_sm90(plain=plain)
+            path = Path(f"/tmp/gluon_{'plain' if plain else 'producer'}.ttgir")
+            path.write_text(compiled.asm["ttgir"])
+            print("plain" if plain else "producer", res, "TTGIR in", path)
         return
     require_gpu("gluon_producer_probe")
     program = rmsnorm._producer(torch.bfloat16, True, False)
@@ -296,12 +317,16 @@ def main():
                "sumsq": ((ss - x.float().pow(2).sum(1)).abs().max() / ss.abs().max()).item()}
         print(name, "relative max errors", err, flush=True)
         assert err["x"] < 1e-2 and err["u"] < 1e-2 and err["sumsq"] < 1e-3, err
+        plain = gluon_producer(a, w, residual, gamma, plain=True)[0]
+        err["plain"] = ((plain.float() - ref_x + residual.float()).abs().max() / ref_x.abs().max()).item()
+        assert err["plain"] < 1e-2, err
         staggered = gluon_producer(a, w, residual, gamma, stagger=0.5)
         assert all(torch.equal(p, q) for p, q in zip((x, u, ss), staggered)), "the stagger changed a result"
         runs[name, "cuBLAS plain"] = lambda a=a, w=w: torch.mm(a, w.t())
         runs[name, "codetta (Triton)"] = lambda a=a, w=w, r=residual, g=gamma: codetta.gemm(
             a, w.t(), program, residual=r, norm_weight=g)
         runs[name, "Gluon probe"] = lambda a=a, w=w, r=residual, g=gamma: gluon_producer(a, w, r, g)
+        runs[name, "Gluon plain"] = lambda a=a, w=w, r=residual, g=gamma: gluon_producer(a, w, r, g, plain=True)
         runs[name, "Gluon staggered"] = lambda a=a, w=w, r=residual, g=gamma: gluon_producer(a, w, r, g, stagger=0.5)
         rows.append({"shape": name, "M x N x K": f"{m}x{n}x{k}", **{f"err {key}": v for key, v in err.items()}})
     for run in runs.values():
@@ -309,13 +334,15 @@ def main():
     times = graph_ms_in_rounds(runs, args.rounds)
     for row in rows:
         ms = {what: sorted(times[row["shape"], what])[args.rounds // 2] for what in
-              ("cuBLAS plain", "codetta (Triton)", "Gluon probe", "Gluon staggered")}
+              ("cuBLAS plain", "codetta (Triton)", "Gluon probe", "Gluon staggered", "Gluon plain")}
         row.update({f"{what} ms": v for what, v in ms.items()})
         row["codetta / cuBLAS"] = ms["codetta (Triton)"] / ms["cuBLAS plain"]
         row["Gluon / cuBLAS"] = ms["Gluon probe"] / ms["cuBLAS plain"]
         row["staggered / cuBLAS"] = ms["Gluon staggered"] / ms["cuBLAS plain"]
+        row["Gluon plain / cuBLAS"] = ms["Gluon plain"] / ms["cuBLAS plain"]
     columns = ["shape", "M x N x K", "cuBLAS plain ms", "codetta (Triton) ms", "Gluon probe ms", "Gluon staggered ms",
-               "codetta / cuBLAS", "Gluon / cuBLAS", "staggered / cuBLAS", "err x", "err u", "err sumsq"]
+               "Gluon plain ms", "codetta / cuBLAS", "Gluon / cuBLAS", "staggered / cuBLAS", "Gluon plain / cuBLAS",
+               "err x", "err u", "err sumsq", "err plain"]
     table = markdown_table(rows, columns)
     print(table)
     write_results("gluon_producer_probe", rows, table)
