@@ -2,9 +2,10 @@
 
     python bench/config_ab.py --program linear_residual_rmsnorm --shape 4096,4096 --config 128,256,64,3,8,1 [--rounds 3]
 
-The tuner times each candidate alone (triton.testing.do_bench: L2 flushed before each call);
-bench/config_sweep.py replays each from a CUDA graph. Where they rank configs differently, the
-arbiter is the kernel inside what users run: this times op b (O-projection + residual + norm
+Until 853abaa the tuner timed each candidate alone (triton.testing.do_bench: L2 flushed before
+each call; now from ~25 ms CUDA graphs: bench/tuner_timing.py); bench/config_sweep.py replays
+each from a CUDA graph. Where they rank configs differently, the arbiter is the kernel inside
+what users run: this times op b (O-projection + residual + norm
 producer, Llama-3-8B, M = 16384) and the paper block (d = 4096, M = 16384), forward and
 forward+backward as bench/ops_bench.py does, with the tuner's config for every GEMM whose
 tuning key names ``--program`` and the ``--shape`` (N, K), then with that config replaced by

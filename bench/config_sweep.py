@@ -35,7 +35,7 @@ def forced(fn, n):
     chosen = []
     original = tuning.choose
 
-    def choose(key, configs, bench, prepare=None):
+    def choose(key, configs, bench, prepare=None, cannot_time=None):
         if n < len(configs):
             if prepare is not None and n == 0:
                 prepare(configs)  # compile all candidates at once, the first time

@@ -33,7 +33,7 @@ def nth_candidate(monkeypatch):
     chosen = []
 
     def use(n):
-        def choose(key, configs, bench, prepare=None):
+        def choose(key, configs, bench, prepare=None, cannot_time=None):
             chosen.append(configs[n % len(configs)])
             return chosen[-1]
 
