@@ -337,25 +337,32 @@ def pingpong_kernel(a_desc, b_desc, r_desc, x_desc, u_desc, gamma_ptr, part_ptr,
     ], [4, 1], [232, 40])
 
 
+def _descriptor(t, block):
+    """A host TMA descriptor of bf16 ``t`` in ``block``s, in the default NVMMA shared layout."""
+    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
+
+
+def _outputs(a, w, BN):
+    """x and u [M, N] in a's dtype, and the fp32 [M, N / BN] row partials of sumsq."""
+    M, N = a.shape[0], w.shape[0]
+    x = torch.empty(M, N, device=a.device, dtype=a.dtype)
+    return x, torch.empty_like(x), torch.empty(M, triton.cdiv(N, BN), device=a.device, dtype=torch.float32)
+
+
+def _num_sms(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def gluon_producer(a, w, residual, gamma, *, stagger=0.0, plain=False, BM=128, BN=256, BK=64, EN=64, STAGES=3,
                    GROUP_M=8):
     """(x = a @ w.T + residual, u = x * gamma, sumsq = rowsum(x^2) in fp32), x and u in a's dtype.
     ``stagger``: the fraction of a tile's mainloop time (at ~5.2 TFLOP/s per SM) by which the
     programs with one tile fewer start later. ``plain``: x = a @ w.T alone (u and sumsq are garbage)."""
-    M, K = a.shape
-    N = w.shape[0]
-    x = torch.empty(M, N, device=a.device, dtype=a.dtype)
-    u = torch.empty_like(x)
-    tiles_n = triton.cdiv(N, BN)
-    part = torch.empty(M, tiles_n, device=a.device, dtype=torch.float32)
-
-    def desc(t, block):
-        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
-
-    grid = (min(torch.cuda.get_device_properties(a.device).multi_processor_count,
-                triton.cdiv(M, BM) * tiles_n),)
-    producer_kernel[grid](desc(a, [BM, BK]), desc(w, [BN, BK]), desc(residual, [BM, EN]), desc(x, [BM, EN]),
-                          desc(u, [BM, EN]), gamma, part, M, N, K, int(stagger * 2 * BM * BN * K / 5.2e3),
+    (M, K), N = a.shape, w.shape[0]
+    x, u, part = _outputs(a, w, BN)
+    grid = (min(_num_sms(a.device), triton.cdiv(M, BM) * part.shape[1]),)
+    producer_kernel[grid](_descriptor(a, [BM, BK]), _descriptor(w, [BN, BK]), _descriptor(residual, [BM, EN]),
+                          _descriptor(x, [BM, EN]), _descriptor(u, [BM, EN]), gamma, part, M, N, K, int(stagger * 2 * BM * BN * K / 5.2e3),
                           GROUP_M=GROUP_M, STAGES=STAGES, PLAIN=plain, num_warps=8)
     return x, u, part.sum(1)
 
@@ -371,8 +378,7 @@ def compile_sm90(variant: str, m=16384, n=4096, k=4096):
     from ttgir_probe import resources
 
     def desc(shape, block):
-        t = torch.empty(shape, dtype=torch.bfloat16)
-        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
+        return _descriptor(torch.empty(shape, dtype=torch.bfloat16), block)
 
     pingpong = variant == "pingpong"
     bn, en = (128, 128) if pingpong else (256, 64)
@@ -396,19 +402,11 @@ PINGPONG_MAXNREG = 168  # 12 warps (a loader warpgroup, two consumers) x 168 fil
 
 def gluon_pingpong(a, w, residual, gamma, *, BM=128, BN=128, BK=64, STAGES=3, GROUP_M=8):
     """The ping-pong kernel's (x, u, sumsq), as :func:`gluon_producer`'s."""
-    M, K = a.shape
-    N = w.shape[0]
-    x = torch.empty(M, N, device=a.device, dtype=a.dtype)
-    u = torch.empty_like(x)
-    part = torch.empty(M, triton.cdiv(N, BN), device=a.device, dtype=torch.float32)
-
-    def desc(t, block):
-        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
-
-    grid = (min(torch.cuda.get_device_properties(a.device).multi_processor_count,
-                triton.cdiv(triton.cdiv(M, BM) * triton.cdiv(N, BN), 2)),)
-    pingpong_kernel[grid](desc(a, [BM, BK]), desc(w, [BN, BK]), desc(residual, [BM, BN]), desc(x, [BM, BN]),
-                          desc(u, [BM, BN]), gamma, part, M, N, K, GROUP_M=GROUP_M, STAGES=STAGES, num_warps=4,
+    (M, K), N = a.shape, w.shape[0]
+    x, u, part = _outputs(a, w, BN)
+    grid = (min(_num_sms(a.device), triton.cdiv(triton.cdiv(M, BM) * part.shape[1], 2)),)  # two tiles in turn
+    pingpong_kernel[grid](_descriptor(a, [BM, BK]), _descriptor(w, [BN, BK]), _descriptor(residual, [BM, BN]),
+                          _descriptor(x, [BM, BN]), _descriptor(u, [BM, BN]), gamma, part, M, N, K, GROUP_M=GROUP_M, STAGES=STAGES, num_warps=4,
                           maxnreg=PINGPONG_MAXNREG)
     return x, u, part.sum(1)
 

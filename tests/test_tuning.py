@@ -3,8 +3,8 @@
 import hashlib
 import json
 import subprocess
-import warnings
 import sys
+import warnings
 from dataclasses import replace
 
 import pytest
