@@ -25,11 +25,11 @@ tile later (``stagger``: SMs out of phase), and the same mainloop storing only t
 (:func:`pingpong_kernel`: one TMA loader warp, two consumer warpgroups on alternate 128 x 128
 tiles, so that one's epilogue runs during the other's mainloop). Outputs are checked against
 PyTorch first; a wrong kernel is reported and not timed.
-``--compile-only`` compiles both kernels for sm_90 without a GPU and reports registers,
+``--compile-only`` compiles the kernels for sm_90 without a GPU and reports registers,
 spills and shared memory. A probe for the next step, not a codetta path: Gluon has no CPU
-interpreter. Results: bench/results/gluon_producer_probe.md (the plain and ping-pong variants
-came after that run and have not run on a GPU yet: the ping-pong kernel compiles for sm_90,
-168 registers a thread under maxnreg, no spills, 224 KiB).
+interpreter. Results: bench/results/gluon_producer_probe.md (none of the Gluon variants beats
+codetta's Triton kernel: the Gluon mainloop alone is 6-8% behind cuBLAS, the ping-pong kernel
+at 1.30-1.39x).
 """
 
 from __future__ import annotations
@@ -255,13 +255,16 @@ def _pingpong_loader(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K,
 
 
 @gluon.jit
-def _pingpong_consumer(which: gl.constexpr, a_ring, b_ring, ready, empty, r_desc, x_desc, u_desc, r_buf, u_buf, r_bar,
-                       gamma_ptr, part_ptr, M, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+def _pingpong_consumer(which: gl.constexpr, a_ring, b_ring, ready, empty, turns, r_desc, x_desc, u_desc, r_buf, u_buf,
+                       r_bar, gamma_ptr, part_ptr, M, N, K, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                        GROUP_M: gl.constexpr):
     """Consumer ``which`` (0 or 1) of a program's tiles 0, 2, 4, ... or 1, 3, 5, ...: its mainloop
-    runs while the other consumer's epilogue does (the loader fills the ring in tile order, so
-    the two mainloops take turns), and its epilogue is plain synchronous code: x = acc +
-    residual written over the residual's own buffer, u = x * gamma, the row sums of x^2."""
+    runs while the other consumer's epilogue does, and its epilogue is plain synchronous code:
+    x = acc + residual written over the residual's own buffer, u = x * gamma, the row sums of x^2.
+
+    The two mainloops take turns (``turns[which]`` completes when the other consumer's mainloop
+    ends): both read the one ring, whose barriers tell phases apart only by parity, so a
+    consumer waiting for a K-step a whole tile ahead would take an older phase for its own."""
     STAGES: gl.constexpr = a_ring.type.shape[0]
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     num_pid_m = gl.cdiv(M, BM)
@@ -275,6 +278,9 @@ def _pingpong_consumer(which: gl.constexpr, a_ring, b_ring, ready, empty, r_desc
         off_n = pid_n * BN
         acc = gl.zeros([BM, BN], gl.float32, layout)
         base = local * k_steps  # the ring position of this tile's first K-step
+        # this consumer's j-th mainloop (j = local // 2) follows the other's mainloop number
+        # j - 1 + which; a new barrier passes a wait for parity 1 (consumer 0's first tile)
+        mbarrier.wait(turns.index(which), ((local // 2) & 1) ^ (1 - which))
         for k in range(k_steps):
             slot = (base + k) % STAGES
             mbarrier.wait(ready.index(slot), ((base + k) // STAGES) & 1)
@@ -284,6 +290,7 @@ def _pingpong_consumer(which: gl.constexpr, a_ring, b_ring, ready, empty, r_desc
             mbarrier.arrive(empty.index((base + k + STAGES - 1) % STAGES), pred=k > 0)  # the previous step's slot
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         mbarrier.arrive(empty.index((base + k_steps - 1) % STAGES))
+        mbarrier.arrive(turns.index(1 - which))  # the other consumer's mainloop may start
 
         mbarrier.expect(r_bar, r_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(r_desc, [off_m, off_n], r_bar, r_buf)
@@ -323,15 +330,17 @@ def pingpong_kernel(a_desc, b_desc, r_desc, x_desc, u_desc, gamma_ptr, part_ptr,
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     r_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(r_bars.index(i), count=1)
+        mbarrier.init(turns.index(i), count=1)
     gl.warp_specialize([
-        (_pingpong_consumer, (0, a_ring, b_ring, ready, empty, r_desc, x_desc, u_desc, r_bufs.index(0),
+        (_pingpong_consumer, (0, a_ring, b_ring, ready, empty, turns, r_desc, x_desc, u_desc, r_bufs.index(0),
                               u_bufs.index(0), r_bars.index(0), gamma_ptr, part_ptr, M, N, K, BM, BN, BK, GROUP_M)),
-        (_pingpong_consumer, (1, a_ring, b_ring, ready, empty, r_desc, x_desc, u_desc, r_bufs.index(1),
+        (_pingpong_consumer, (1, a_ring, b_ring, ready, empty, turns, r_desc, x_desc, u_desc, r_bufs.index(1),
                               u_bufs.index(1), r_bars.index(1), gamma_ptr, part_ptr, M, N, K, BM, BN, BK, GROUP_M)),
         (_pingpong_loader, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, BM, BN, BK, GROUP_M)),
     ], [4, 1], [232, 40])
