@@ -166,8 +166,10 @@ def row_kernels():
     bm, bp, w = rope_k.GPU_BLOCK
     kernels.append((f"rope backward (head_dim 128) {bm}x{bp}", (
         rope_k._rope_backward_kernel,
-        dict(dqkv="bf16", qkv="bf16", cos="fp32", sin="fp32", dz="bf16", zdz_part="fp32"),
-        dict(M=i32, N=i32, n_rotated=i32, head_dim=i32, s_dqkv=i64, s_qkv=i64, s_table=i64, s_dz=i64, s_part=i64),
+        dict(dqkv0="bf16", dqkv1="bf16", dqkv2="bf16", qkv="bf16", cos="fp32", sin="fp32", dz="bf16",
+             zdz_part="fp32"),
+        dict(M=i32, N=i32, n_rotated=i32, head_dim=i32, end0=i32, end1=i32, s_dqkv0=i64, s_dqkv1=i64, s_dqkv2=i64,
+             s_qkv=i64, s_table=i64, s_dz=i64, s_part=i64),
         dict(HALF_R=64, BLOCK_M=bm, BLOCK_P=bp, WITH_ZDZ=True, EMULATE_RNE=False), w)))
     bm, bn, w = softmax_k.GPU_BLOCK
     kernels.append((f"softmax gradient {bm}x{bn}", (

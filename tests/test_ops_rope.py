@@ -106,6 +106,36 @@ def test_forward_backward_fp32_long_positions(case):
         assert rel(a, b) < 3e-5, name
 
 
+@pytest.mark.parametrize("given", ["q,k", "k,v", "v", "q,k,v"])
+def test_gradients_of_some_of_q_k_v_with_strides_of_their_own(given):
+    """q, k and v carry their gradients apart (the backward reads them where they lie, with no
+    concatenation): any subset of them, each with a row stride of its own or a column stride
+    other than 1, gives the reference's gradients."""
+    head_dim, hq, hkv, rotary_dim = 16, 4, 2, 8
+    m, d = (13, 32) if INTERPRET else (300, 512)
+    (x, g, wq, wk, wv), _, pos, inv_freq = make(m, d, head_dim, hq, hkv, rotary_dim, False, max_pos=2**10)
+    widths = {"q": hq * head_dim, "k": hkv * head_dim, "v": hkv * head_dim}
+    grads = {"q": torch.randn(m, widths["q"] + 5, device=DEVICE)[:, 3:3 + widths["q"]],  # row stride of its own
+             "k": torch.randn(m, 2 * widths["k"], device=DEVICE)[:, ::2],  # column stride 2
+             "v": torch.randn(widths["v"], m, device=DEVICE).t()}  # transposed
+    names = given.split(",")
+
+    def gradients(fn, dtype):
+        leaves = [t.to(dtype).detach().requires_grad_() for t in (x, g, wq, wk, wv)]
+        outs = dict(zip("qkv", fn(*leaves)))
+        torch.autograd.backward([outs[n] for n in names], [grads[n].to(dtype) for n in names])
+        return [t.grad for t in leaves]
+
+    got = gradients(lambda *ts: rmsnorm_qkv_rope(*ts, pos, inv_freq, head_dim=head_dim, rotary_dim=rotary_dim,
+                                                 eps=EPS), torch.float32)
+    want = gradients(lambda *ts: hf_style(*ts, pos, inv_freq, head_dim, rotary_dim, 1.0, None), torch.float64)
+    for name, a, b in zip(["dx", "dnorm_weight", "dw_q", "dw_k", "dw_v"], got, want):
+        if b is None or not b.any():  # a weight whose output got no gradient
+            assert a is None or not a.any(), name
+            continue
+        assert rel(a, b) < 3e-5, name
+
+
 QK_CASES = [  # (head_dim, hq, hkv, rotary_dim, bias, scale)
     (16, 2, 2, 16, False, 1.0),  # MHA (GQA ratio 1)
     (16, 4, 1, 8, True, 1.3),  # GQA 4, partial rotary, q/k/v bias, scaled

@@ -16,6 +16,11 @@ and every other column passes through as it is. The kernel also returns zdz_i = 
 is what the RMSNorm backward needs (with s, qkv . dqkv = z . dz too, since qkv = s R z
 and dz = s R^T dqkv).
 
+dqkv may come in parts along the columns (dq, dk, dv as autograd hands them back, each
+[M, N_i] with a row stride of its own, whole heads each): the kernel reads each column from
+its part, so that they need not be concatenated into one [M, N] tensor first (a read and a
+write of all of dqkv).
+
 The kernel works in the space of column pairs: pair p sits at columns
 (p // (R/2)) R + p % (R/2) and R/2 further on. Its grid is (row blocks, pair blocks); each
 program writes its partial row sums of zdz to an fp32 [M, pair blocks] buffer, summed after
@@ -45,12 +50,13 @@ INTERPRET_BLOCK = (16, 32, 4)
 
 @triton.jit
 def _rope_backward_kernel(
-    dqkv, qkv, cos, sin, dz, zdz_part,
-    M, N, n_rotated, head_dim,
-    s_dqkv, s_qkv, s_table, s_dz, s_part,
+    dqkv0, dqkv1, dqkv2, qkv, cos, sin, dz, zdz_part,
+    M, N, n_rotated, head_dim, end0, end1,
+    s_dqkv0, s_dqkv1, s_dqkv2, s_qkv, s_table, s_dz, s_part,
     HALF_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, WITH_ZDZ: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
 ):
+    """dqkv in three parts: columns [0, end0), [end0, end1), [end1, N)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     rows64 = rows.to(tl.int64)[:, None]
@@ -60,8 +66,13 @@ def _rope_backward_kernel(
     ok = (rows < M)[:, None] & (pairs < N // 2)[None, :]
     rotated = ((first % head_dim < 2 * HALF_R) & (first < n_rotated))[None, :]
 
-    d1 = tl.load(dqkv + rows64 * s_dqkv + first[None, :], mask=ok, other=0.0).to(tl.float32)
-    d2 = tl.load(dqkv + rows64 * s_dqkv + second[None, :], mask=ok, other=0.0).to(tl.float32)
+    # a pair's two columns lie in one head, so in one part: where its row starts, shifted so
+    # that adding the pair's column in qkv gives the element
+    col = first[None, :]
+    row_start = tl.where(col < end0, dqkv0 + rows64 * s_dqkv0,
+                         tl.where(col < end1, dqkv1 + rows64 * s_dqkv1 - end0, dqkv2 + rows64 * s_dqkv2 - end1))
+    d1 = tl.load(row_start + col, mask=ok, other=0.0).to(tl.float32)
+    d2 = tl.load(row_start + second[None, :], mask=ok, other=0.0).to(tl.float32)
     c = tl.load(cos + rows64 * s_table + freq[None, :], mask=ok & rotated, other=1.0)
     s = tl.load(sin + rows64 * s_table + freq[None, :], mask=ok & rotated, other=0.0)
 
@@ -78,24 +89,31 @@ def _rope_backward_kernel(
         tl.store(zdz_part + rows.to(tl.int64) * s_part + tl.program_id(1), partial, mask=rows < M)
 
 
-def rope_backward(dqkv: torch.Tensor, qkv: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor, *,
-                  n_rotated: int, head_dim: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(dz [M, N] in dqkv's dtype, zdz [M] fp32) from dqkv, qkv [M, N] (unit column stride) and
-    the tables cos, sin [M, R/2] fp32 (attention scaling included); see the module docstring.
-    With ``qkv=None`` only dz is computed (zdz is None)."""
+def rope_backward(dqkv: torch.Tensor | list[torch.Tensor], qkv: Optional[torch.Tensor], cos: torch.Tensor,
+                  sin: torch.Tensor, *, n_rotated: int, head_dim: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(dz [M, N] in dqkv's dtype, zdz [M] fp32) from dqkv [M, N], or its parts along the columns
+    (at most three, whole heads each: [dq, dk, dv]), qkv [M, N] and the tables cos, sin [M, R/2]
+    fp32 (attention scaling included); see the module docstring. With ``qkv=None`` only dz is
+    computed (zdz is None)."""
+    parts = [t if t.stride(1) == 1 else t.contiguous() for t in (dqkv if isinstance(dqkv, list) else [dqkv])]
+    if not 1 <= len(parts) <= 3 or any(t.shape[0] != parts[0].shape[0] or t.dtype != parts[0].dtype for t in parts):
+        raise ValueError(f"dqkv must be a tensor or up to three parts of one dtype and row count, got "
+                         f"{[(tuple(t.shape), t.dtype) for t in parts]}")
+    ends = [sum(t.shape[1] for t in parts[:i + 1]) for i in range(len(parts))]
+    parts += [parts[-1]] * (3 - len(parts))
+    ends += [ends[-1]] * (3 - len(ends))
     with_zdz = qkv is not None
-    dqkv = dqkv if dqkv.stride(1) == 1 else dqkv.contiguous()
-    qkv = (qkv if qkv.stride(1) == 1 else qkv.contiguous()) if with_zdz else dqkv
-    m, n = dqkv.shape
+    qkv = (qkv if qkv.stride(1) == 1 else qkv.contiguous()) if with_zdz else parts[0]
+    m, n = parts[0].shape[0], ends[-1]
     half_r = cos.shape[1]
     block_m, block_p, warps = INTERPRET_BLOCK if interpreting() else GPU_BLOCK
     grid = (triton.cdiv(m, block_m), triton.cdiv(n // 2, block_p))
-    dz = torch.empty(m, n, device=dqkv.device, dtype=dqkv.dtype)
-    part = torch.empty(m, grid[1], device=dqkv.device, dtype=torch.float32) if with_zdz else cos  # cos: unused
+    dz = torch.empty(m, n, device=parts[0].device, dtype=parts[0].dtype)
+    part = torch.empty(m, grid[1], device=dz.device, dtype=torch.float32) if with_zdz else cos  # cos: unused
     if m and n:
         launch(_rope_backward_kernel, grid,
-            dqkv, qkv, cos, sin, dz, part, m, n, n_rotated, head_dim,
-            dqkv.stride(0), qkv.stride(0), cos.stride(0), dz.stride(0), part.stride(0),
+            *parts, qkv, cos, sin, dz, part, m, n, n_rotated, head_dim, ends[0], ends[1],
+            *(t.stride(0) for t in parts), qkv.stride(0), cos.stride(0), dz.stride(0), part.stride(0),
             HALF_R=half_r, BLOCK_M=block_m, BLOCK_P=block_p, WITH_ZDZ=with_zdz, EMULATE_RNE=interpreting(),
             num_warps=warps,
         )

@@ -130,7 +130,8 @@ def _not_views(output):
 
 
 class _Direct(torch.autograd.Function):
-    """An op's implementation with its own setup_context and backward, lists flattened."""
+    """An op's implementation with its own setup_context and backward, lists flattened; the
+    first output in parts where the op says so (:class:`DirectOp`'s ``split_first``)."""
 
     @staticmethod
     def forward(ctx, op, layout, *flat):
@@ -138,12 +139,18 @@ class _Direct(torch.autograd.Function):
         output = _not_views(op.impl(*inputs))
         op.setup_context(ctx, inputs, output)
         ctx.direct = (op, layout)
-        return output
+        if op.split_first is None:
+            return output
+        parts = _not_views(torch.split(output[0], op.split_first(inputs), dim=-1))
+        ctx.parts = [(p.shape, p.dtype) for p in parts]
+        return (*parts, *output[1:])
 
     @staticmethod
     def backward(ctx, *grads):
         op, layout = ctx.direct
         refuse_double_backward(op.op._qualname, grads)
+        if op.split_first is not None:
+            grads = (_gradient_parts(grads[:len(ctx.parts)], ctx.parts), *grads[len(ctx.parts):])
         result = op.backward(ctx, *grads)
         flat = []
         for g, n in zip(result, layout):
@@ -154,14 +161,36 @@ class _Direct(torch.autograd.Function):
         return (None, None, *flat)
 
 
+def _gradient_parts(grads, parts):
+    """The gradients of a first output returned in parts, as a list for the op's backward
+    (zeros for a part whose gradient never came), or None when none came."""
+    if all(g is None for g in grads):
+        return None
+    return [g if g is not None else torch.zeros(shape, dtype=dtype, device=next(t for t in grads if t is not None).device)
+            for g, (shape, dtype) in zip(grads, parts)]
+
+
 class DirectOp:
     """A custom op (``.op``, registered with torch.library) that eager calls with plain tensors
-    run without the dispatcher. ``register_fake`` and ``register_autograd`` as on the op."""
+    run without the dispatcher. ``register_fake`` and ``register_autograd`` as on the op.
 
-    def __init__(self, name: str, impl):
+    ``split_first`` (optional): a function of the op's arguments giving the sizes along the last
+    dim in which a call returns the first output, as views (``torch.split``), followed by the
+    others. On the direct route the parts are outputs of their own, and the op's backward gets
+    their gradients as a list (autograd would otherwise concatenate them into one tensor
+    first: a copy of all of them); through the registered op it gets the one tensor."""
+
+    def __init__(self, name: str, impl, split_first=None):
         self.impl = impl
         self.op = torch.library.custom_op(name, impl, mutates_args=())
         self.setup_context = self.backward = None
+        self.split_first = split_first
+
+    def _split(self, output, args):
+        """A whole output as a call returns it (the first output in parts where it is split)."""
+        if self.split_first is None:
+            return output
+        return (*torch.split(output[0], self.split_first(args), dim=-1), *output[1:])
 
     def register_fake(self, fake):
         self.op.register_fake(fake)
@@ -175,15 +204,15 @@ class DirectOp:
     def __call__(self, *args):
         refuse_unsupported_autodiff(self.op._qualname, args)
         if not _runs_directly(args):
-            return self.op(*args)
+            return self._split(self.op(*args), args)
         flat, layout = _flatten(args)
         if not torch.is_grad_enabled() or not any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
-            return self.impl(*args)
+            return self._split(self.impl(*args), args)
         if self.backward is None:  # e.g. a backward op under create_graph=True: the op says it has no derivative
-            return self.op(*args)
+            return self._split(self.op(*args), args)
         return _Direct.apply(self, layout, *flat)
 
 
-def direct_op(name: str):
+def direct_op(name: str, split_first=None):
     """Decorator: ``@direct_op("codetta::name")`` on the implementation makes a :class:`DirectOp`."""
-    return lambda impl: DirectOp(name, impl)
+    return lambda impl: DirectOp(name, impl, split_first)

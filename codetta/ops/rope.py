@@ -181,14 +181,21 @@ def tables_from_cos_sin(cos: Tensor, sin: Tensor, lead: torch.Size) -> tuple[Ten
     return _cached_tables((cos, sin), tuple(lead), make)
 
 
-@direct_op("codetta::rmsnorm_qkv_rope")
+def _q_k_v_widths(args) -> list[int]:
+    """The widths of q, k and v in the op's qkv output, from its arguments."""
+    n_q, n_kv, head_dim = args[6:9]
+    return [n_q * head_dim, n_kv * head_dim, n_kv * head_dim]
+
+
+@direct_op("codetta::rmsnorm_qkv_rope", split_first=_q_k_v_widths)
 def _qkv_rope_op(
     x: Tensor, norm_weight: Tensor, weights: list[Tensor], bias: Optional[Tensor], cos: Tensor, sin: Tensor,
     n_q: int, n_kv: int, head_dim: int, rotary_dim: int, eps: float, u: Optional[Tensor], rstd: Optional[Tensor],
     q_norm_weight: Optional[Tensor], k_norm_weight: Optional[Tensor], qk_norm_eps: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(qkv, rstd, z): z is the pre-QK-norm projection [..., N] with QK-norm, else empty; cos and sin
-    are the per-token tables [M, R/2] fp32 (:func:`rope_tables`)."""
+    are the per-token tables [M, R/2] fp32 (:func:`rope_tables`). A call returns qkv as (q, k, v),
+    whose gradients the backward takes as they are (``split_first``: no concatenation)."""
     x2 = rows(x)
     u, rstd, rstd_out = norm_operands(x2, norm_weight, eps, weights[0].dtype, u, rstd)
     operands = dict(rstd=rstd, cos=cos, sin=sin, rotated=_rotated_pairs(n_q, n_kv, head_dim, rotary_dim, x.device))
@@ -216,10 +223,10 @@ def _(x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, rotary_dim, 
 
 def rmsnorm_qkv_rope_backward(dqkv, qkv, x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, rotary_dim,
                               rstd, z, q_norm_weight, k_norm_weight, qk_norm_eps, dweights_into=()):
-    """(dx, dnorm_weight, [dW_q, dW_k, dW_v], dbias, dq_norm_weight, dk_norm_weight) given dqkv (the
-    module doc's backward). Without QK-norm it reads the output qkv; with QK-norm the pre-norm z
-    instead (qkv unused)."""
-    dqkv2 = rows(dqkv)
+    """(dx, dnorm_weight, [dW_q, dW_k, dW_v], dbias, dq_norm_weight, dk_norm_weight) given dqkv, or
+    [dq, dk, dv] (the module doc's backward). Without QK-norm it reads the output qkv; with
+    QK-norm the pre-norm z instead (qkv unused)."""
+    dqkv2 = [rows(t) for t in dqkv] if isinstance(dqkv, list) else rows(dqkv)
     qk_norm = q_norm_weight is not None
     dz, zdz = rope_backward(dqkv2, None if qk_norm else rows(qkv), cos, sin,
                             n_rotated=(n_q + n_kv) * head_dim, head_dim=head_dim)
@@ -227,11 +234,11 @@ def rmsnorm_qkv_rope_backward(dqkv, qkv, x, norm_weight, weights, bias, cos, sin
         dz, zdz, dqw, dkw = qk_norm_backward(dz, rows(z), q_norm_weight, k_norm_weight, n_q=n_q, n_kv=n_kv,
                                              eps=qk_norm_eps, out=dz)
     else:
-        dqw, dkw = dqkv.new_empty(0, dtype=torch.float32), dqkv.new_empty(0, dtype=torch.float32)
+        dqw, dkw = dz.new_empty(0, dtype=torch.float32), dz.new_empty(0, dtype=torch.float32)
     if bias is not None:
         zdz = zdz - dz.float() @ bias.float()
     dx, dg, dws = rmsnorm_linear_backward(dz, zdz, x, norm_weight, weights, rstd, dweights_into)
-    dbias = dz.float().sum(0).to(bias.dtype) if bias is not None else dqkv.new_empty(0, dtype=torch.float32)
+    dbias = dz.float().sum(0).to(bias.dtype) if bias is not None else dz.new_empty(0, dtype=torch.float32)
     return dx, dg, dws, dbias, dqw, dkw
 
 
@@ -422,9 +429,8 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
     else:
         cos, sin = tables_from_cos_sin(*cos_sin, x.shape[:-1])
     u, rstd = given_stats(x, stats, weights[0].dtype, norm_weight, eps)
-    qkv = _qkv_rope_op(x, norm_weight, weights, b, cos, sin, nq[0], nk[0], head_dim, rotary_dim, float(eps), u, rstd,
-                       q_norm_weight, k_norm_weight, float(qk_norm_eps))[0]
-    return tuple(torch.split(qkv, [w.shape[0] for w in weights], dim=-1))
+    return _qkv_rope_op(x, norm_weight, weights, b, cos, sin, nq[0], nk[0], head_dim, rotary_dim, float(eps), u, rstd,
+                        q_norm_weight, k_norm_weight, float(qk_norm_eps))[:3]
 
 
 def rmsnorm_qkv_rope_reference(x, norm_weight, w_q, w_k, w_v, positions, inv_freq, *, head_dim, rotary_dim=None,
