@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 import traceback
@@ -30,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import markdown_table, require_gpu, write_results  # noqa: E402
-from train_bench import build  # noqa: E402
+from train_bench import build, rows_of_variants  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer")
 SPIN_CYCLES = 4_000_000_000  # ~2 s of GPU spin at the H200's clock: longer than any step's host time
@@ -148,15 +147,7 @@ def main():
     if args.variant:
         print(json.dumps(run_variant(args.variant, args)))
         return
-    rows = []
-    for variant in args.variants.split(","):
-        cmd = [sys.executable, __file__, "--variant", variant, "--seq", str(args.seq), "--batch", str(args.batch),
-               "--steps", str(args.steps), "--warmup", str(args.warmup)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode:
-            print(done.stderr[-3000:])
-            continue
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    rows = [row for row in rows_of_variants(__file__, args) if "error" not in row]
     columns = ["variant", "host ms", "GPU ms", *(f"{p} {w} ms" for p in PHASES for w in ("host", "GPU"))]
     table = markdown_table(rows, columns)
     syncs = "\n".join(f"- {r['variant']}: {len(r['syncs'])} synchronizing calls per step"

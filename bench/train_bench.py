@@ -99,6 +99,23 @@ def run_variant(variant: str, args) -> dict:
             "forward_host_ms": forward_host_ms, "forward_gpu_ms": start_event.elapsed_time(end_event)}
 
 
+def rows_of_variants(script: str, args) -> list[dict]:
+    """Each of ``args.variants`` run by ``script --variant v`` in a process of its own (with the
+    step arguments of ``args``), its last JSON line as its row; a failed one as its error."""
+    rows = []
+    for variant in args.variants.split(","):
+        cmd = [sys.executable, script, "--variant", variant, "--seq", str(args.seq), "--batch", str(args.batch),
+               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode or not lines:
+            rows.append({"variant": variant, "error": (proc.stderr.strip().splitlines() or ["?"])[-1][:200]})
+        else:
+            rows.append(json.loads(lines[-1]))
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seq", type=int, default=4096)
@@ -112,19 +129,10 @@ def main():
     if args.variant:
         print(json.dumps(run_variant(args.variant, args)), flush=True)
         return
-    rows = []
-    for variant in args.variants.split(","):
-        cmd = [sys.executable, __file__, "--variant", variant, "--seq", str(args.seq), "--batch", str(args.batch),
-               "--steps", str(args.steps), "--warmup", str(args.warmup)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        if proc.returncode or not lines:
-            rows.append({"variant": variant, "error": (proc.stderr.strip().splitlines() or ["?"])[-1][:200]})
-        else:
-            rows.append(json.loads(lines[-1]))
-        print(rows[-1], flush=True)
-        write_results("train", rows, markdown_table(rows, sorted({k for r in rows for k in r}, key=str)))
-    print(markdown_table(rows, sorted({k for r in rows for k in r}, key=str)))
+    rows = rows_of_variants(__file__, args)
+    table = markdown_table(rows, sorted({k for r in rows for k in r}, key=str))
+    write_results("train", rows, table)
+    print(table)
 
 
 if __name__ == "__main__":
