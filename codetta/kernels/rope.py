@@ -30,6 +30,7 @@ norm's zdz from the pre-norm z instead) the kernel neither reads qkv nor writes 
 
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 import torch
@@ -99,7 +100,7 @@ def rope_backward(dqkv: torch.Tensor | list[torch.Tensor], qkv: Optional[torch.T
     if not 1 <= len(parts) <= 3 or any(t.shape[0] != parts[0].shape[0] or t.dtype != parts[0].dtype for t in parts):
         raise ValueError(f"dqkv must be a tensor or up to three parts of one dtype and row count, got "
                          f"{[(tuple(t.shape), t.dtype) for t in parts]}")
-    ends = [sum(t.shape[1] for t in parts[:i + 1]) for i in range(len(parts))]
+    ends = list(itertools.accumulate(t.shape[1] for t in parts))  # where each part's columns end
     parts += [parts[-1]] * (3 - len(parts))
     ends += [ends[-1]] * (3 - len(ends))
     with_zdz = qkv is not None

@@ -141,8 +141,8 @@ class _Direct(torch.autograd.Function):
         ctx.direct = (op, layout)
         if op.split_first is None:
             return output
-        parts = _not_views(torch.split(output[0], op.split_first(inputs), dim=-1))
-        ctx.parts = [(p.shape, p.dtype) for p in parts]
+        parts = _not_views(op.parts_of_first(output[0], inputs))
+        ctx.parts = [(p.shape, p.dtype, p.device) for p in parts]
         return (*parts, *output[1:])
 
     @staticmethod
@@ -166,8 +166,8 @@ def _gradient_parts(grads, parts):
     (zeros for a part whose gradient never came), or None when none came."""
     if all(g is None for g in grads):
         return None
-    return [g if g is not None else torch.zeros(shape, dtype=dtype, device=next(t for t in grads if t is not None).device)
-            for g, (shape, dtype) in zip(grads, parts)]
+    return [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+            for g, (shape, dtype, device) in zip(grads, parts)]
 
 
 class DirectOp:
@@ -186,11 +186,15 @@ class DirectOp:
         self.setup_context = self.backward = None
         self.split_first = split_first
 
+    def parts_of_first(self, first, args):
+        """The first output as the views a call returns (``split_first``)."""
+        return torch.split(first, self.split_first(args), dim=-1)
+
     def _split(self, output, args):
         """A whole output as a call returns it (the first output in parts where it is split)."""
         if self.split_first is None:
             return output
-        return (*torch.split(output[0], self.split_first(args), dim=-1), *output[1:])
+        return (*self.parts_of_first(output[0], args), *output[1:])
 
     def register_fake(self, fake):
         self.op.register_fake(fake)
