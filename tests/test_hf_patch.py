@@ -31,12 +31,18 @@ def tiny(name, **overrides):
     common.update(overrides)
     config_cls = getattr(transformers, name.replace("ForCausalLM", "Config"))
     torch.manual_seed(0)
-    return getattr(transformers, name)(config_cls(**common)).to(DEVICE).float()
+    model = getattr(transformers, name)(config_cls(**common)).to(DEVICE).float()
+    with torch.no_grad():  # transformers initializes biases to zero: make them count
+        for param_name, param in model.named_parameters():
+            if param_name.endswith(".bias"):
+                param.uniform_(-0.5, 0.5)
+    return model
 
 
 MODELS = {
     "llama": ("LlamaForCausalLM", {}),
     "llama_bias_tied": ("LlamaForCausalLM", dict(attention_bias=True, tie_word_embeddings=True)),
+    "llama_mlp_bias": ("LlamaForCausalLM", dict(mlp_bias=True)),
     "llama_mha_rope_scaling": ("LlamaForCausalLM", dict(num_key_value_heads=4, rope_parameters=dict(
         rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=64))),
@@ -126,7 +132,7 @@ def _errors(model, ref64, ids):
     return abs(loss.double() - loss64).item() / loss64.item(), errors
 
 
-@pytest.mark.parametrize("key", ["llama", "mistral_sliding", "qwen2_bias", "qwen3_qk_norm"])
+@pytest.mark.parametrize("key", ["llama", "mistral_sliding", "qwen2_bias", "qwen3_qk_norm", "llama_mlp_bias"])
 def test_bf16_model_within_twice_the_unpatched_error(key):
     """A model cast to bf16: the loss and every gradient of the patched model are within 2x the
     unpatched bf16 model's error, both against the same model in fp64 (plus a floor of a
@@ -736,35 +742,57 @@ def _with_bias(linear):
 
 
 @pytest.mark.parametrize("path, when", [
-    ("model.layers.0.mlp.down_proj", "before_patch"),
-    ("model.layers.0.mlp.gate_proj", "after_patch"),
-    ("model.layers.1.mlp.up_proj", "set_on_the_module"),
     ("model.layers.1.self_attn.k_proj", "after_patch"),  # q/k/v partly biased: refused at patch time
     ("model.layers.0.self_attn.q_proj", "set_on_the_module"),
 ])
 def test_a_projection_bias_the_fused_forward_would_not_add_runs_unfused(path, when):
-    """The fused MLP has no biases and adds q/k/v's biases all together or none: a projection
-    given a bias it would not add (a biased nn.Linear swapped in before or after patching while
-    config.mlp_bias stays False, or a bias set on the module itself after a fused step) makes its
-    layer run the model's own forward, with a warning, instead of dropping the bias silently."""
+    """The fused forward adds q/k/v's biases all together or none: one of them given a bias alone
+    (a biased nn.Linear swapped in after patching, or a bias set on the module itself after a fused
+    step) makes its layer run the model's own forward, with a warning, instead of dropping the bias
+    silently."""
     ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
     ref = tiny("LlamaForCausalLM")
-    model = copy.deepcopy(ref)
+    model = codetta.patch(copy.deepcopy(ref))
     _wrap(ref, path, _with_bias)
-    if when == "before_patch":
-        model = codetta.patch(copy.deepcopy(ref))
+    assert_same_training_step(tiny("LlamaForCausalLM"), model, input_ids=ids, labels=ids)  # fused, unbiased
+    if when == "after_patch":
+        _wrap(model, path, lambda linear: copy.deepcopy(ref.get_submodule(path)))
     else:
-        codetta.patch(model)
-        assert_same_training_step(tiny("LlamaForCausalLM"), model, input_ids=ids, labels=ids)  # fused, unbiased
-        if when == "after_patch":
-            _wrap(model, path, lambda linear: copy.deepcopy(ref.get_submodule(path)))
-        else:
-            model.get_submodule(path).bias = torch.nn.Parameter(ref.get_submodule(path).bias.detach().clone())
+        model.get_submodule(path).bias = torch.nn.Parameter(ref.get_submodule(path).bias.detach().clone())
     with pytest.warns(UserWarning, match="bias"):
         assert_same_training_step(ref, model, input_ids=ids, labels=ids)
     biased_layer = int(path.split(".")[2])
     assert [layer._codetta_plan.unfusable is not None for layer in model.model.layers] == [
         i == biased_layer for i in range(len(model.model.layers))]
+
+
+@pytest.mark.parametrize("path, when", [
+    ("model.layers.0.mlp.down_proj", "before_patch"),
+    ("model.layers.0.mlp.gate_proj", "after_patch"),
+    ("model.layers.1.mlp.up_proj", "set_on_the_module"),
+])
+@pytest.mark.parametrize("swiglu", [True, False], ids=["swiglu", "swiglu_false"])
+def test_a_single_mlp_bias_is_added_fused(path, when, swiglu):
+    """Any of the MLP's projections may have a bias of its own (config.mlp_bias gives all three):
+    one given a bias before or after patching, or set on the module itself after a fused step, is
+    added by the fused forward (the others count as zero), with no warning."""
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    ref = tiny("LlamaForCausalLM")
+    model = copy.deepcopy(ref)
+    _wrap(ref, path, _with_bias)
+    if when == "before_patch":
+        model = codetta.patch(copy.deepcopy(ref), swiglu=swiglu)
+    else:
+        codetta.patch(model, swiglu=swiglu)
+        assert_same_training_step(tiny("LlamaForCausalLM"), model, input_ids=ids, labels=ids)
+        if when == "after_patch":
+            _wrap(model, path, lambda linear: copy.deepcopy(ref.get_submodule(path)))
+        else:
+            model.get_submodule(path).bias = torch.nn.Parameter(ref.get_submodule(path).bias.detach().clone())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    assert all(layer._codetta_plan.unfusable is None for layer in model.model.layers)
 
 
 def _scale_output(module, args, output):

@@ -22,9 +22,13 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def unfused(x, g, wg, wu, wd):
+def unfused(x, g, wg, wu, wd, bg=None, bu=None, bd=None):
     h = F.rms_norm(x, (x.shape[-1],), g, EPS)
-    return x + F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
+    return x + F.linear(F.silu(F.linear(h, wg, bg)) * F.linear(h, wu, bu), wd, bd)
+
+
+def biases(shape, f):
+    return torch.randn(f, device=DEVICE), torch.randn(f, device=DEVICE), torch.randn(shape[-1], device=DEVICE)
 
 
 def inputs(shape, f):
@@ -50,6 +54,33 @@ def test_forward_backward_fp32(shape, f):
     for name, a, b in zip(NAMES, ours, ref):
         assert a.shape == b.shape, name
         assert rel(a, b) < 2e-5, name
+
+
+@pytest.mark.parametrize("biased", [(1, 1, 1), (0, 1, 1), (1, 0, 0), (0, 0, 1)], ids=str)
+def test_biases_forward_backward_fp32(biased):
+    """Llama's mlp_bias (b_gate, b_up, b_down, each optional): the output and every gradient,
+    the biases' included, against fp64; the next norm's statistics include the down bias."""
+    shape, f = (2, 9, 32), 44
+    tensors = inputs(shape, f) + biases(shape, f)
+    dy = torch.randn(*shape, device=DEVICE)
+    g_next = 1 + 0.2 * torch.randn(shape[-1], device=DEVICE)
+
+    def fused(x, g, wg, wu, wd, *b):
+        x2, (u2, rstd2) = swiglu_mlp(x, g, wg, wu, wd, EPS, bias=tuple(t if on else None for t, on in zip(b, biased)),
+                                     next_norm_weight=g_next, next_eps=1e-6)
+        fused.stats = u2, rstd2
+        return x2
+
+    def ref(x, g, wg, wu, wd, *b):
+        return unfused(x, g, wg, wu, wd, *(t if on else None for t, on in zip(b, biased)))
+
+    ours = run(fused, tensors, dy, torch.float32)
+    names = NAMES + ("db_gate", "db_up", "db_down")
+    for name, a, b in zip(names, ours, run(ref, tensors, dy, torch.float64)):
+        assert (a is None) == (b is None), name
+        assert a is None or rel(a, b) < 2e-5, name
+    x2 = ours[0].detach().double().reshape(-1, shape[-1])
+    assert rel(fused.stats[1], torch.rsqrt(x2.square().mean(-1) + 1e-6)) < 1e-6
 
 
 def test_backward_epilogues(monkeypatch):
@@ -81,7 +112,7 @@ def test_keeps_z_not_y():
     m, d, f = 12, 16, 24
     x, *weights = (t.requires_grad_() for t in inputs((m, d), f))
     out = swiglu_mlp(x, *weights, eps=EPS)
-    shapes = sorted(tuple(t.shape) for t in out.grad_fn.saved_tensors)
+    shapes = sorted(tuple(t.shape) for t in out.grad_fn.saved_tensors if t is not None)  # None: no biases
     assert shapes == sorted([(m, d), (d,), (f, d), (f, d), (d, f), (m, 2 * f), (m,)])
 
 
@@ -112,14 +143,16 @@ def test_next_norm_statistics_and_producer_stats():
     assert rel(rstd2, torch.rsqrt(x2.square().mean(-1) + 1e-6)) < 1e-6
 
 
-def test_bf16_within_twice_eager_error():
+@pytest.mark.parametrize("with_bias", [False, True], ids=["plain", "bias"])
+def test_bf16_within_twice_eager_error(with_bias):
     shape, f = ((64, 48), 40) if INTERPRET else ((2048, 1024), 2816)
-    tensors = inputs(shape, f)
+    tensors = inputs(shape, f) + (biases(shape, f) if with_bias else ())
     dy = torch.randn(*shape, device=DEVICE)
-    ours = run(lambda *t: swiglu_mlp(*t, eps=EPS), tensors, dy, torch.bfloat16)
+    ours = run(lambda x, g, wg, wu, wd, *b: swiglu_mlp(x, g, wg, wu, wd, eps=EPS, bias=b or None), tensors, dy,
+               torch.bfloat16)
     eager = run(unfused, tensors, dy, torch.bfloat16)
     ref = run(unfused, tensors, dy, torch.float64)
-    for name, a, e, r in zip(NAMES, ours, eager, ref):
+    for name, a, e, r in zip(NAMES + ("db_gate", "db_up", "db_down"), ours, eager, ref):
         assert rel(a, r) <= 2 * rel(e, r) + 1e-4, name
 
 
@@ -133,20 +166,26 @@ def test_bad_inputs():
         swiglu_mlp(x, g, wg, wu, wd, next_norm_weight=g[:4])
     with pytest.raises(ValueError, match="next_norm_weight must be floating point"):  # as linear_residual's
         swiglu_mlp(x, g, wg, wu, wd, next_norm_weight=torch.ones(g.shape, dtype=torch.long, device=g.device))
+    with pytest.raises(ValueError, match="bias must be a tuple"):
+        swiglu_mlp(x, g, wg, wu, wd, bias=(None, None))
+    with pytest.raises(ValueError, match=r"b_down must be a floating point \[8\]"):
+        swiglu_mlp(x, g, wg, wu, wd, bias=(None, None, torch.zeros(6, device=DEVICE)))
 
 
 @pytest.mark.parametrize("next_norm", [False, True])
 def test_custom_ops_pass_opcheck(next_norm):
     x, g, wg, wu, wd = (t.requires_grad_() for t in inputs((6, 16), 8))
-    args = (x, g, wg, wu, wd, EPS, None, None, g.detach() if next_norm else None, 1e-6)
-    torch.library.opcheck(torch.ops.codetta.swiglu_mlp.default, args,
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
-    z = torch.randn(6, 16, device=DEVICE)
-    zz = torch.randn(6, 16, device=DEVICE)
-    torch.library.opcheck(torch.ops.codetta.swiglu_mlp_backward.default,
-                          (z, x.detach(), g.detach(), wg.detach(), wu.detach(), wd.detach(), zz,
-                           torch.rand(6, device=DEVICE) + 0.5),
-                          test_utils=("test_schema", "test_faketensor"))
+    b_up, b_down = torch.randn(8, device=DEVICE, requires_grad=True), torch.randn(16, device=DEVICE, requires_grad=True)
+    for b in ((None, None, None), (None, b_up, b_down)):
+        args = (x, g, wg, wu, wd, EPS, None, None, g.detach() if next_norm else None, 1e-6, *b)
+        torch.library.opcheck(torch.ops.codetta.swiglu_mlp.default, args,
+                              test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+        z = torch.randn(6, 16, device=DEVICE)
+        zz = torch.randn(6, 16, device=DEVICE)
+        torch.library.opcheck(torch.ops.codetta.swiglu_mlp_backward.default,
+                              (z, x.detach(), g.detach(), wg.detach(), wu.detach(), wd.detach(), zz,
+                               torch.rand(6, device=DEVICE) + 0.5, None, None if b[1] is None else b[1].detach()),
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 def test_torch_compile_traces_without_graph_break():

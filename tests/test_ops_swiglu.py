@@ -19,9 +19,9 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def unfused(x, g, wg, wu):
+def unfused(x, g, wg, wu, bg=None, bu=None):
     h = F.rms_norm(x, (x.shape[-1],), g, EPS)
-    return F.silu(F.linear(h, wg)) * F.linear(h, wu)
+    return F.silu(F.linear(h, wg, bg)) * F.linear(h, wu, bu)
 
 
 def inputs(shape, f):
@@ -48,14 +48,37 @@ def test_forward_backward_fp32(shape, f):
         assert rel(a, b) < 2e-5, name
 
 
-def test_bf16_within_twice_eager_error():
-    shape, f = ((64, 48), 40) if INTERPRET else ((2048, 1024), 2816)
-    tensors = inputs(shape, f)
+@pytest.mark.parametrize("biased", [(True, True), (True, False), (False, True)], ids=["both", "gate", "up"])
+@pytest.mark.parametrize("shape,f", [((37, 24), 20), ((2, 9, 32), 44)], ids=str)
+def test_biases_forward_backward_fp32(shape, f, biased):
+    """Llama's mlp_bias: z_g = h W_g^T + b_g, z_u = h W_u^T + b_u (either may be missing); the
+    biases' gradients and every other one against fp64."""
+    tensors = inputs(shape, f) + (torch.randn(f, device=DEVICE), torch.randn(f, device=DEVICE))
     dy = torch.randn(*shape[:-1], f, device=DEVICE)
-    ours = run(lambda *t: rmsnorm_swiglu(*t, eps=EPS), tensors, dy, torch.bfloat16)
+
+    def fused(x, g, wg, wu, bg, bu):
+        return rmsnorm_swiglu(x, g, wg, wu, EPS, bias=(bg if biased[0] else None, bu if biased[1] else None))
+
+    def ref(x, g, wg, wu, bg, bu):
+        return unfused(x, g, wg, wu, bg if biased[0] else None, bu if biased[1] else None)
+
+    ours = run(fused, tensors, dy, torch.float32)
+    for name, a, b in zip(("y", "dx", "dnorm_weight", "dw_gate", "dw_up", "db_gate", "db_up"), ours,
+                          run(ref, tensors, dy, torch.float64)):
+        assert (a is None) == (b is None), name
+        assert a is None or rel(a, b) < 2e-5, name
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["plain", "bias"])
+def test_bf16_within_twice_eager_error(with_bias):
+    shape, f = ((64, 48), 40) if INTERPRET else ((2048, 1024), 2816)
+    tensors = inputs(shape, f) + ((torch.randn(f, device=DEVICE), torch.randn(f, device=DEVICE)) if with_bias else ())
+    dy = torch.randn(*shape[:-1], f, device=DEVICE)
+    ours = run(lambda x, g, wg, wu, *b: rmsnorm_swiglu(x, g, wg, wu, eps=EPS, bias=b or None), tensors, dy,
+               torch.bfloat16)
     eager = run(unfused, tensors, dy, torch.bfloat16)
     ref = run(unfused, tensors, dy, torch.float64)
-    for name, a, e, r in zip(("y", "dx", "dnorm_weight", "dw_gate", "dw_up"), ours, eager, ref):
+    for name, a, e, r in zip(("y", "dx", "dnorm_weight", "dw_gate", "dw_up", "db_gate", "db_up"), ours, eager, ref):
         assert rel(a, r) <= 2 * rel(e, r) + 1e-4, name
 
 
@@ -83,12 +106,20 @@ def test_bad_inputs():
         rmsnorm_swiglu(x, g, wg, wu[:5])
     with pytest.raises(ValueError, match="weight 1 must be"):
         rmsnorm_swiglu(x, g, wg, torch.randn(6, 7, device=DEVICE))
+    with pytest.raises(ValueError, match="bias must be a tuple"):
+        rmsnorm_swiglu(x, g, wg, wu, bias=torch.zeros(6, device=DEVICE))
+    with pytest.raises(ValueError, match=r"b_up must be a floating point \[6\]"):
+        rmsnorm_swiglu(x, g, wg, wu, bias=(None, torch.zeros(5, device=DEVICE)))
+    with pytest.raises(ValueError, match="b_gate must be a floating point"):
+        rmsnorm_swiglu(x, g, wg, wu, bias=(torch.zeros(6, dtype=torch.long, device=DEVICE), None))
 
 
 def test_custom_op_passes_opcheck():
     x, g, wg, wu = (t.requires_grad_() for t in inputs((6, 16), 8))
-    torch.library.opcheck(torch.ops.codetta.rmsnorm_swiglu.default, (x, g, wg, wu, EPS, None, None),
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    bu = torch.randn(8, device=DEVICE, requires_grad=True)
+    for biases in ((None, None), (None, bu)):
+        torch.library.opcheck(torch.ops.codetta.rmsnorm_swiglu.default, (x, g, wg, wu, EPS, None, None, *biases),
+                              test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -132,6 +163,21 @@ def test_kernel_low_precision_within_twice_eager_error(m, f, dtype):
     dz_ref, zdz_ref = autograd_swiglu(dy.double(), z.double())
     assert rel(dz, dz_ref) <= 2 * rel(dz_eager, dz_ref) + 1e-6
     assert rel(zdz, zdz_ref) <= 2 * rel(zdz_eager, zdz_ref) + 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_kernel_zdz_of_the_output_before_its_bias(dtype):
+    """With the forward's bias b = [b_g | b_u] given, zdz is sum_k (z_k - b_k) dz_k; dz is unchanged."""
+    m, f = 19, 70
+    dy, z = swiglu_inputs(m, f, dtype)
+    bias = torch.randn(2 * f, device=DEVICE)
+    dz, zdz = swiglu_backward(dy, z, bias=bias)
+    assert torch.equal(dz, swiglu_backward(dy, z)[0])
+    exact = ((z.double() - bias.double()) * dz.double()).sum(-1)
+    scale = ((z.double() - bias.double()) * dz.double()).abs().sum(-1)
+    assert ((zdz.double() - exact).abs() <= 1e-6 * scale + 1e-30).all()
+    with pytest.raises(ValueError, match="bias must be a contiguous"):
+        swiglu_backward(dy, z, bias=bias[:-1])
 
 
 def test_kernel_zdz_is_from_stored_dz():

@@ -2,7 +2,9 @@
 
 With h = RMSNorm(x) (:mod:`codetta.ops.rmsnorm`) and W_g, W_u [F, d], W_d [d, F]:
 
-    z = [z_g | z_u] = h [W_g; W_u]^T,   y = silu(z_g) * z_u,   x2 = y W_d^T + x
+    z = [z_g | z_u] = h [W_g; W_u]^T (+ [b_g | b_u]),   y = silu(z_g) * z_u,   x2 = y W_d^T (+ b_d) + x
+
+(the biases where the projections have them: Llama's ``mlp_bias``).
 
 Forward: the SwiGLU GEMM of :func:`codetta.ops.rmsnorm_swiglu`, then the producer GEMM of
 :func:`codetta.ops.linear_residual` (which also gives the next norm's statistics of x2).
@@ -11,7 +13,8 @@ Backward, given dx2, in three GEMMs and their weight gradients:
 
 1. dy = dx2 W_d (a plain GEMM), then dz = [dz_g | dz_u] and zdz_i = sum_k z_ik dz_ik from
    the SwiGLU-backward kernel of :mod:`codetta.kernels.swiglu`, which also recomputes
-   y = silu(z_g) * z_u from the z it reads; dW_d = dx2^T y.
+   y = silu(z_g) * z_u from the z it reads; dW_d = dx2^T y; db_d = sum over rows of dx2,
+   [db_g | db_u] = sum over rows of dz.
    Running the SwiGLU backward in the dgrad's epilogue instead (z_g, z_u read as aux tiles,
    dz stored from the tile) saves one [M, F] write and read of dy, but on the H200 it was
    slower: 3.59 ms against 2.85 + 0.65 ms for GEMM and kernel at M=16384, d=4096, F=14336
@@ -43,7 +46,8 @@ from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .rmsnorm import (NormStats, _check_norm_inputs, _linear_residual_op, _weight_k, check_eps, given_stats,
                       rmsnorm_linear_backward, rstd_like, used_rstd)
-from .swiglu import _rmsnorm_swiglu_op
+from .swiglu import (_rmsnorm_swiglu_op, bias_grad_sums, bias_grads, check_mlp_biases, gate_up_biases,
+                     rmsnorm_swiglu_reference)
 from .weight_grads import for_autograd, run_backward, stacked_like, weight_grad
 from .shapes import rows
 
@@ -51,76 +55,87 @@ from .shapes import rows
 @direct_op("codetta::swiglu_mlp")
 def _mlp_op(
     x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, eps: float, u: Optional[Tensor],
-    rstd: Optional[Tensor], next_norm_weight: Optional[Tensor], next_eps: float,
+    rstd: Optional[Tensor], next_norm_weight: Optional[Tensor], next_eps: float, b_gate: Optional[Tensor],
+    b_up: Optional[Tensor], b_down: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(x2, u2, rstd2, z, rstd): x2 and its next norm's statistics (empty without
     next_norm_weight), then what the backward keeps."""
-    y, z, rstd_out = _rmsnorm_swiglu_op.impl(x, norm_weight, w_gate, w_up, eps, u, rstd)
-    x2, u2, rstd2 = _linear_residual_op.impl(y, [w_down], x, None, next_norm_weight, next_eps)
+    y, z, rstd_out = _rmsnorm_swiglu_op.impl(x, norm_weight, w_gate, w_up, eps, u, rstd, b_gate, b_up)
+    x2, u2, rstd2 = _linear_residual_op.impl(y, [w_down], x, b_down, next_norm_weight, next_eps)
     return x2, u2, rstd2, z, rstd_out
 
 
 @_mlp_op.register_fake
-def _(x, norm_weight, w_gate, w_up, w_down, eps, u, rstd, next_norm_weight, next_eps):
+def _(x, norm_weight, w_gate, w_up, w_down, eps, u, rstd, next_norm_weight, next_eps, b_gate, b_up, b_down):
     m, f, low = x.numel() // x.shape[-1], w_gate.shape[0], w_gate.dtype
     stats = (x.new_empty(m, x.shape[-1], dtype=low), x.new_empty(m, dtype=torch.float32)) if next_norm_weight is not None \
         else (x.new_empty(0), x.new_empty(0, dtype=torch.float32))
     return torch.empty_like(x), *stats, x.new_empty(m, 2 * f, dtype=low), rstd_like(x, u, rstd)
 
 
-def swiglu_mlp_backward(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, dweights_into=()):
+def swiglu_mlp_backward(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, b_gate=None, b_up=None,
+                        dweights_into=()):
     """(dx, dnorm_weight, the weight gradients of W_gate and W_up as
-    :func:`codetta.ops.weight_grads.weight_grads` gives them, dW_down) given dx2 (the module doc's backward)."""
+    :func:`codetta.ops.weight_grads.weight_grads` gives them, dW_down, the gate and up biases'
+    gradient sums of :func:`codetta.ops.swiglu.bias_grad_sums`) given dx2 (the module doc's backward)."""
     into = list(dweights_into) or [None] * 3
     f, d = w_gate.shape
     dx2_2 = rows(dx2).to(w_down.dtype).contiguous()  # x2's gradient as the GEMMs' operand
     y = z.new_empty(z.shape[0], f)
-    dz, zdz = swiglu_backward(gemm(dx2_2, _weight_k([w_down])), z, y_out=y)
+    biases = gate_up_biases(b_gate, b_up, f, z)
+    dz, zdz = swiglu_backward(gemm(dx2_2, _weight_k([w_down])), z, y_out=y, bias=biases)
     dw_down = weight_grad(dx2_2, y, into[2])
     dx, dg, dws_gate_up = rmsnorm_linear_backward(dz, zdz, x, norm_weight, [w_gate, w_up], rstd, into[:2],
                                                   residual_grad=dx2)
-    return dx, dg, dws_gate_up, dw_down
+    return dx, dg, dws_gate_up, dw_down, bias_grad_sums(dz, biases)
 
 
 @direct_op("codetta::swiglu_mlp_backward")
 def _mlp_backward_op(
     dx2: Tensor, x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, z: Tensor, rstd: Tensor,
-) -> tuple[Tensor, Tensor, list[Tensor], Tensor]:
-    return swiglu_mlp_backward(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd)
+    b_gate: Optional[Tensor], b_up: Optional[Tensor],
+) -> tuple[Tensor, Tensor, list[Tensor], Tensor, Tensor]:
+    return swiglu_mlp_backward(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, b_gate, b_up)
 
 
 @_mlp_backward_op.register_fake
-def _(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd):
-    return torch.empty_like(x), torch.empty_like(norm_weight), stacked_like([w_gate, w_up]), torch.empty_like(w_down)
+def _(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, b_gate, b_up):
+    has_bias = b_gate is not None or b_up is not None
+    return (torch.empty_like(x), torch.empty_like(norm_weight), stacked_like([w_gate, w_up]), torch.empty_like(w_down),
+            x.new_empty(z.shape[1] if has_bias else 0, dtype=torch.float32))
 
 
 def _setup(ctx, inputs, output):
     only_first_output_differentiable(ctx, output)
-    x, norm_weight, w_gate, w_up, w_down, _, u, rstd, *_ = inputs
+    x, norm_weight, w_gate, w_up, w_down, _, u, rstd, _, _, b_gate, b_up, b_down = inputs
     *_, z, rstd_out = output
-    ctx.save_for_backward(x, norm_weight, w_gate, w_up, w_down, z, used_rstd(u, rstd, rstd_out))
+    ctx.has_down_bias = b_down is not None
+    ctx.save_for_backward(x, norm_weight, w_gate, w_up, w_down, z, used_rstd(u, rstd, rstd_out), b_gate, b_up)
 
 
 def _backward(ctx, dx2, *_unused):
-    x, norm_weight, w_gate, w_up, w_down, z, rstd = ctx.saved_tensors
+    x, norm_weight, w_gate, w_up, w_down, z, rstd, b_gate, b_up = ctx.saved_tensors
     grads = run_backward(ctx, [w_gate, w_up, w_down], _mlp_backward_op, swiglu_mlp_backward,
-                         dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd)
-    dx, dg, dws_gate_up, dw_down = grads
-    return dx, dg, *for_autograd(dws_gate_up, [w_gate, w_up]), *for_autograd([dw_down], [w_down]), *(None,) * 5
+                         dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, b_gate, b_up)
+    dx, dg, dws_gate_up, dw_down, dbias = grads
+    db_down = rows(dx2).sum(0) if ctx.has_down_bias else None
+    return (dx, dg, *for_autograd(dws_gate_up, [w_gate, w_up]), *for_autograd([dw_down], [w_down]), *(None,) * 5,
+            *bias_grads(dbias, b_gate, b_up), db_down)
 
 
 _mlp_op.register_autograd(_backward, setup_context=_setup)
 
 
-@casts_under_autocast("w_gate", "w_up", "w_down", "stats", streams=("x",))
+@casts_under_autocast("w_gate", "w_up", "w_down", "stats", "bias", streams=("x",))
 def swiglu_mlp(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, eps: float = 1e-6, *,
-               stats=None, next_norm_weight: Tensor | None = None, next_eps: float = 1e-6):
-    """``x + (silu(h W_g^T) * (h W_u^T)) W_d^T`` with h = ``F.rms_norm(x, (d,), norm_weight, eps)``.
+               stats=None, next_norm_weight: Tensor | None = None, next_eps: float = 1e-6, bias: tuple | None = None):
+    """``x + (silu(h W_g^T + b_g) * (h W_u^T + b_u)) W_d^T + b_d`` with h = ``F.rms_norm(x, (d,), norm_weight, eps)``.
 
     Args:
         x: [..., d]; norm_weight: [d]; w_gate, w_up: [F, d]; w_down: [d, F], as nn.Linear stores them.
         stats: optional (u, rstd) of x from :func:`codetta.ops.linear_residual`.
         next_norm_weight: [d] of the RMSNorm that will consume the output (its epsilon ``next_eps``).
+        bias: optional (b_gate [F], b_up [F], b_down [d]), each a tensor or None (Llama's ``mlp_bias``).
         x may be fp32 with 16-bit weights (a wider residual stream, :mod:`codetta.ops.rmsnorm`):
         x2 is then fp32 too.
     Returns:
@@ -137,13 +152,14 @@ def swiglu_mlp(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_d
     if next_norm_weight is not None and (next_norm_weight.shape != (d,) or not next_norm_weight.is_floating_point()):
         raise ValueError(f"next_norm_weight must be floating point [{d}], got {tuple(next_norm_weight.shape)} "
                          f"{next_norm_weight.dtype}")
+    biases = check_mlp_biases(bias, ("b_gate", "b_up", "b_down"), (f, f, d), x.device)
     u, rstd = given_stats(x, stats, w_gate.dtype, norm_weight, eps)
     x2, u2, rstd2, *_ = _mlp_op(x, norm_weight, w_gate, w_up, w_down, float(eps), u, rstd, next_norm_weight,
-                                float(next_eps))
+                                float(next_eps), *biases)
     return x2 if next_norm_weight is None else (x2, NormStats.of(u2, rstd2, x2, next_norm_weight, next_eps))
 
 
-def swiglu_mlp_reference(x, norm_weight, w_gate, w_up, w_down, eps=1e-6):
-    h = torch.nn.functional.rms_norm(x, (x.shape[-1],), norm_weight, eps)
-    return x + torch.nn.functional.linear(
-        torch.nn.functional.silu(torch.nn.functional.linear(h, w_gate)) * torch.nn.functional.linear(h, w_up), w_down)
+def swiglu_mlp_reference(x, norm_weight, w_gate, w_up, w_down, eps=1e-6, bias=None):
+    b_gate, b_up, b_down = bias if bias is not None else (None, None, None)
+    return x + torch.nn.functional.linear(rmsnorm_swiglu_reference(x, norm_weight, w_gate, w_up, eps, (b_gate, b_up)),
+                                          w_down, b_down)

@@ -2,16 +2,18 @@
 
 With h = RMSNorm(x) (see :mod:`codetta.ops.rmsnorm`), W_g, W_u [F, d]:
 
-    z_g = h W_g^T,  z_u = h W_u^T,  y = silu(z_g) * z_u
+    z_g = h W_g^T (+ b_g),  z_u = h W_u^T (+ b_u),  y = silu(z_g) * z_u
 
 Forward: one GEMM reads u = x g against W_gu = [W_g; W_u] *row-interleaved* (row 2j is
 W_g's row j, row 2j + 1 W_u's), so that each (gate, up) pair sits in adjacent columns of a
 tile, where splitting the pairs is free (each thread holds adjacent accumulator columns);
-the epilogue scales rows by r, writes y and keeps z = [z_g | z_u] ([M, 2F], gate block then
-up block) for the backward. W_gu is a copy made per call (2 F d elements read and written,
-about 2% of the GEMM at d = 4096): ``codetta.interleave`` reads the two weights without a
-copy, but as two dots of half width per tile, which read each A tile from shared memory
-twice; on an H200 that made the whole op 1.22x its GEMM time (an earlier ops_bench run).
+the epilogue scales rows by r, adds the biases (where the projections have them: Llama's
+``mlp_bias``; read as one interleaved [2F] column vector, 0 for a missing one), writes y and
+keeps z = [z_g | z_u] ([M, 2F], gate block then up block, biases included) for the
+backward. W_gu is a copy made per call (2 F d elements read and written, about 2% of the
+GEMM at d = 4096): ``codetta.interleave`` reads the two weights without a copy, but as two
+dots of half width per tile, which read each A tile from shared memory twice; on an H200
+that made the whole op 1.22x its GEMM time (an earlier ops_bench run).
 
 Backward, given dy [M, F] (s = sigmoid(z_g), fp32 math):
 
@@ -20,7 +22,8 @@ Backward, given dy [M, F] (s = sigmoid(z_g), fp32 math):
 
 1. one memory-bound kernel (:func:`codetta.kernels.swiglu.swiglu_backward`) reads dy and
    z and writes dz = [dz_g | dz_u] in z's dtype and zdz in fp32 (per-block partial row
-   sums, summed after; zdz is taken from dz as stored, i.e. after its rounding);
+   sums, summed after; zdz is taken from dz as stored, i.e. after its rounding, and over
+   z minus its bias: the GEMM's own output); the biases' gradients are dz's column sums;
 2. the norm-backward GEMM of :func:`codetta.ops.rmsnorm.rmsnorm_linear_backward`: dz
    against [W_g; W_u] read as one along K (no copy), with zdz giving the norm's row term,
    then dW_g = dz_g^T h and dW_u = dz_u^T h.
@@ -48,79 +51,138 @@ from .shapes import rows
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_program() -> ep.Program:
-    p = ep.Program("rmsnorm_swiglu")
-    gate, up = ep.pairs(p.acc * p.row("rstd"))
+def _forward_program(with_bias: bool) -> ep.Program:
+    p = ep.Program("rmsnorm_swiglu" + ("_bias" if with_bias else ""))
+    z = p.acc * p.row("rstd")
+    gate, up = ep.pairs(z + p.col("bias") if with_bias else z)
     p.store("z_gate", gate)
     p.store("z_up", up)
     p.store("y", ep.silu(gate) * up)
     return p
 
 
+def gate_up_biases(b_gate: Optional[Tensor], b_up: Optional[Tensor], f: int, like: Tensor) -> Optional[Tensor]:
+    """[b_g | b_u] ([2F], z's column order; zeros for a missing one), or None without either."""
+    if b_gate is None and b_up is None:
+        return None
+    zero = like.new_zeros(f, dtype=(b_gate if b_gate is not None else b_up).dtype)
+    return torch.cat((b_gate if b_gate is not None else zero, b_up if b_up is not None else zero))
+
+
+def _interleaved(blocks: Tensor) -> Tensor:
+    """[b_g | b_u] as the forward GEMM's columns: b_g0, b_u0, b_g1, b_u1, ..."""
+    return blocks.view(2, -1).t().reshape(-1)
+
+
+def bias_grad_sums(dz: Tensor, biases: Optional[Tensor]) -> Tensor:
+    """dz's column sums in fp32 ([2F]: the gradient of [b_g | b_u]), or an empty tensor without biases."""
+    return dz.new_empty(0, dtype=torch.float32) if biases is None else dz.sum(0, dtype=torch.float32)
+
+
+def bias_grads(sums: Tensor, b_gate: Optional[Tensor], b_up: Optional[Tensor]) -> list[Optional[Tensor]]:
+    """The gradients of the gate and up biases from :func:`bias_grad_sums`, each in its bias's dtype
+    (None for a missing bias)."""
+    if b_gate is None and b_up is None:
+        return [None, None]
+    return [None if b is None else s.to(b.dtype) for b, s in zip((b_gate, b_up), sums.view(2, -1))]
+
+
+def swiglu_forward(x2: Tensor, u: Tensor, rstd: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor],
+                   b_up: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """(y [M, F], z [M, 2F]) of the rows x2 given their norm operands u and rstd (the module doc's forward)."""
+    d, f = x2.shape[-1], w_gate.shape[0]
+    z = x2.new_empty(x2.shape[0], 2 * f, dtype=w_gate.dtype)
+    w_gate_up = torch.stack((w_gate, w_up), dim=1).reshape(2 * f, d)  # rows g0, u0, g1, u1, ...
+    biases = gate_up_biases(b_gate, b_up, f, w_gate)
+    operands = dict(rstd=rstd) if biases is None else dict(rstd=rstd, bias=_interleaved(biases))
+    out = gemm(u.reshape(x2.shape), w_gate_up.t(), _forward_program(biases is not None),
+               out={"z_gate": z[:, :f], "z_up": z[:, f:]}, **operands)
+    return out["y"], z
+
+
 @direct_op("codetta::rmsnorm_swiglu")
 def _rmsnorm_swiglu_op(
-    x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, eps: float, u: Optional[Tensor], rstd: Optional[Tensor]
+    x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, eps: float, u: Optional[Tensor], rstd: Optional[Tensor],
+    b_gate: Optional[Tensor], b_up: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor]:
-    d, f = x.shape[-1], w_gate.shape[0]
     x2 = rows(x)
     u, rstd, rstd_out = norm_operands(x2, norm_weight, eps, w_gate.dtype, u, rstd)
-    z = x.new_empty(x2.shape[0], 2 * f, dtype=w_gate.dtype)
-    w_gate_up = torch.stack((w_gate, w_up), dim=1).reshape(2 * f, d)  # rows g0, u0, g1, u1, ...
-    out = gemm(u.reshape(x2.shape), w_gate_up.t(), _forward_program(), rstd=rstd,
-               out={"z_gate": z[:, :f], "z_up": z[:, f:]})
-    return out["y"].reshape(*x.shape[:-1], f), z, rstd_out
+    y, z = swiglu_forward(x2, u, rstd, w_gate, w_up, b_gate, b_up)
+    return y.reshape(*x.shape[:-1], y.shape[-1]), z, rstd_out
 
 
 @_rmsnorm_swiglu_op.register_fake
-def _(x, norm_weight, w_gate, w_up, eps, u, rstd):
+def _(x, norm_weight, w_gate, w_up, eps, u, rstd, b_gate, b_up):
     m, f = x.numel() // x.shape[-1], w_gate.shape[0]
     return (x.new_empty(*x.shape[:-1], f, dtype=w_gate.dtype), x.new_empty(m, 2 * f, dtype=w_gate.dtype),
             rstd_like(x, u, rstd))
 
 
-def rmsnorm_swiglu_backward(dy, z, x, norm_weight, w_gate, w_up, rstd, dweights_into=()):
+def rmsnorm_swiglu_backward(dy, z, x, norm_weight, w_gate, w_up, rstd, b_gate=None, b_up=None, dweights_into=()):
     """(dx, dnorm_weight, the weight gradients of W_gate and W_up as :func:`codetta.ops.weight_grads.weight_grads`
-    gives them) given dy (the module doc's steps 1 and 2)."""
-    dz, zdz = swiglu_backward(dy.reshape(z.shape[0], z.shape[1] // 2).to(z.dtype), z)
-    return rmsnorm_linear_backward(dz, zdz, x, norm_weight, [w_gate, w_up], rstd, dweights_into)
+    gives them, the biases' gradient sums of :func:`bias_grad_sums`) given dy (the module doc's steps 1 and 2)."""
+    biases = gate_up_biases(b_gate, b_up, w_gate.shape[0], z)
+    dz, zdz = swiglu_backward(dy.reshape(z.shape[0], z.shape[1] // 2).to(z.dtype), z, bias=biases)
+    return (*rmsnorm_linear_backward(dz, zdz, x, norm_weight, [w_gate, w_up], rstd, dweights_into),
+            bias_grad_sums(dz, biases))
 
 
 @direct_op("codetta::rmsnorm_swiglu_backward")
 def _rmsnorm_swiglu_backward_op(
-    dy: Tensor, z: Tensor, x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, rstd: Tensor
-) -> tuple[Tensor, Tensor, list[Tensor]]:
-    return rmsnorm_swiglu_backward(dy, z, x, norm_weight, w_gate, w_up, rstd)
+    dy: Tensor, z: Tensor, x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, rstd: Tensor,
+    b_gate: Optional[Tensor], b_up: Optional[Tensor],
+) -> tuple[Tensor, Tensor, list[Tensor], Tensor]:
+    return rmsnorm_swiglu_backward(dy, z, x, norm_weight, w_gate, w_up, rstd, b_gate, b_up)
 
 
 @_rmsnorm_swiglu_backward_op.register_fake
-def _(dy, z, x, norm_weight, w_gate, w_up, rstd):
-    return torch.empty_like(x), torch.empty_like(norm_weight), stacked_like([w_gate, w_up])
+def _(dy, z, x, norm_weight, w_gate, w_up, rstd, b_gate, b_up):
+    has_bias = b_gate is not None or b_up is not None
+    return (torch.empty_like(x), torch.empty_like(norm_weight), stacked_like([w_gate, w_up]),
+            x.new_empty(z.shape[1] if has_bias else 0, dtype=torch.float32))
 
 
 def _setup(ctx, inputs, output):
     only_first_output_differentiable(ctx, output)
-    x, norm_weight, w_gate, w_up, eps, u, rstd = inputs
+    x, norm_weight, w_gate, w_up, eps, u, rstd, b_gate, b_up = inputs
     _, z, rstd_out = output
-    ctx.save_for_backward(z, x, norm_weight, w_gate, w_up, used_rstd(u, rstd, rstd_out))
+    ctx.save_for_backward(z, x, norm_weight, w_gate, w_up, used_rstd(u, rstd, rstd_out), b_gate, b_up)
 
 
 def _backward(ctx, dy, _dz, _drstd):
-    z, x, norm_weight, w_gate, w_up, rstd = ctx.saved_tensors
-    dx, dg, dws = run_backward(ctx, [w_gate, w_up], _rmsnorm_swiglu_backward_op, rmsnorm_swiglu_backward,
-                                    dy, z, x, norm_weight, w_gate, w_up, rstd)
-    return dx, dg, *for_autograd(dws, [w_gate, w_up]), None, None, None
+    z, x, norm_weight, w_gate, w_up, rstd, b_gate, b_up = ctx.saved_tensors
+    dx, dg, dws, dbias = run_backward(ctx, [w_gate, w_up], _rmsnorm_swiglu_backward_op, rmsnorm_swiglu_backward,
+                                      dy, z, x, norm_weight, w_gate, w_up, rstd, b_gate, b_up)
+    return dx, dg, *for_autograd(dws, [w_gate, w_up]), None, None, None, *bias_grads(dbias, b_gate, b_up)
 
 
 _rmsnorm_swiglu_op.register_autograd(_backward, setup_context=_setup)
 
 
-@casts_under_autocast("w_gate", "w_up", "stats", streams=("x",))
-def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, eps: float = 1e-6, *, stats=None):
-    """``silu(h W_g^T) * (h W_u^T)`` with h = ``F.rms_norm(x, (d,), norm_weight, eps)``, fused.
+def check_mlp_biases(bias, names: tuple[str, ...], dims: tuple[int, ...], device) -> tuple:
+    """``bias`` (None, or a tuple of one optional vector per name) checked: each a floating point
+    vector of its projection's outputs (``dims``) on ``device``; returned as a tuple (Nones without)."""
+    if bias is None:
+        return (None,) * len(names)
+    if not isinstance(bias, (tuple, list)) or len(bias) != len(names):
+        raise ValueError(f"bias must be a tuple ({', '.join(names)}), each a tensor or None, got {bias!r:.80}")
+    for name, b, n in zip(names, bias, dims):
+        if b is not None and (not isinstance(b, Tensor) or b.shape != (n,) or not b.is_floating_point()
+                              or b.device != device):
+            got = f"{tuple(b.shape)} {b.dtype} {b.device}" if isinstance(b, Tensor) else type(b).__name__
+            raise ValueError(f"{name} must be a floating point [{n}] tensor on {device}, got {got}")
+    return tuple(bias)
+
+
+@casts_under_autocast("w_gate", "w_up", "stats", "bias", streams=("x",))
+def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, eps: float = 1e-6, *, stats=None,
+                   bias: tuple | None = None):
+    """``silu(h W_g^T + b_g) * (h W_u^T + b_u)`` with h = ``F.rms_norm(x, (d,), norm_weight, eps)``, fused.
 
     Args:
         x: [..., d]; norm_weight: [d]; w_gate, w_up: [F, d] as nn.Linear stores them.
         stats: optional (u, rstd) from :func:`codetta.ops.linear_residual`.
+        bias: optional (b_gate, b_up), each [F] or None (Llama's ``mlp_bias``).
         x may be fp32 with 16-bit weights (a wider residual stream, :mod:`codetta.ops.rmsnorm`).
     Returns:
         y [..., F] in the weights' dtype.
@@ -128,10 +190,13 @@ def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor,
     _check_norm_inputs(x, norm_weight, [w_gate, w_up], eps)
     if w_gate.shape != w_up.shape:
         raise ValueError(f"w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} differ")
+    f = w_gate.shape[0]
+    b_gate, b_up = check_mlp_biases(bias, ("b_gate", "b_up"), (f, f), x.device)
     u, rstd = given_stats(x, stats, w_gate.dtype, norm_weight, eps)
-    return _rmsnorm_swiglu_op(x, norm_weight, w_gate, w_up, float(eps), u, rstd)[0]
+    return _rmsnorm_swiglu_op(x, norm_weight, w_gate, w_up, float(eps), u, rstd, b_gate, b_up)[0]
 
 
-def rmsnorm_swiglu_reference(x, norm_weight, w_gate, w_up, eps=1e-6):
+def rmsnorm_swiglu_reference(x, norm_weight, w_gate, w_up, eps=1e-6, bias=None):
+    b_gate, b_up = bias if bias is not None else (None, None)
     h = F.rms_norm(x, (x.shape[-1],), norm_weight, eps)
-    return F.silu(F.linear(h, w_gate)) * F.linear(h, w_up)
+    return F.silu(F.linear(h, w_gate, b_gate)) * F.linear(h, w_up, b_up)

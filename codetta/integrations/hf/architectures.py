@@ -180,12 +180,9 @@ def why_unfusable(modules: tuple, arch: Architecture, classes: ModelClasses):
             cls = own.get(path, classes.rms_norm)
             if type(module).forward is not cls.forward:
                 return f"{path} is a {type(module).__name__} whose forward is not {cls.__name__}'s"
-    # the fused forward adds q/k/v's biases all together or none, o_proj's, and none in the MLP
-    # (SwiGLU without biases): a bias it would not add must not be dropped silently
+    # the fused forward adds q/k/v's biases all together or none (and each of the others where it is
+    # set): a bias it would not add must not be dropped silently
     has_bias = dict(zip(_PROJECTIONS, bias_layout(modules, arch)))
-    for path in _MLP_PROJECTIONS:
-        if has_bias[path]:
-            return f"{path} has a bias (the fused SwiGLU MLP has none)"
     if len({has_bias[path] for path in _QKV}) > 1:
         return "some of q/k/v have a bias and some not"
     return None
@@ -217,8 +214,6 @@ def check_model(model, arch: Architecture, classes: ModelClasses):
     act = getattr(config, "hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise UnsupportedModelError(f"the MLP activation is {act!r}; codetta fuses SwiGLU (silu). Nothing was patched.")
-    if getattr(config, "mlp_bias", False):
-        raise UnsupportedModelError("mlp_bias=True is not supported (SwiGLU without biases). Nothing was patched.")
     dtype = next(model.parameters()).dtype
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise UnsupportedModelError(f"the model is in {dtype}; codetta's kernels take float16, bfloat16 and "

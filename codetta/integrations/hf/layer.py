@@ -311,13 +311,15 @@ def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_id
         and type(ln_next.weight) in (torch.Tensor, torch.nn.Parameter)
     )
     next_norm = dict(next_norm_weight=ln_next.weight, next_eps=ln_next.variance_epsilon) if hand_on else {}
+    biases = (mlp.gate_proj.bias, mlp.up_proj.bias, mlp.down_proj.bias)  # Llama's mlp_bias
     if plan.fuse_swiglu:
         out = swiglu_mlp(x1, ln2.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
-                         ln2.variance_epsilon, stats=stats, **next_norm)
+                         ln2.variance_epsilon, stats=stats, bias=biases, **next_norm)
     else:
         gate, up = torch.chunk(rmsnorm_linear(x1, ln2.weight, [mlp.gate_proj.weight, mlp.up_proj.weight],
                                               ln2.variance_epsilon, stats=stats), 2, dim=-1)
-        out = linear_residual(mlp.act_fn(gate) * up, mlp.down_proj.weight, x1, *next_norm.values())
+        gate, up = (z if b is None else z + b for z, b in ((gate, biases[0]), (up, biases[1])))
+        out = linear_residual(mlp.act_fn(gate) * up, mlp.down_proj.weight, x1, *next_norm.values(), bias=biases[2])
     if not hand_on:
         return out
     x2, stats2 = out
