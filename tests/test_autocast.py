@@ -72,6 +72,21 @@ def test_operator_under_autocast_is_the_operator_on_bf16_operands(name):
         torch.testing.assert_close(g, e.float(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("op, names, make", [
+    (codetta.linear, ("x", "weight"), lambda: (leaf(M, D), leaf(F, D))),
+    (ops.rmsnorm_linear, ("x", "norm_weight", "weight"), lambda: (leaf(M, D), leaf(D), leaf(F, D))),
+    (ops.linear_cross_entropy, ("x", "weight", "target"),
+     lambda: (leaf(M, D), leaf(40, D), torch.randint(0, 40, (M,), device=DEVICE))),
+], ids=["linear", "rmsnorm_linear", "linear_cross_entropy"])
+def test_arguments_passed_by_name_are_cast_as_by_position(op, names, make):
+    """Autocast's device comes from the first argument, whether given by position or by name."""
+    inputs = make()
+    with torch.autocast(DEVICE, dtype=BF16):
+        by_position = op(*inputs)
+        by_name = op(**dict(zip(names, inputs)))
+    assert by_name.dtype == by_position.dtype and torch.equal(by_name, by_position)
+
+
 def test_patched_model_under_autocast_within_twice_eager_error():
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,

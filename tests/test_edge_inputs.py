@@ -188,13 +188,24 @@ EMPTY = {  # name -> (codetta, fp64 math, input shapes): a dim of 0 somewhere
                                lambda x, g, wg, wu, wd: x + F.linear(F.silu(F.linear(_rms(x, g), wg))
                                                                      * F.linear(_rms(x, g), wu), wd),
                                [(3, 8), (8,), (0, 8), (0, 8), (8, 0)]),
+    # a hidden size of 0: the norm of no columns, the GEMMs' empty sums (0) plus what else adds
+    "rmsnorm_linear_no_hidden": (lambda x, g, w: ops.rmsnorm_linear(x, g, w, EPS),
+                                 lambda x, g, w: F.linear(_rms(x, g), w), [(3, 0), (0,), (5, 0)]),
+    "swiglu_mlp_no_hidden": (lambda x, g, wg, wu, wd, b: ops.swiglu_mlp(x, g, wg, wu, wd, EPS, bias=(b, b, None)),
+                             lambda x, g, wg, wu, wd, b: x + F.linear(F.silu(F.linear(_rms(x, g), wg, b))
+                                                                      * F.linear(_rms(x, g), wu, b), wd),
+                             [(2, 3, 0), (0,), (6, 0), (6, 0), (0, 6), (6,)]),
+    "cross_entropy_final_norm_no_hidden": (
+        lambda x, w, g, b: ops.linear_cross_entropy(x, w, torch.arange(3, device=DEVICE), bias=b, norm_weight=g),
+        lambda x, w, g, b: F.cross_entropy(F.linear(_rms(x, g), w, b), torch.arange(3, device=DEVICE)),
+        [(3, 0), (7, 0), (0,), (7,)]),
 }
 
 
 @pytest.mark.parametrize("name", sorted(EMPTY))
 def test_empty_dims_as_pytorch(name):
-    """No rows, no output features, an empty weight part or an empty K: what PyTorch computes
-    (zeros and empty gradients where a dim is 0), forward and backward."""
+    """No rows, no output features, an empty weight part, an empty K or no hidden size: what
+    PyTorch computes (zeros and empty gradients where a dim is 0), forward and backward."""
     fn, ref, shapes = EMPTY[name]
     inputs = [torch.randn(*s, device=DEVICE) for s in shapes]
     got, expected = _fp64_grads(fn, ref, inputs)

@@ -176,6 +176,18 @@ def test_qwen3_qk_norm_fused_into_the_qkv_epilogue(bias, rope, monkeypatch):
                for layer in model.model.layers)
 
 
+def test_qk_norm_epsilons_made_different_after_patching_run_unfused():
+    """The fused QK-norm takes one epsilon for q and k (checked at patch time): a k_norm epsilon
+    changed after patching makes the layer run the model's own forward, with a warning."""
+    ref = tiny("Qwen3ForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    for m in (ref, model):
+        m.model.layers[1].self_attn.k_norm.variance_epsilon = 0.5
+    ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
+    with pytest.warns(UserWarning, match="different epsilons"):
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+
+
 @pytest.mark.parametrize("name", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
 def test_head_dim_not_a_power_of_two_keeps_the_models_rope(name):
     """head_dim 24: RoPE (and Qwen3's QK-norm) run as the model's own code after the

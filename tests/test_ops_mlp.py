@@ -188,9 +188,11 @@ def test_custom_ops_pass_opcheck(next_norm):
                               test_utils=("test_schema", "test_faketensor"))
 
 
-def test_torch_compile_traces_without_graph_break():
-    tensors = inputs((2, 5, 16), 8)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["plain", "bias"])
+def test_torch_compile_traces_without_graph_break(with_bias):
+    tensors = inputs((2, 5, 16), 8) + (biases((2, 5, 16), 8) if with_bias else ())
     dy = torch.randn(2, 5, 16, device=DEVICE)
-    compiled = torch.compile(lambda *t: swiglu_mlp(*t, eps=EPS), backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(lambda x, g, wg, wu, wd, *b: swiglu_mlp(x, g, wg, wu, wd, eps=EPS, bias=b or None),
+                             backend="aot_eager", fullgraph=True)
     for a, b in zip(run(compiled, tensors, dy, torch.float32), run(unfused, tensors, dy, torch.float64)):
         assert rel(a, b) < 2e-5

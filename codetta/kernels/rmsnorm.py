@@ -22,6 +22,7 @@ must be 1 (rows may have any stride); a strided norm weight is made contiguous.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -124,6 +125,8 @@ def rstd_of_partial_sums(part: Tensor, d: int, eps: float) -> Tensor:
     part [M, T] (fp32, contiguous) that a GEMM epilogue's ``row_sumsq`` wrote: the reduction's
     finishing step and the norm's statistic in one launch (``codetta.gemm(..., finish=...)``)."""
     m, t = part.shape
+    if d == 0:
+        return _rstd_of_no_columns(m, part.device)
     rstd = torch.empty(m, device=part.device, dtype=torch.float32)
     if m:
         bm, bt, warps = (16, 8, 1) if interpreting() else (128, 32, 4)
@@ -132,9 +135,15 @@ def rstd_of_partial_sums(part: Tensor, d: int, eps: float) -> Tensor:
     return rstd
 
 
+def _rstd_of_no_columns(m: int, device) -> Tensor:
+    """rstd of rows without columns (d = 0), whose norm is empty: 0, so that a GEMM's row scale
+    by it gives the 0 of its empty sum (not NaN, as the mean of no squares would make)."""
+    return torch.zeros(m, device=device, dtype=torch.float32)
+
+
 def _rows(x: Tensor) -> Tensor:
-    """x [..., d] as [M, d] with contiguous columns."""
-    x2 = x.reshape(-1, x.shape[-1])
+    """x [..., d] as [M, d] with contiguous columns (M the product of the leading dims, also for d = 0)."""
+    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
@@ -146,7 +155,7 @@ def _rows_pass(x: Tensor, norm_weight: Tensor, eps: float, normalize: bool, dtyp
     x2 = _rows(x)
     m, d = x2.shape
     out = torch.empty(m, d, device=x.device, dtype=dtype or x.dtype)
-    rstd = torch.empty(m, device=x.device, dtype=torch.float32)
+    rstd = torch.empty(m, device=x.device, dtype=torch.float32) if d else _rstd_of_no_columns(m, x.device)
     if m and d:
         bm, bd, warps = _block()
         launch(_rmsnorm_rows_kernel, (triton.cdiv(m, bm),),

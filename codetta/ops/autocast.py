@@ -54,9 +54,11 @@ def casts_under_autocast(*names: str, streams: tuple = (), streams_if: tuple = (
         if missing:
             raise TypeError(f"{fn.__name__} has no parameters {sorted(missing)}")
 
+        first_name = next(iter(signature.parameters))
+
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            first = args[0] if args else None
+            first = args[0] if args else kwargs.get(first_name)  # passed by position or by name
             device = first.device.type if isinstance(first, torch.Tensor) else None
             if device is None or not _autocast_enabled(device):
                 return fn(*args, **kwargs)

@@ -318,7 +318,7 @@ def rmsnorm_linear_backward(dz: Tensor, zdz: Tensor, x: Tensor, norm_weight: Ten
     extra = {} if residual_grad is None else {"residual_grad": rows(residual_grad)}
     program = _consumer_backward(residual_grad is not None, x.dtype if x.dtype != dz2.dtype else None)
     out = gemm(dz2, _weight_k(weights), program, rstd=rstd,
-               norm_weight=norm_weight, x=x2, zdz=zdz, inv_d=1.0 / d, **extra)
+               norm_weight=norm_weight, x=x2, zdz=zdz, inv_d=1.0 / max(d, 1), **extra)
     dweights = weight_grads(dz2, out["h"], weights, dweights_into)
     return out["dx"].reshape(x.shape), out["dnorm_weight"].to(norm_weight.dtype), dweights
 

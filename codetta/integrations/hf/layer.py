@@ -270,9 +270,13 @@ def _fusable(layer, plan: LayerPlan, hidden_states) -> bool:
             warn_unfused(plan.unfusable)
     if plan.unfusable is not None:
         return False
+    attn = layer.self_attn
+    if plan.arch.qk_norm and attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon:  # changed after patching
+        warn_unfused("q_norm and k_norm have different epsilons (the fused QK-norm takes one)")
+        return False
     # a stream the kernels cannot take with these weights (bf16 inputs_embeds given to an fp32 model):
     # the model's own layer upcasts it (its norm and residual add make an fp32 stream for the next layer)
-    operand, device_type = layer.self_attn.q_proj.weight.dtype, hidden_states.device.type
+    operand, device_type = attn.q_proj.weight.dtype, hidden_states.device.type
     if torch.is_autocast_enabled(device_type):
         operand = torch.get_autocast_dtype(device_type)
     if not stream_fits(hidden_states.dtype, operand):
