@@ -84,6 +84,9 @@ def cases(m, s: Shape):
     def c_inputs():
         return _param(m, s.d), norm_weight(), _param(s.ffn, s.d, scale=s.d**-0.5), _param(s.ffn, s.d, scale=s.d**-0.5)
 
+    def f_inputs():  # c with Llama's mlp_bias
+        return (*c_inputs(), _param(s.ffn, scale=0.1), _param(s.ffn, scale=0.1))
+
     def d_inputs():
         return (_param(m, s.ffn), _param(s.d, s.ffn, scale=s.ffn**-0.5), _param(m, s.d))
 
@@ -105,6 +108,11 @@ def cases(m, s: Shape):
                             lambda x, g, wg, wu: rmsnorm_swiglu(x, g, wg, wu, EPS),
                             lambda x, g, wg, wu: swiglu.rmsnorm_swiglu_reference(x, g, wg, wu, EPS),
                             [(m, 2 * s.ffn, s.d)]),
+        "f_gateup_swiglu_bias": (f_inputs,
+                                 lambda x, g, wg, wu, bg, bu: rmsnorm_swiglu(x, g, wg, wu, EPS, bias=(bg, bu)),
+                                 lambda x, g, wg, wu, bg, bu: swiglu.rmsnorm_swiglu_reference(x, g, wg, wu, EPS,
+                                                                                              (bg, bu)),
+                                 [(m, 2 * s.ffn, s.d)]),
         "d_down_residual": (d_inputs,
                             lambda y, w, r: linear_residual(y, w, r),
                             lambda y, w, r: rmsnorm.linear_residual_reference(y, w, r),
@@ -245,7 +253,7 @@ def table(rows):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--m", default="16384", help="tokens, comma-separated (the loss op uses half of them, as the peers' anchors)")
-    parser.add_argument("--ops", default="a,b,c,d,e")
+    parser.add_argument("--ops", default="a,b,c,d,e", help="of a-f (f: c with biases, Llama's mlp_bias)")
     parser.add_argument("--shapes", default="llama3-8b", help=f"comma-separated, of {sorted(SHAPES)}")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")
@@ -253,7 +261,8 @@ def main():
     require_gpu("ops_bench")
     names = args.shapes.split(",")
     rows = []
-    results = "ops_" + ("" if names == ["llama3-8b"] else "_".join(names) + "_") + "m" + args.m.replace(",", "_")
+    results = ("ops_" + ("" if names == ["llama3-8b"] else "_".join(names) + "_") + "m" + args.m.replace(",", "_")
+               + ("" if args.ops == parser.get_default("ops") else "_ops_" + args.ops.replace(",", "")))
     for shape_name in names:
         shape = SHAPES[shape_name]
         for tokens in (int(v) for v in args.m.split(",")):
