@@ -228,17 +228,16 @@ def rmsnorm_qkv_rope_backward(dqkv, qkv, x, norm_weight, weights, bias, cos, sin
     QK-norm the pre-norm z instead (qkv unused)."""
     dqkv2 = [rows(t) for t in dqkv] if isinstance(dqkv, list) else rows(dqkv)
     qk_norm = q_norm_weight is not None
+    # zdz is taken over the GEMM's own output, before its bias
     dz, zdz = rope_backward(dqkv2, None if qk_norm else rows(qkv), cos, sin,
-                            n_rotated=(n_q + n_kv) * head_dim, head_dim=head_dim)
+                            n_rotated=(n_q + n_kv) * head_dim, head_dim=head_dim, bias=bias)
     if qk_norm:  # dz above is dzn; QK-norm's backward in place gives dz and zdz from the pre-norm z
         dz, zdz, dqw, dkw = qk_norm_backward(dz, rows(z), q_norm_weight, k_norm_weight, n_q=n_q, n_kv=n_kv,
-                                             eps=qk_norm_eps, out=dz)
+                                             eps=qk_norm_eps, out=dz, bias=bias)
     else:
         dqw, dkw = dz.new_empty(0, dtype=torch.float32), dz.new_empty(0, dtype=torch.float32)
-    if bias is not None:
-        zdz = zdz - dz.float() @ bias.float()
     dx, dg, dws = rmsnorm_linear_backward(dz, zdz, x, norm_weight, weights, rstd, dweights_into)
-    dbias = dz.float().sum(0).to(bias.dtype) if bias is not None else dz.new_empty(0, dtype=torch.float32)
+    dbias = dz.sum(0, dtype=torch.float32).to(bias.dtype) if bias is not None else dz.new_empty(0, dtype=torch.float32)
     return dx, dg, dws, dbias, dqw, dkw
 
 
