@@ -2,6 +2,13 @@
 
 import functools
 import os
+import threading
+
+# Triton's interpreter patches triton.language's functions for the duration of a kernel: two
+# kernels interpreted at once from two threads see each other's patches come and go (a launch
+# then fails with "Did you forget to add @triton.jit ?"). codetta's interpreted launches take
+# turns under this lock.
+INTERPRETER_LOCK = threading.Lock()
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,6 +22,7 @@ store them ([out, in] weights), so state dicts map one to one.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -52,14 +53,18 @@ class DecoderConfig:
     def __post_init__(self):
         sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
         for name in sizes:
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"DecoderConfig.{name} must be a positive int, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"DecoderConfig.{name} must be a positive int, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}")
         if self.head_dim < 2 or self.head_dim & (self.head_dim - 1):
             raise ValueError(f"head_dim {self.head_dim} must be a power of two, 2 or more (RoPE runs in the QKV epilogue)")
-        if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
-            raise ValueError("rms_norm_eps and rope_theta must be positive")
+        for name, least in (("rms_norm_eps", "positive"), ("rope_theta", "positive"), ("init_std", "non-negative")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < 0 or (value == 0 and least == "positive"):
+                raise ValueError(f"DecoderConfig.{name} must be a {least} finite number, got {value!r}")
 
 
 def _linear_weight(out_features: int, in_features: int, std: float) -> nn.Parameter:

@@ -590,6 +590,32 @@ def test_operand_names_of_gemms_own_parameters_are_refused(name):
         ep.Program("reserved").row(name)
 
 
+@pytest.mark.parametrize("name, match", [
+    ("\u00b5", "operand name must be an ASCII identifier"),  # micro sign: Python reads it as Greek mu
+    ("\ufb01", "operand name must be an ASCII identifier"),  # the ligature fi: read as "fi"
+    ("\ufb00", "output name must be an ASCII identifier"),
+    ("\ufb01lter", "a program name must be an ASCII identifier"),
+    ("p" * 161, "a program name must be an ASCII identifier of at most 160"),  # it names the kernel's file
+    (123, "a program name must be an ASCII identifier"),
+], ids=["micro", "ligature", "output", "program", "long_program", "not_a_string"])
+def test_names_the_generated_kernel_cannot_hold_are_refused(name, match):
+    """Names become identifiers and a file name of the generated kernel: Python reads non-ASCII
+    identifiers NFKC-normalized (two names could become one), and a file name has a length limit."""
+    with pytest.raises(EpilogueError, match=match):
+        if match.startswith("operand"):
+            ep.Program("names").row(name)
+        elif match.startswith("output"):
+            p = ep.Program("names")
+            p.store(name, p.acc)
+        else:
+            ep.Program(name)
+
+
+def test_kernel_source_of_something_else_is_refused():
+    with pytest.raises(EpilogueError, match="kernel_source takes a codetta.epilogue.Program, got str"):
+        codetta.kernel_source("a_program", "tma")
+
+
 @pytest.mark.parametrize("width", [None, "half", 2])
 def test_col_index_width_is_checked(width):
     with pytest.raises(EpilogueError, match="width must be FULL or HALF"):

@@ -5,11 +5,15 @@ kernels run in Triton's interpreter (bf16 operands upcast there: see
 codetta.matmul.mainloop), on a GPU compiled.
 """
 
+import threading
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 import codetta
 from codetta import Config
+from codetta import epilogue as ep
 from codetta.matmul import launch
 from conftest import DEVICE, INTERPRET
 
@@ -256,3 +260,36 @@ def test_interleaved_b(path, layout, monkeypatch):
     ref = x.double() @ torch.stack([b0, b1], dim=2).reshape(k, 2 * f).double()
     assert out.shape == (27, 2 * f)
     assert rel_err(out, ref) < 1e-5
+
+
+def test_calls_from_several_threads_at_once():
+    """Threads calling codetta.gemm at the same time each get their own, right result (under
+    Triton's interpreter, whose kernels patch triton.language while they run, they take turns)."""
+    p = ep.Program("threads_swiglu_rowsum")
+    gate, up = ep.pairs(p.acc)
+    p.store("y", ep.silu(gate) * up + p.scalar("shift"), dtype=torch.float32)
+    p.row_sum("s", p.acc)
+    failures = []
+
+    def work(seed):
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        for _ in range(6):
+            a = torch.randn(20, 8, generator=gen).to(DEVICE)
+            b = torch.randn(8, 32, generator=gen).to(DEVICE)
+            try:
+                out = codetta.gemm(a, b, p, shift=float(seed))
+            except Exception as exc:  # noqa: BLE001 - reported below, with the thread's seed
+                failures.append((seed, repr(exc)))
+                return
+            acc = a.double() @ b.double()
+            want = F.silu(acc[:, 0::2]) * acc[:, 1::2] + seed
+            if not (torch.allclose(out["y"].double(), want, atol=1e-4) and torch.allclose(out["s"].double(), acc.sum(1),
+                                                                                           atol=1e-4)):
+                failures.append((seed, "wrong result"))
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures

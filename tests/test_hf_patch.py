@@ -176,6 +176,23 @@ def test_qwen3_qk_norm_fused_into_the_qkv_epilogue(bias, rope, monkeypatch):
                for layer in model.model.layers)
 
 
+@pytest.mark.parametrize("when", ["before_patch", "after_patch"])
+def test_an_lm_head_without_a_weight_runs_the_models_own_loss(when):
+    """An lm_head that is no nn.Linear at all (a Sequential around one): the model's own head and
+    loss run, with a warning (found by a probe: the check read lm_head.weight first and failed)."""
+    ref = tiny("LlamaForCausalLM")
+    patched_first = codetta.patch(copy.deepcopy(ref))
+    ref.lm_head = torch.nn.Sequential(ref.lm_head)
+    if when == "before_patch":
+        model = codetta.patch(copy.deepcopy(ref))
+    else:
+        model = patched_first
+        model.lm_head = copy.deepcopy(ref.lm_head)
+    ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
+    with pytest.warns(UserWarning, match="lm_head is a torch.nn.modules.container.Sequential"):
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+
+
 def test_qk_norm_epsilons_made_different_after_patching_run_unfused():
     """The fused QK-norm takes one epsilon for q and k (checked at patch time): a k_norm epsilon
     changed after patching makes the layer run the model's own forward, with a warning."""

@@ -138,7 +138,9 @@ def test_compiled_decoder_equals_eager():
 @pytest.mark.parametrize("bad, match", [(dict(head_dim=24), "power of two"), (dict(head_dim=1), "2 or more"),
                                         (dict(num_kv_heads=3), "multiple"),
                                         (dict(num_layers=0), "num_layers"), (dict(hidden_size=32.0), "hidden_size"),
-                                        (dict(rms_norm_eps=0.0), "positive")], ids=str)
+                                        (dict(rms_norm_eps=0.0), "positive"), (dict(vocab_size=True), "vocab_size"),
+                                        (dict(rope_theta=float("inf")), "rope_theta must be a positive finite"),
+                                        (dict(init_std=-0.1), "init_std must be a non-negative")], ids=str)
 def test_config_rejects_what_the_decoder_cannot_run(bad, match):
     with pytest.raises(ValueError, match=match):
         cnn.DecoderConfig(**{**CFG.__dict__, **bad})

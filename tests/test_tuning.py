@@ -4,6 +4,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import time
 import warnings
 from dataclasses import replace
 
@@ -89,6 +90,27 @@ def test_entries_written_by_another_process_meanwhile_are_kept(cache_dir):
     tuning.choose("mine_2", CONFIGS, times.__getitem__)
     keys = json.loads((cache_dir / "tuning.json").read_text()).keys()
     assert "theirs" in keys and sum(k.startswith("mine_") for k in keys) == 2
+
+
+def test_two_processes_saving_at_once_keep_every_entry(cache_dir):
+    """Processes tuning at the same time (DDP ranks) each read, merge and replace the file: a lock
+    between them keeps every entry (without it the last writer dropped the other's new ones)."""
+    code = (
+        "import sys, time\n"
+        "from codetta.matmul import tuning\n"
+        "tag, start = sys.argv[1], float(sys.argv[2])\n"
+        "time.sleep(max(0.0, start - time.time()))\n"
+        "for i in range(60):\n"
+        "    tuning._save(f'{tag}-{i}', {'BM': 16, 'BN': 16, 'BK': 16})\n"
+    )
+    env = {"CODETTA_CACHE_DIR": str(cache_dir), "PATH": "", "TRITON_INTERPRET": "1"}
+    start = str(time.time() + 8)  # both processes have imported codetta by then
+    runs = [subprocess.Popen([sys.executable, "-c", code, tag, start], env=env, stderr=subprocess.PIPE, text=True)
+            for tag in ("A", "B")]
+    for run in runs:
+        assert run.wait(timeout=120) == 0, run.stderr.read()
+    keys = json.loads((cache_dir / "tuning.json").read_text()).keys()
+    assert sorted(keys) == sorted(f"{tag}-{i}" for tag in ("A", "B") for i in range(60))
 
 
 def test_an_unwritable_cache_keeps_the_choice_in_memory(tmp_path, monkeypatch):

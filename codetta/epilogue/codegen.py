@@ -394,6 +394,8 @@ _MAINLOOP = {
 
 def kernel_source(program: Program, path: str) -> str:
     """The Triton source of ``program`` fused into the GEMM kernel; path is 'tma' or 'ptr'."""
+    if not isinstance(program, Program):
+        raise EpilogueError(f"kernel_source takes a codetta.epilogue.Program, got {type(program).__name__}")
     if path not in _MAINLOOP:
         raise EpilogueError(f"path must be one of {sorted(_MAINLOOP)}, got {path!r}")
     program.check()

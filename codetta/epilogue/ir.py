@@ -64,6 +64,16 @@ STORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # whose tensor is passed as an operand) may take their names.
 GEMM_PARAMETERS = ("a", "b", "epilogue", "out", "config", "finish")
 
+# A program's name (with its path and fingerprint) names its kernel's source file: well within a
+# file system's 255 bytes.
+MAX_NAME_LENGTH = 160
+
+
+def _is_name(name) -> bool:
+    """An ASCII identifier: it becomes part of Python identifiers in the generated kernel, which
+    Python reads NFKC-normalized (so a non-ASCII name such as 'µ' or 'ﬁ' would change there)."""
+    return isinstance(name, str) and name.isascii() and name.isidentifier()
+
 
 class Expr:
     """One node of an epilogue expression graph (immutable; shared subexpressions are reused)."""
@@ -376,8 +386,9 @@ class Program:
     _loads: dict = field(default_factory=dict, repr=False, init=False)
 
     def __post_init__(self):
-        if not self.name.isidentifier():
-            raise EpilogueError(f"a program name must be an identifier, got {self.name!r}")
+        if not _is_name(self.name) or len(self.name) > MAX_NAME_LENGTH:
+            raise EpilogueError(f"a program name must be an ASCII identifier of at most {MAX_NAME_LENGTH} characters "
+                                f"(it names the kernel and its file), got {self.name!r:.120}")
 
     def _register(self, node):
         self._nodes.append(node)
@@ -401,8 +412,8 @@ class Program:
         return self._acc
 
     def _declare(self, name, kind, width=None, period=None):
-        if not isinstance(name, str) or not name.isidentifier():
-            raise EpilogueError(f"program {self.name!r}: operand name must be an identifier, got {name!r}")
+        if not _is_name(name):
+            raise EpilogueError(f"program {self.name!r}: operand name must be an ASCII identifier, got {name!r}")
         if name in GEMM_PARAMETERS:
             raise EpilogueError(f"program {self.name!r}: operand name {name!r} is reserved (a parameter of codetta.gemm)")
         if width is not None and not isinstance(width, Width):
@@ -463,8 +474,8 @@ class Program:
 
     # outputs --------------------------------------------------------------------
     def _output(self, out):
-        if not isinstance(out.name, str) or not out.name.isidentifier():
-            raise EpilogueError(f"program {self.name!r}: output name must be an identifier, got {out.name!r}")
+        if not _is_name(out.name):
+            raise EpilogueError(f"program {self.name!r}: output name must be an ASCII identifier, got {out.name!r}")
         if out.name in self.outputs:
             raise EpilogueError(f"program {self.name!r}: output {out.name!r} is written twice")
         if out.name in self.operands:

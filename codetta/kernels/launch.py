@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..interpreter import interpreting
+from ..interpreter import INTERPRETER_LOCK, interpreting
 
 _COMPILED = {}
 
@@ -36,7 +36,8 @@ def launch(kernel, grid, *args, num_warps: int = 4, **constexprs):
     names = kernel.arg_names
     full = [*args, *(constexprs[name] for name in names[len(args):])]
     if interpreting():
-        kernel[grid](*full, num_warps=num_warps)
+        with INTERPRETER_LOCK:
+            kernel[grid](*full, num_warps=num_warps)
         return
     key = (kernel, num_warps, tuple(map(_spec, args)), tuple(full[len(args):]))
     compiled = _COMPILED.get(key)

@@ -22,7 +22,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..epilogue.codegen import kernel_args, load_kernel
 from ..epilogue.ir import FULL, HALF, EpilogueError, Program
-from ..interpreter import interpreting
+from ..interpreter import INTERPRETER_LOCK, interpreting
 from ..kernels import finish as finishing
 from . import config as tile_configs, tuning
 from .config import WIDEST_BN, Config, SharedMemory, candidates, interpreter_config
@@ -493,10 +493,12 @@ class _Plan:
         outs, bufs, args = self._arguments_for(a, b, operands, out)
         if self.compiled is not None:
             self.compiled[self.grid](*args)
+        elif self.interpret:
+            with INTERPRETER_LOCK:
+                self.kernel[self.grid](*args, **self.options)
         else:
-            compiled = self.kernel[self.grid](*args, **self.options)
-            if not self.interpret:
-                self.compiled, self.describe = compiled, _UncheckedDescriptor.of
+            self.compiled = self.kernel[self.grid](*args, **self.options)
+            self.describe = _UncheckedDescriptor.of
         return outs, bufs
 
     def execute(self, a, b, operands, out, finish):

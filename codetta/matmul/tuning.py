@@ -9,6 +9,8 @@ skips timing and takes the first candidate.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -58,17 +60,31 @@ def _cached_config(entry, configs):
     return cfg if cfg in configs else None
 
 
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock between processes (``flock`` on ``path`` + ".lock"), held while the cache
+    file is read, merged and replaced: without it, of two processes saving at once the last one's
+    file would drop the other's new entries."""
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _save(key: str, entry: dict):
     """Add ``key`` to the cache file, keeping what other processes wrote since it was read (a
     process that tunes other shapes at the same time); an unwritable cache stays in memory."""
     path = cache_file()
-    table = {**_read(), key: entry}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(table, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        with _locked(path):
+            table = {**_read(), key: entry}
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump(table, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
     except OSError as exc:
         warnings.warn(f"codetta: cannot write the tuning cache {path} ({exc}); set CODETTA_CACHE_DIR to a writable "
                       "folder to keep tuning results across processes", stacklevel=3)

@@ -34,10 +34,10 @@ def why_loss_unfusable(model):
     expect to run, and a loss_function set on the model (or another config.loss_type) is not
     transformers' causal-LM cross-entropy."""
     head = model.lm_head
-    if head.weight.dtype == torch.float64:
-        return "lm_head is fp64 (codetta's kernels take fp32, fp16 and bf16)"
     if not is_plain_linear(head):
         return f"lm_head is a {class_name(head)}, not a plain torch.nn.Linear"
+    if head.weight.dtype == torch.float64:
+        return "lm_head is fp64 (codetta's kernels take fp32, fp16 and bf16)"
     if is_hooked(head):
         return "lm_head has hooks or its own forward"
     if ForCausalLMLoss is not None and model.loss_function is not ForCausalLMLoss:
