@@ -63,8 +63,9 @@ def test_forward_and_backward_replay_from_a_cuda_graph(name):
             t.copy_(v)
     graph.replay()
     torch.cuda.synchronize()
-    replayed = [out.clone()] + [t.grad.clone() for t in leaves]
+    replayed = [out.clone()] + [None if t.grad is None else t.grad.clone() for t in leaves]
     eager_leaves = [v.clone().requires_grad_() for v in new]
     eager = [_step(fn, eager_leaves, dy)] + [t.grad for t in eager_leaves]
-    for r, e in zip(replayed, eager):
-        assert torch.equal(r, e)
+    for r, e in zip(replayed, eager):  # None: the next norm's weight, whose statistics carry no gradient
+        assert (r is None and e is None) or torch.equal(r, e)
+    assert sum(r is not None for r in replayed) >= len(leaves)
