@@ -123,7 +123,9 @@ def _plot_path(text: str):
     from pathlib import Path
 
     path = Path(text).expanduser()
-    if not text or path.is_dir():
+    if not text:
+        raise argparse.ArgumentTypeError("the plot's file name is empty (e.g. loss.png)")
+    if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file name for the plot (e.g. loss.png)")
     if path.suffix.lower() not in PLOT_SUFFIXES:
         raise argparse.ArgumentTypeError(f"the plot's file name must end in one of {', '.join(PLOT_SUFFIXES)}, "
