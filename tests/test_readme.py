@@ -29,7 +29,7 @@ def test_readme_example_runs(index, capsys):
                                            (["--steps", "abc"], "must be an integer"),
                                            (["--out", "/nonexistent/folder/plot.png"], "is not a folder"),
                                            (["--out", "{tmp}"], "is a folder, not a file name"),
-                                           (["--out", ""], "the plot.s file name is empty"),
+                                           (["--out", ""], "file name is empty"),
                                            (["--out", "{tmp}/plot.foo"], "must end in one of"),
                                            (["--out", "/proc/codetta_plot.png"], "cannot be written")])
 def test_demo_refuses_bad_options_before_it_trains(args, message, capsys, tmp_path):
