@@ -20,6 +20,7 @@ import torch
 import codetta
 from codetta import EpilogueError, GemmError
 from codetta import epilogue as ep
+from codetta import ops
 from codetta.matmul import launch, memory
 from conftest import DEVICE
 
@@ -869,3 +870,37 @@ def test_written_tensors_are_checked_on_every_call():
     assert not memory.share_elements(big[:, :1024], big[:, 1024:])
     assert memory.share_elements(big[:, :1025], big[:, 1024:])
     assert not memory.share_elements(big[1:, :1024], big[:-1, 1024:])
+
+
+def test_tensors_written_in_place_count_the_write():
+    """out= tensors and accumulating stores' operands get their version counter bumped, as
+    PyTorch's in-place ops do: a backward through a graph that saved the old values raises (found
+    by a probe: it returned a wrong gradient), and norm statistics made before the write are refused."""
+    a, b = torch.randn(6, 8, device=DEVICE), torch.randn(8, 4, device=DEVICE)
+    w = torch.randn(6, 4, device=DEVICE, requires_grad=True)
+    z = w.exp()  # exp's backward reads its output z
+    codetta.gemm(a, b, out=z.detach())
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
+
+    accumulate = ep.Program("written_in_place_accumulate")
+    accumulate.store("x", accumulate.acc, accumulate=True)
+    x, stats = ops.linear_residual(torch.randn(6, 8, device=DEVICE), torch.randn(4, 8, device=DEVICE),
+                                   torch.randn(6, 4, device=DEVICE), torch.ones(4, device=DEVICE))
+    before = x._version
+    codetta.gemm(a, b, accumulate, x=x)
+    assert x._version == before + 1
+    with pytest.raises(ValueError, match="changed in place since"):
+        ops.rmsnorm_linear(x, torch.ones(4, device=DEVICE), torch.randn(3, 4, device=DEVICE), stats=stats)
+
+
+def test_a_tensor_autograd_tracks_is_not_written_in_place():
+    """codetta.gemm records nothing for autograd: writing into a tensor that requires grad is refused
+    while grad mode is on (as torch refuses an in-place write into a leaf that requires grad)."""
+    a, b = torch.randn(6, 8, device=DEVICE), torch.randn(8, 4, device=DEVICE)
+    leaf = torch.zeros(6, 4, device=DEVICE, requires_grad=True)
+    with pytest.raises(GemmError, match=r"would write out\['out'\] in place, which requires grad"):
+        codetta.gemm(a, b, out=leaf)
+    with torch.no_grad():
+        codetta.gemm(a, b, out=leaf)
+    torch.testing.assert_close(leaf.detach(), a @ b)

@@ -241,6 +241,36 @@ class _Call:
         return (o.dtype or self.a.dtype) if o.kind == "store" else torch.float32
 
 
+def _written_in_place(program, operands, out) -> list:
+    """[(what, tensor)] of the caller's tensors a call writes into: outputs given in ``out``, and
+    the operands of accumulating stores."""
+    written = [(f"out[{n!r}]", t) for n, t in out.items() if isinstance(t, torch.Tensor)]
+    if isinstance(program, Program):
+        written += [(f"operand {o.name!r} (accumulated into)", operands[o.name]) for o in program.outputs.values()
+                    if o.kind == "store" and o.accumulate and isinstance(operands.get(o.name), torch.Tensor)]
+    return written
+
+
+def _check_untracked(written) -> None:
+    """codetta.gemm records nothing for autograd: a tensor it would write in place while autograd
+    tracks it (grad mode on, requires_grad) would keep a gradient that no longer fits its
+    values, so it is refused, as torch refuses an in-place write into a leaf that requires grad."""
+    if not torch.is_grad_enabled():
+        return
+    for what, t in written:
+        if t.requires_grad:
+            raise GemmError(f"codetta.gemm would write {what} in place, which requires grad: codetta.gemm does not "
+                            "track gradients (detach it, or call under torch.no_grad())")
+
+
+def _count_writes(written) -> None:
+    """Bump the version counter of each tensor written in place, as PyTorch's in-place ops do:
+    autograd then refuses a backward through a graph that saved the old values (of it or of a
+    view sharing its counter), and codetta's norm statistics (NormStats) see x changed."""
+    for _, t in written:
+        torch.autograd.graph.increment_version(t)
+
+
 def _check_written_apart(program, a, b, operands, out):
     """What the kernel writes (outputs given in ``out``, operands accumulated into) must not
     share an element with a, b or the program's operands, which tiles read beyond their own
@@ -253,9 +283,7 @@ def _check_written_apart(program, a, b, operands, out):
     if not isinstance(program, Program):
         return
     accumulated = {o.name for o in program.outputs.values() if o.kind == "store" and o.accumulate}
-    written = [(f"out[{n!r}]", t) for n, t in out.items() if isinstance(t, torch.Tensor)]
-    written += [(f"operand {n!r} (accumulated into)", operands[n]) for n in accumulated
-                if isinstance(operands.get(n), torch.Tensor)]
+    written = _written_in_place(program, operands, out)
     if not written:
         return
     parts = b if isinstance(b, (list, tuple)) else (b,)
@@ -582,12 +610,15 @@ def gemm(a, b, epilogue: Program | None = None, *, out=None, config=None, finish
     finish = _finishers(finish, program)
     b = _without_empty_parts(b)
     _warn_if_differentiable(a, b, operands)
+    written = _written_in_place(program, operands, out)
+    _check_untracked(written)
     _check_written_apart(program, a, b, operands, out)  # before any launch: the tuner's write into out too
     plan = _plan(a, b, program, operands, out, config)
     if plan is None:
         results = _trivial(_Call(a, b, program, operands, out), finish)
     else:
         results = plan.execute(a, b, operands, out, finish)
+    _count_writes(written)
     return results["out"] if epilogue is None else results
 
 
