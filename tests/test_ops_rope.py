@@ -271,24 +271,29 @@ def test_layers_share_one_pair_of_tables_with_a_bf16_inv_freq(monkeypatch):
     assert rel(outs[0][0], q_ref) < 1e-5
 
 
+@pytest.mark.parametrize("bias_std", [0, 100], ids=["no_bias", "bias_std_100"])
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
-def test_bf16_within_twice_eager_error(qk_norm):
+def test_bf16_within_twice_eager_error(qk_norm, bias_std):
+    """Also with q/k/v biases far larger than the projections (Qwen2's k biases reach the
+    hundreds): stored z + b would make zdz cancel, so the norm's row term comes from dL/dh
+    (found by a probe: dx was 5.7x eager's error at a bias std of 100)."""
     head_dim, hq, hkv = (16, 4, 2) if INTERPRET else (128, 8, 2)
     m, d = (48, 64) if INTERPRET else (2048, 1024)
     tensors, _, pos, inv_freq = make(m, d, head_dim, hq, hkv, head_dim, False, max_pos=8192)
+    biases = [bias_std * torch.randn(h * head_dim, device=DEVICE) for h in (hq, hkv, hkv)] if bias_std else []
     grads = [torch.randn(m, h * head_dim, device=DEVICE) for h in (hq, hkv, hkv)]
     norms = make_qk_norm(head_dim) if qk_norm else []
 
     def ours(ts, bs, qk=(None, None)):
-        return rmsnorm_qkv_rope(*ts, pos, inv_freq, head_dim=head_dim, eps=EPS, q_norm_weight=qk[0],
+        return rmsnorm_qkv_rope(*ts, pos, inv_freq, head_dim=head_dim, bias=bs, eps=EPS, q_norm_weight=qk[0],
                                 k_norm_weight=qk[1], qk_norm_eps=QK_EPS)
 
     def eager(ts, bs, qk=None):
-        return hf_style(*ts, pos, inv_freq, head_dim, head_dim, 1.0, None, qk_norm=qk)
+        return hf_style(*ts, pos, inv_freq, head_dim, head_dim, 1.0, bs, qk_norm=qk)
 
-    got = run(ours, tensors, [], grads, torch.bfloat16, norms)
-    base = run(eager, tensors, [], grads, torch.bfloat16, norms)
-    want = run(eager, tensors, [], grads, torch.float64, norms)
+    got = run(ours, tensors, biases, grads, torch.bfloat16, norms)
+    base = run(eager, tensors, biases, grads, torch.bfloat16, norms)
+    want = run(eager, tensors, biases, grads, torch.float64, norms)
     for i, (a, e, r) in enumerate(zip(got, base, want)):
         assert rel(a, r) <= 2 * rel(e, r) + 1e-4, i
 

@@ -69,10 +69,14 @@ def test_biases_forward_backward_fp32(shape, f, biased):
         assert a is None or rel(a, b) < 2e-5, name
 
 
-@pytest.mark.parametrize("with_bias", [False, True], ids=["plain", "bias"])
-def test_bf16_within_twice_eager_error(with_bias):
+@pytest.mark.parametrize("bias_std", [0, 1, 100], ids=["plain", "bias", "bias_std_100"])
+def test_bf16_within_twice_eager_error(bias_std):
+    """With biases too, also far larger than the projections (stored z + b would make zdz cancel:
+    the norm's row term then comes from dL/dh)."""
     shape, f = ((64, 48), 40) if INTERPRET else ((2048, 1024), 2816)
-    tensors = inputs(shape, f) + ((torch.randn(f, device=DEVICE), torch.randn(f, device=DEVICE)) if with_bias else ())
+    with_bias = bias_std > 0
+    tensors = inputs(shape, f) + ((bias_std * torch.randn(f, device=DEVICE), bias_std * torch.randn(f, device=DEVICE))
+                                  if with_bias else ())
     dy = torch.randn(*shape[:-1], f, device=DEVICE)
     ours = run(lambda x, g, wg, wu, *b: rmsnorm_swiglu(x, g, wg, wu, eps=EPS, bias=b or None), tensors, dy,
                torch.bfloat16)
@@ -163,21 +167,6 @@ def test_kernel_low_precision_within_twice_eager_error(m, f, dtype):
     dz_ref, zdz_ref = autograd_swiglu(dy.double(), z.double())
     assert rel(dz, dz_ref) <= 2 * rel(dz_eager, dz_ref) + 1e-6
     assert rel(zdz, zdz_ref) <= 2 * rel(zdz_eager, zdz_ref) + 1e-6
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_kernel_zdz_of_the_output_before_its_bias(dtype):
-    """With the forward's bias b = [b_g | b_u] given, zdz is sum_k (z_k - b_k) dz_k; dz is unchanged."""
-    m, f = 19, 70
-    dy, z = swiglu_inputs(m, f, dtype)
-    bias = torch.randn(2 * f, device=DEVICE)
-    dz, zdz = swiglu_backward(dy, z, bias=bias)
-    assert torch.equal(dz, swiglu_backward(dy, z)[0])
-    exact = ((z.double() - bias.double()) * dz.double()).sum(-1)
-    scale = ((z.double() - bias.double()) * dz.double()).abs().sum(-1)
-    assert ((zdz.double() - exact).abs() <= 1e-6 * scale + 1e-30).all()
-    with pytest.raises(ValueError, match="bias must be a contiguous"):
-        swiglu_backward(dy, z, bias=bias[:-1])
 
 
 def test_kernel_zdz_is_from_stored_dz():

@@ -12,9 +12,8 @@ Given dzn (the gradient of zn), per normalized head, in fp32:
     dw_q = sum over rows and q heads of dzn ⊙ zhat      (dw_k likewise over the k heads)
 
 and dz = dzn on the other (v) heads. The kernel also returns the row dot product the outer
-RMSNorm's backward needs, zdz_i = sum over all N columns of (z_ik - b_k) dz_ik, taken from
-dz as stored (rounded to its dtype and read back, as the next GEMM consumes it); b is the
-bias the forward added to the GEMM's output (0 without one): the norm needs that output.
+RMSNorm's backward needs, zdz_i = sum over all N columns of z_ik dz_ik, taken from dz as
+stored (rounded to its dtype and read back, as the next GEMM consumes it).
 
 Grid: (row blocks, heads); each program owns ``ITERS`` blocks of ``BLOCK_M`` rows of one
 head (D columns, D a power of two), keeps its weight-gradient partial [D] in registers and
@@ -41,11 +40,11 @@ from .launch import launch
 
 @triton.jit
 def _qk_norm_backward_kernel(
-    dzn_ptr, z_ptr, w_ptr, dz_ptr, zdz_part, dw_part, bias_ptr,
+    dzn_ptr, z_ptr, w_ptr, dz_ptr, zdz_part, dw_part,
     M, n_q, n_normed, eps,
     s_dzn, s_z, s_dz, s_zdz, s_dw0, s_dw1,
     D: tl.constexpr, BLOCK_M: tl.constexpr, ITERS: tl.constexpr, STORE_ALL: tl.constexpr,
-    HAS_BIAS: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
@@ -54,9 +53,6 @@ def _qk_norm_backward_kernel(
     normed = head < n_normed
     out_ty = dz_ptr.dtype.element_ty
     w = tl.load(w_ptr + (head >= n_q).to(tl.int64) * D + offs).to(tl.float32)[None, :]  # v heads: unused
-    b = tl.zeros([1, D], dtype=tl.float32)
-    if HAS_BIAS:
-        b = tl.load(bias_ptr + cols).to(tl.float32)
     dw = tl.zeros([D], dtype=tl.float32)
     for it in range(ITERS):
         rows = (pid_m * ITERS + it) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -73,11 +69,11 @@ def _qk_norm_backward_kernel(
             d = cast(r * (g - zhat * c), out_ty, EMULATE_RNE)
             tl.store(dz_ptr + rows64 * s_dz + cols, d, mask=mask)
             dw += tl.sum(g_in * zhat, axis=0)
-            part = tl.sum((z - b) * d.to(tl.float32), axis=1)  # masked lanes have d = 0
+            part = tl.sum(z * d.to(tl.float32), axis=1)
         else:
             if STORE_ALL:
                 tl.store(dz_ptr + rows64 * s_dz + cols, cast(g_in, out_ty, EMULATE_RNE), mask=mask)
-            part = tl.sum((z - b) * g_in, axis=1)
+            part = tl.sum(z * g_in, axis=1)
         tl.store(zdz_part + rows.to(tl.int64) * s_zdz + head, part, mask=row_ok)
     if normed:
         tl.store(dw_part + pid_m.to(tl.int64) * s_dw0 + head * s_dw1 + offs, dw)
@@ -94,7 +90,7 @@ def _block(m: int, head_dim: int) -> tuple[int, int, int]:
 
 
 def qk_norm_backward(dzn: Tensor, z: Tensor, q_weight: Tensor, k_weight: Tensor, *, n_q: int, n_kv: int, eps: float,
-                     out: Optional[Tensor] = None, bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                     out: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dz, zdz, dq_weight, dk_weight) of the per-head QK-norm given dzn; see the module docstring.
 
     Args:
@@ -102,7 +98,6 @@ def qk_norm_backward(dzn: Tensor, z: Tensor, q_weight: Tensor, k_weight: Tensor,
         q_weight, k_weight: [D] each (D a power of two). eps: the norm's epsilon.
         out: where dz goes ([M, N], dzn's dtype, unit column stride); ``out=dzn`` works in
             place and leaves the v heads as they are.
-        bias: optional [N] (any float dtype), the bias included in z: left out of zdz.
     Returns:
         dz [M, N], zdz [M] fp32, and the two weight gradients [D] in the weights' dtypes.
     """
@@ -112,8 +107,6 @@ def qk_norm_backward(dzn: Tensor, z: Tensor, q_weight: Tensor, k_weight: Tensor,
     if dzn.shape != z.shape or n != n_heads * head_dim or k_weight.shape != (head_dim,):
         raise ValueError(f"qk_norm_backward: dzn {tuple(dzn.shape)}, z {tuple(z.shape)}, weights "
                          f"{tuple(q_weight.shape)}, {tuple(k_weight.shape)} do not fit {n_q} + 2 x {n_kv} heads")
-    if bias is not None and (bias.shape != (n,) or not bias.is_floating_point()):
-        raise ValueError(f"qk_norm_backward: bias must be a floating point [{n}], got {tuple(bias.shape)} {bias.dtype}")
     if head_dim & (head_dim - 1):
         raise ValueError(f"qk_norm_backward: head_dim {head_dim} must be a power of two")
     dzn, z = (t if t.stride(1) == 1 else t.contiguous() for t in (dzn, z))
@@ -127,10 +120,10 @@ def qk_norm_backward(dzn: Tensor, z: Tensor, q_weight: Tensor, k_weight: Tensor,
     dw_part = torch.zeros(grid[0], n_normed, head_dim, device=z.device, dtype=torch.float32)
     if m:
         launch(_qk_norm_backward_kernel, grid,
-            dzn, z, w, out, zdz_part, dw_part, w if bias is None else bias.contiguous(), m, n_q, n_normed, float(eps),
+            dzn, z, w, out, zdz_part, dw_part, m, n_q, n_normed, float(eps),
             dzn.stride(0), z.stride(0), out.stride(0), zdz_part.stride(0), dw_part.stride(0), dw_part.stride(1),
-            D=head_dim, BLOCK_M=block_m, ITERS=iters, STORE_ALL=not in_place, HAS_BIAS=bias is not None,
-            EMULATE_RNE=interpreting(), num_warps=warps,
+            D=head_dim, BLOCK_M=block_m, ITERS=iters, STORE_ALL=not in_place, EMULATE_RNE=interpreting(),
+            num_warps=warps,
         )
     dq = dw_part[:, :n_q].sum(dim=(0, 1)).to(q_weight.dtype)
     dk = dw_part[:, n_q:].sum(dim=(0, 1)).to(k_weight.dtype)

@@ -14,9 +14,7 @@ so the gradient of z is the transposed rotation of dqkv:
 and every other column passes through as it is. The kernel also returns zdz_i = sum_k qkv_ik dqkv_ik
 (fp32): a rotation keeps inner products, so this equals sum_k z_ik dz_ik when s = 1 and
 is what the RMSNorm backward needs (with s, qkv . dqkv = z . dz too, since qkv = s R z
-and dz = s R^T dqkv). Where the forward added a bias b to the GEMM's output before RoPE,
-the norm needs the GEMM's own output, z - b: the kernel then returns
-zdz_i = sum_k qkv_ik dqkv_ik - sum_k b_k dz_ik.
+and dz = s R^T dqkv).
 
 dqkv may come in parts along the columns (dq, dk, dv as autograd hands them back, each
 [M, N_i] with a row stride of its own, whole heads each): the kernel reads each column from
@@ -53,11 +51,11 @@ INTERPRET_BLOCK = (16, 32, 4)
 
 @triton.jit
 def _rope_backward_kernel(
-    dqkv0, dqkv1, dqkv2, qkv, cos, sin, dz, zdz_part, bias,
+    dqkv0, dqkv1, dqkv2, qkv, cos, sin, dz, zdz_part,
     M, N, n_rotated, head_dim, end0, end1,
     s_dqkv0, s_dqkv1, s_dqkv2, s_qkv, s_table, s_dz, s_part,
     HALF_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, WITH_ZDZ: tl.constexpr,
-    HAS_BIAS: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
 ):
     """dqkv in three parts: columns [0, end0), [end0, end1), [end1, N)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -88,24 +86,16 @@ def _rope_backward_kernel(
     if WITH_ZDZ:
         q1 = tl.load(qkv + rows64 * s_qkv + first[None, :], mask=ok, other=0.0).to(tl.float32)
         q2 = tl.load(qkv + rows64 * s_qkv + second[None, :], mask=ok, other=0.0).to(tl.float32)
-        products = q1 * d1 + q2 * d2
-        if HAS_BIAS:  # of the GEMM's own output: (qkv . dqkv) - (b . dz); masked lanes have dz = 0
-            pair_ok = pairs < N // 2
-            b1 = tl.load(bias + first, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
-            b2 = tl.load(bias + second, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
-            products -= b1 * dz1 + b2 * dz2
-        partial = tl.sum(products, axis=1)
+        partial = tl.sum(q1 * d1 + q2 * d2, axis=1)
         tl.store(zdz_part + rows.to(tl.int64) * s_part + tl.program_id(1), partial, mask=rows < M)
 
 
 def rope_backward(dqkv: torch.Tensor | list[torch.Tensor], qkv: Optional[torch.Tensor], cos: torch.Tensor,
-                  sin: torch.Tensor, *, n_rotated: int, head_dim: int, bias: Optional[torch.Tensor] = None
-                  ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                  sin: torch.Tensor, *, n_rotated: int, head_dim: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(dz [M, N] in dqkv's dtype, zdz [M] fp32) from dqkv [M, N], or its parts along the columns
     (at most three, whole heads each: [dq, dk, dv]), qkv [M, N] and the tables cos, sin [M, R/2]
     fp32 (attention scaling included); see the module docstring. With ``qkv=None`` only dz is
-    computed (zdz is None). ``bias`` [N] (any float dtype): the one added before RoPE, left out
-    of zdz."""
+    computed (zdz is None)."""
     parts = [t if t.stride(1) == 1 else t.contiguous() for t in (dqkv if isinstance(dqkv, list) else [dqkv])]
     if not 1 <= len(parts) <= 3 or any(t.shape[0] != parts[0].shape[0] or t.dtype != parts[0].dtype for t in parts):
         raise ValueError(f"dqkv must be a tensor or up to three parts of one dtype and row count, got "
@@ -116,8 +106,6 @@ def rope_backward(dqkv: torch.Tensor | list[torch.Tensor], qkv: Optional[torch.T
     with_zdz = qkv is not None
     qkv = (qkv if qkv.stride(1) == 1 else qkv.contiguous()) if with_zdz else parts[0]
     m, n = parts[0].shape[0], ends[-1]
-    if bias is not None and (bias.shape != (n,) or not bias.is_floating_point()):
-        raise ValueError(f"bias must be a floating point [{n}], got {tuple(bias.shape)} {bias.dtype}")
     half_r = cos.shape[1]
     block_m, block_p, warps = INTERPRET_BLOCK if interpreting() else GPU_BLOCK
     grid = (triton.cdiv(m, block_m), triton.cdiv(n // 2, block_p))
@@ -125,10 +113,9 @@ def rope_backward(dqkv: torch.Tensor | list[torch.Tensor], qkv: Optional[torch.T
     part = torch.empty(m, grid[1], device=dz.device, dtype=torch.float32) if with_zdz else cos  # cos: unused
     if m and n:
         launch(_rope_backward_kernel, grid,
-            *parts, qkv, cos, sin, dz, part, cos if bias is None else bias.contiguous(),
-            m, n, n_rotated, head_dim, ends[0], ends[1],
+            *parts, qkv, cos, sin, dz, part, m, n, n_rotated, head_dim, ends[0], ends[1],
             *(t.stride(0) for t in parts), qkv.stride(0), cos.stride(0), dz.stride(0), part.stride(0),
-            HALF_R=half_r, BLOCK_M=block_m, BLOCK_P=block_p, WITH_ZDZ=with_zdz, HAS_BIAS=with_zdz and bias is not None,
-            EMULATE_RNE=interpreting(), num_warps=warps,
+            HALF_R=half_r, BLOCK_M=block_m, BLOCK_P=block_p, WITH_ZDZ=with_zdz, EMULATE_RNE=interpreting(),
+            num_warps=warps,
         )
     return dz, part.sum(dim=1) if with_zdz else None

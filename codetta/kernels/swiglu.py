@@ -5,10 +5,8 @@ With z = [z_g | z_u] ([M, 2F]: gate block then up block, as the forward of
 s = sigmoid(z_g), everything in fp32:
 
     dz_g = dy * z_u * s * (1 + z_g (1 - s)),   dz_u = dy * silu(z_g) = dy * z_g * s
-    zdz_i = sum_k (z_ik - b_k) dz_ik  over the 2F columns (fp32)
+    zdz_i = sum_k z_ik dz_ik  over the 2F columns (fp32)
 
-where b = [b_g | b_u] is the bias the forward added to the GEMM's output (0 without one):
-the norm backward needs the row dot product of dz with the GEMM's own output, z - b.
 dz is stored in z's dtype, rounded to nearest even. zdz is taken from dz *after* that
 rounding (each stored value read back as fp32): it is then exactly the row dot product of
 the z and dz that the next GEMM (dL/dh = dz W) consumes, as eager PyTorch would compute it
@@ -52,9 +50,9 @@ INTERPRET_BLOCK = (16, 64, 1)
 
 @triton.jit
 def _swiglu_backward_kernel(
-    dy_ptr, z_ptr, dz_ptr, part_ptr, y_ptr, bias_ptr, M, F,
+    dy_ptr, z_ptr, dz_ptr, part_ptr, y_ptr, M, F,
     dy_s0, z_s0, dz_s0, part_s0, y_s0,
-    BM: tl.constexpr, BF: tl.constexpr, STORE_Y: tl.constexpr, HAS_BIAS: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    BM: tl.constexpr, BF: tl.constexpr, STORE_Y: tl.constexpr, EMULATE_RNE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_f = tl.program_id(1)
@@ -83,10 +81,7 @@ def _swiglu_backward_kernel(
         y = cast(g * s * u, y_ptr.dtype.element_ty, EMULATE_RNE)
         tl.store(y_ptr + rows64[:, None] * y_s0 + cols64, y, mask=mask)
 
-    if HAS_BIAS:  # the GEMM's own output, before its bias
-        g -= tl.load(bias_ptr + cols, mask=cols < F, other=0.0).to(tl.float32)[None, :]
-        u -= tl.load(bias_ptr + F + cols, mask=cols < F, other=0.0).to(tl.float32)[None, :]
-    # masked lanes hold g = u = 0 and dg = du = 0, so they add nothing
+    # masked lanes hold g = u = 0, so they add nothing
     part = tl.sum(g * dg_st.to(tl.float32) + u * du_st.to(tl.float32), axis=1)
     tl.store(part_ptr + rows64 * part_s0 + pid_f, part, mask=row_ok)
 
@@ -96,7 +91,7 @@ def _rows_contiguous(t: Tensor) -> Tensor:
 
 
 def swiglu_backward(dy: Tensor, z: Tensor, *, out: Optional[Tensor] = None, y_out: Optional[Tensor] = None,
-                    bias: Optional[Tensor] = None, block: Optional[tuple[int, int, int]] = None) -> tuple[Tensor, Tensor]:
+                    block: Optional[tuple[int, int, int]] = None) -> tuple[Tensor, Tensor]:
     """(dz, zdz) of y = silu(z_g) * z_u given dy; see the module doc for the math.
 
     Args:
@@ -105,8 +100,6 @@ def swiglu_backward(dy: Tensor, z: Tensor, *, out: Optional[Tensor] = None, y_ou
             (it may be a view of a larger tensor: nothing outside it is written).
         y_out: optional [M, F] tensor of z's dtype with contiguous columns: the pass also
             writes y = silu(z_g) * z_u into it.
-        bias: optional [2F] = [b_g | b_u] (any float dtype, contiguous), the bias included in z:
-            zdz is then taken over z - bias.
         block: optional (rows, columns, num_warps) per program; by default one that suits
             a GPU, or a small one under Triton's interpreter.
     Returns:
@@ -122,10 +115,6 @@ def swiglu_backward(dy: Tensor, z: Tensor, *, out: Optional[Tensor] = None, y_ou
         if t is not None and (t.shape != shape or t.dtype != z.dtype or t.device != z.device or t.stride(-1) != 1):
             raise ValueError(f"{name} must be [{shape[0]}, {shape[1]}] {z.dtype} on {z.device} with contiguous "
                              f"columns, got {tuple(t.shape)} {t.dtype} {t.device} strides {t.stride()}")
-    if bias is not None and (bias.shape != (2 * f,) or not bias.is_floating_point() or bias.device != z.device
-                             or bias.stride(0) != 1):
-        raise ValueError(f"bias must be a contiguous floating point [{2 * f}] on {z.device}, got "
-                         f"{tuple(bias.shape)} {bias.dtype} {bias.device}")
     if m == 0 or f == 0:
         return out, torch.zeros(m, device=z.device, dtype=torch.float32)
     bm, bf, warps = block or (INTERPRET_BLOCK if interpreting() else GPU_BLOCK)
@@ -134,8 +123,7 @@ def swiglu_backward(dy: Tensor, z: Tensor, *, out: Optional[Tensor] = None, y_ou
     part = torch.empty(m, grid[1], device=z.device, dtype=torch.float32)
     y = out if y_out is None else y_out  # not written without y_out
     launch(_swiglu_backward_kernel, grid,
-        dy, z, out, part, y, z if bias is None else bias, m, f,
-        dy.stride(0), z.stride(0), out.stride(0), part.stride(0), y.stride(0),
-        BM=bm, BF=bf, STORE_Y=y_out is not None, HAS_BIAS=bias is not None, EMULATE_RNE=interpreting(), num_warps=warps,
+        dy, z, out, part, y, m, f, dy.stride(0), z.stride(0), out.stride(0), part.stride(0), y.stride(0),
+        BM=bm, BF=bf, STORE_Y=y_out is not None, EMULATE_RNE=interpreting(), num_warps=warps,
     )
     return out, row_sum(part)

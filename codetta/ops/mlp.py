@@ -83,8 +83,9 @@ def swiglu_mlp_backward(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, b_ga
     dx2_2 = rows(dx2).to(w_down.dtype).contiguous()  # x2's gradient as the GEMMs' operand
     y = z.new_empty(z.shape[0], f)
     biases = gate_up_biases(b_gate, b_up, f, z)
-    dz, zdz = swiglu_backward(gemm(dx2_2, _weight_k([w_down])), z, y_out=y, bias=biases)
+    dz, zdz = swiglu_backward(gemm(dx2_2, _weight_k([w_down])), z, y_out=y)
     dw_down = weight_grad(dx2_2, y, into[2])
+    zdz = zdz if biases is None else None  # z holds z + b: the row term from dL/dh (codetta.ops.rmsnorm)
     dx, dg, dws_gate_up = rmsnorm_linear_backward(dz, zdz, x, norm_weight, [w_gate, w_up], rstd, into[:2],
                                                   residual_grad=dx2)
     return dx, dg, dws_gate_up, dw_down, bias_grad_sums(dz, biases)

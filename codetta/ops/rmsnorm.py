@@ -26,6 +26,13 @@ Backward of the consumer, given dz (one GEMM, one epilogue; dgrad layout):
     dg_j = sum_i r_i acc_ij x_ij                (column sums in the epilogue, finished after)
     h = x ⊙row r ⊙col g                         (stored: the operand of dW = dz^T h)
 
+Where a bias b is added to the GEMM's output before it is stored (q/k/v biases, Llama's
+``mlp_bias``), the backward's kernels see only the stored z + b, and zdz = (z + b) . dz - b . dz
+cancels: with |b| >> |z| (Qwen2's k biases reach the hundreds) the rounding of the stored
+z + b, relative to |b|, swamps z . dz. There the row term is taken from dL/dh instead, as
+eager PyTorch does: a plain dgrad GEMM acc = dz W, then one memory-bound kernel
+(:func:`codetta.kernels.rmsnorm.rmsnorm_backward`) for dx and dg, and h made apart for dW.
+
 When x also feeds a residual branch (x2 = x + f(RMSNorm(x)), as in a block's MLP half), the
 gradient that branch hands x, dres, can be given: the epilogue then writes dx + dres, the
 sum autograd would otherwise make in a separate pass (see :mod:`codetta.ops.mlp`).
@@ -55,7 +62,7 @@ import torch
 from torch import Tensor
 
 from .. import epilogue as ep
-from ..kernels.rmsnorm import rmsnorm_stats, rstd_of_partial_sums
+from ..kernels.rmsnorm import rmsnorm_backward, rmsnorm_stats, rstd_of_partial_sums
 from ..matmul import check_device, gemm
 from ..matmul.launch import MAX_B_PARTS
 from ..matmul.memory import merged_leading_dims
@@ -305,22 +312,37 @@ def row_dot(a: Tensor, b: Tensor) -> Tensor:
     return (rows(a).float() * rows(b).float()).sum(-1)
 
 
-def rmsnorm_linear_backward(dz: Tensor, zdz: Tensor, x: Tensor, norm_weight: Tensor, weights: list[Tensor], rstd: Tensor,
-                            dweights_into=(), residual_grad: Optional[Tensor] = None):
+def rmsnorm_linear_backward(dz: Tensor, zdz: Optional[Tensor], x: Tensor, norm_weight: Tensor, weights: list[Tensor],
+                            rstd: Tensor, dweights_into=(), residual_grad: Optional[Tensor] = None):
     """(dx, dnorm_weight, [dW_i]) of z = RMSNorm(x) W^T given dz and zdz_i = sum_k z_ik dz_ik.
 
     z here is the GEMM's own output r ⊙row (u W^T), before any bias (see the module doc).
+    ``zdz=None``: the row term taken from dL/dh instead (the module doc's biased case).
     ``dweights_into``: see :func:`codetta.ops.weight_grads.weight_grads`. ``residual_grad``
     (x's shape): a gradient of x from elsewhere, added to dx in the epilogue.
     """
     d = x.shape[-1]
     x2, dz2 = rows(x), rows(dz).to(weights[0].dtype).contiguous()
+    if zdz is None:
+        return _rmsnorm_linear_backward_unfused(dz2, x2, x.shape, norm_weight, weights, rstd, dweights_into,
+                                                residual_grad)
     extra = {} if residual_grad is None else {"residual_grad": rows(residual_grad)}
     program = _consumer_backward(residual_grad is not None, x.dtype if x.dtype != dz2.dtype else None)
     out = gemm(dz2, _weight_k(weights), program, rstd=rstd,
                norm_weight=norm_weight, x=x2, zdz=zdz, inv_d=1.0 / max(d, 1), **extra)
     dweights = weight_grads(dz2, out["h"], weights, dweights_into)
     return out["dx"].reshape(x.shape), out["dnorm_weight"].to(norm_weight.dtype), dweights
+
+
+def _rmsnorm_linear_backward_unfused(dz2, x2, shape, norm_weight, weights, rstd, dweights_into, residual_grad):
+    """:func:`rmsnorm_linear_backward` with the row term from dL/dh = dz W, as eager PyTorch takes it:
+    a plain dgrad GEMM, then the norm's backward kernel (dx, dnorm_weight), h for dW made apart."""
+    dh = gemm(dz2, _weight_k(weights))
+    dx, dg = rmsnorm_backward(x2, norm_weight, rstd, dh, dx_out=torch.empty_like(x2))
+    if residual_grad is not None:
+        dx += rows(residual_grad)
+    h = (x2.float() * rstd[:, None] * norm_weight.float()).to(dz2.dtype)
+    return dx.reshape(shape), dg.to(norm_weight.dtype), weight_grads(dz2, h, weights, dweights_into)
 
 
 def _rmsnorm_linear_backward_from_z(dz, z, x, norm_weight, weights, rstd, dweights_into=()):

@@ -49,7 +49,7 @@ computes per q/k head, with g = w ⊙ dzn,
 
     dz = r_h (g - zhat mean_{k in h}(g_k zhat_k))     (dz = dzn on the v heads)
     dw_q = sum over rows and q heads of dzn ⊙ zhat    (dw_k likewise)
-    zdz_i = sum_k z_ik dz_ik over all N columns       (minus sum_k b_k dz_ik with a bias)
+    zdz_i = sum_k z_ik dz_ik over all N columns       (with a bias, the norm's row term from dL/dh instead)
 
 and the norm-backward GEMM follows as above.
 """
@@ -228,15 +228,17 @@ def rmsnorm_qkv_rope_backward(dqkv, qkv, x, norm_weight, weights, bias, cos, sin
     QK-norm the pre-norm z instead (qkv unused)."""
     dqkv2 = [rows(t) for t in dqkv] if isinstance(dqkv, list) else rows(dqkv)
     qk_norm = q_norm_weight is not None
-    # zdz is taken over the GEMM's own output, before its bias
-    dz, zdz = rope_backward(dqkv2, None if qk_norm else rows(qkv), cos, sin,
-                            n_rotated=(n_q + n_kv) * head_dim, head_dim=head_dim, bias=bias)
+    # with a bias the stored outputs hold z + b, whose zdz would cancel: the norm's row term is then
+    # taken from dL/dh (zdz None; see codetta.ops.rmsnorm)
+    dz, zdz = rope_backward(dqkv2, None if qk_norm or bias is not None else rows(qkv), cos, sin,
+                            n_rotated=(n_q + n_kv) * head_dim, head_dim=head_dim)
     if qk_norm:  # dz above is dzn; QK-norm's backward in place gives dz and zdz from the pre-norm z
         dz, zdz, dqw, dkw = qk_norm_backward(dz, rows(z), q_norm_weight, k_norm_weight, n_q=n_q, n_kv=n_kv,
-                                             eps=qk_norm_eps, out=dz, bias=bias)
+                                             eps=qk_norm_eps, out=dz)
     else:
         dqw, dkw = dz.new_empty(0, dtype=torch.float32), dz.new_empty(0, dtype=torch.float32)
-    dx, dg, dws = rmsnorm_linear_backward(dz, zdz, x, norm_weight, weights, rstd, dweights_into)
+    dx, dg, dws = rmsnorm_linear_backward(dz, None if bias is not None else zdz, x, norm_weight, weights, rstd,
+                                          dweights_into)
     dbias = dz.sum(0, dtype=torch.float32).to(bias.dtype) if bias is not None else dz.new_empty(0, dtype=torch.float32)
     return dx, dg, dws, dbias, dqw, dkw
 

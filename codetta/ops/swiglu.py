@@ -22,8 +22,9 @@ Backward, given dy [M, F] (s = sigmoid(z_g), fp32 math):
 
 1. one memory-bound kernel (:func:`codetta.kernels.swiglu.swiglu_backward`) reads dy and
    z and writes dz = [dz_g | dz_u] in z's dtype and zdz in fp32 (per-block partial row
-   sums, summed after; zdz is taken from dz as stored, i.e. after its rounding, and over
-   z minus its bias: the GEMM's own output); the biases' gradients are dz's column sums;
+   sums, summed after; zdz is taken from dz as stored, i.e. after its rounding); with
+   biases z holds z + b, whose zdz would cancel, and the norm's row term is taken from dL/dh
+   instead (see :mod:`codetta.ops.rmsnorm`); the biases' gradients are dz's column sums;
 2. the norm-backward GEMM of :func:`codetta.ops.rmsnorm.rmsnorm_linear_backward`: dz
    against [W_g; W_u] read as one along K (no copy), with zdz giving the norm's row term,
    then dW_g = dz_g^T h and dW_u = dz_u^T h.
@@ -122,7 +123,8 @@ def rmsnorm_swiglu_backward(dy, z, x, norm_weight, w_gate, w_up, rstd, b_gate=No
     """(dx, dnorm_weight, the weight gradients of W_gate and W_up as :func:`codetta.ops.weight_grads.weight_grads`
     gives them, the biases' gradient sums of :func:`bias_grad_sums`) given dy (the module doc's steps 1 and 2)."""
     biases = gate_up_biases(b_gate, b_up, w_gate.shape[0], z)
-    dz, zdz = swiglu_backward(dy.reshape(z.shape[0], z.shape[1] // 2).to(z.dtype), z, bias=biases)
+    dz, zdz = swiglu_backward(dy.reshape(z.shape[0], z.shape[1] // 2).to(z.dtype), z)
+    zdz = zdz if biases is None else None  # z holds z + b: the row term from dL/dh (codetta.ops.rmsnorm)
     return (*rmsnorm_linear_backward(dz, zdz, x, norm_weight, [w_gate, w_up], rstd, dweights_into),
             bias_grad_sums(dz, biases))
 
