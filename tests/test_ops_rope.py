@@ -319,6 +319,34 @@ def test_bad_inputs():
         rmsnorm_qkv_rope(*tensors, pos, inv_freq, head_dim=16, q_norm_weight=qn, k_norm_weight=kn[:8])
     with pytest.raises(ValueError, match=r"q_norm_weight must be a tensor \[head_dim = 16\]"):
         rmsnorm_qkv_rope(*tensors, pos, inv_freq, head_dim=16, q_norm_weight=qn.repeat(2, 1), k_norm_weight=kn)
+    b_q, b_kv = torch.zeros(32, device=DEVICE), torch.zeros(16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"bias must be a tuple \(b_q, b_k, b_v\), each a tensor or None, got a Tensor"):
+        rmsnorm_qkv_rope(*tensors, pos, inv_freq, head_dim=16, bias=torch.zeros(64, device=DEVICE))
+    with pytest.raises(ValueError, match=r"b_k must be a floating point \[16\] tensor"):  # was promoted silently
+        rmsnorm_qkv_rope(*tensors, pos, inv_freq, head_dim=16, bias=(b_q, b_kv.long(), b_kv))
+    with pytest.raises(ValueError, match=r"b_v must be a floating point \[16\] tensor"):
+        rmsnorm_qkv_rope(*tensors, pos, inv_freq, head_dim=16, bias=(b_q, b_kv, b_kv[:8]))
+
+
+@pytest.mark.parametrize("given", [(True, False, True), (False, True, False)], ids=["q_v", "k"])
+def test_some_of_q_k_v_biased(given):
+    """A missing bias adds 0: the others' outputs and gradients as with all three given."""
+    head_dim, hq, hkv = 16, 4, 2
+    tensors, biases, pos, inv_freq = make(12, 32, head_dim, hq, hkv, head_dim, True, max_pos=64)
+    grads = [torch.randn(12, h * head_dim, device=DEVICE) for h in (hq, hkv, hkv)]
+    kept = [b for b, g in zip(biases, given) if g]
+
+    def ours(ts, bs):
+        it = iter(bs)
+        return rmsnorm_qkv_rope(*ts, pos, inv_freq, head_dim=head_dim, eps=EPS,
+                                bias=tuple(next(it) if g else None for g in given))
+
+    def ref(ts, bs):
+        it = iter(bs)
+        return hf_style(*ts, pos, inv_freq, head_dim, head_dim, 1.0, tuple(next(it) if g else None for g in given))
+
+    for a, b in zip(run(ours, tensors, kept, grads, torch.float32), run(ref, tensors, kept, grads, torch.float64)):
+        assert rel(a, b) < 2e-5
 
 
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])

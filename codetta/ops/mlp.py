@@ -46,10 +46,9 @@ from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .rmsnorm import (NormStats, _check_norm_inputs, _linear_residual_op, _weight_k, check_eps, given_stats,
                       rmsnorm_linear_backward, rstd_like, used_rstd)
-from .swiglu import (_rmsnorm_swiglu_op, bias_grad_sums, bias_grads, check_mlp_biases, gate_up_biases,
-                     rmsnorm_swiglu_reference)
+from .swiglu import _rmsnorm_swiglu_op, bias_grad_sums, bias_grads, gate_up_biases, rmsnorm_swiglu_reference
 from .weight_grads import for_autograd, run_backward, stacked_like, weight_grad
-from .shapes import rows
+from .shapes import check_biases, rows
 
 
 @direct_op("codetta::swiglu_mlp")
@@ -153,7 +152,7 @@ def swiglu_mlp(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_d
     if next_norm_weight is not None and (next_norm_weight.shape != (d,) or not next_norm_weight.is_floating_point()):
         raise ValueError(f"next_norm_weight must be floating point [{d}], got {tuple(next_norm_weight.shape)} "
                          f"{next_norm_weight.dtype}")
-    biases = check_mlp_biases(bias, ("b_gate", "b_up", "b_down"), (f, f, d), x.device)
+    biases = check_biases(bias, ("b_gate", "b_up", "b_down"), (f, f, d), x.device)
     u, rstd = given_stats(x, stats, w_gate.dtype, norm_weight, eps)
     x2, u2, rstd2, *_ = _mlp_op(x, norm_weight, w_gate, w_up, w_down, float(eps), u, rstd, next_norm_weight,
                                 float(next_eps), *biases)

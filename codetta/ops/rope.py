@@ -27,10 +27,11 @@ models pass them), the tables are their first halves: RoPE rotates by exactly th
 angles, in the model's precision.
 
 Backward, given dqkv: the transposed rotation gives dz, and sum_k qkv_ik dqkv_ik =
-sum_k z_ik dz_ik (with the bias: minus sum_k b_k dz_ik) is the zdz of the norm backward;
-one memory-bound kernel (:func:`codetta.kernels.rope.rope_backward`) writes both. Then the
-norm-backward GEMM of :func:`codetta.ops.rmsnorm.rmsnorm_linear_backward`, dW_i = dz_i^T h
-and db = sum_i dz_i.
+sum_k z_ik dz_ik is the zdz of the norm backward; one memory-bound kernel
+(:func:`codetta.kernels.rope.rope_backward`) writes both. Then the norm-backward GEMM of
+:func:`codetta.ops.rmsnorm.rmsnorm_linear_backward`, dW_i = dz_i^T h and db = sum_i dz_i.
+With a bias the stored qkv holds z + b, whose zdz would cancel when |b| >> |z|: the norm's
+row term then comes from dL/dh (see :mod:`codetta.ops.rmsnorm`).
 
 QK-norm (Qwen3, optional: ``q_norm_weight``, ``k_norm_weight``, ``qk_norm_eps`` = e). Between
 the projection and RoPE, every q and k head h (its D columns) is RMS-normalized with a
@@ -73,7 +74,7 @@ from .rmsnorm import (_check_norm_inputs, _weight_t, check_eps, given_stats, nor
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .weight_grads import for_autograd, run_backward, stacked_like
-from .shapes import rows
+from .shapes import check_biases, rows
 
 
 @functools.lru_cache(maxsize=None)
@@ -385,7 +386,8 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
             model's own angles, in their precision (fp32 products, or bf16 values in a bf16
             model); the model's position_embeddings, passed to every layer, make one pair of
             tables for all of them (reused while the same tensors come back unchanged).
-        bias: optional (b_q, b_k, b_v) (Qwen2). stats: optional (u, rstd) from linear_residual.
+        bias: optional (b_q, b_k, b_v) (Qwen2), each a tensor or None (0).
+        stats: optional (u, rstd) from linear_residual.
         q_norm_weight, k_norm_weight: optional [D] each, both or neither (QK-norm, Qwen3; D a
             power of two).
         qk_norm_eps: QK-norm's epsilon (Qwen3: config.rms_norm_eps).
@@ -407,12 +409,10 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
         raise ValueError(f"q/k/v weights {[tuple(w.shape) for w in weights]} are not whole heads of {head_dim}")
     if rotary_dim < 2 or rotary_dim & (rotary_dim - 1) or head_dim % rotary_dim:
         raise ValueError(f"rotary_dim {rotary_dim} must be a power of two dividing head_dim {head_dim}")
-    b = None
-    if bias is not None:
-        if len(bias) != 3 or any(not isinstance(t, Tensor) or t.shape != (w.shape[0],) for t, w in zip(bias, weights)):
-            raise ValueError(f"bias must be (b_q, b_k, b_v) of shapes {[(w.shape[0],) for w in weights]}, got "
-                             f"{[tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__ for t in bias]}")
-        b = torch.cat(bias)
+    biases = check_biases(bias, ("b_q", "b_k", "b_v"), tuple(w.shape[0] for w in weights), x.device)
+    given = [t for t in biases if t is not None]
+    b = torch.cat([t if t is not None else given[0].new_zeros(w.shape[0]) for t, w in zip(biases, weights)]) \
+        if given else None  # a missing one adds 0
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("QK-norm needs both q_norm_weight and k_norm_weight (or neither)")
     if q_norm_weight is not None:

@@ -11,3 +11,19 @@ def rows(t: Tensor) -> Tensor:
     """t [..., n] as [M, n], M the product of the leading dims (1 for a 1-d t): also where M or n
     is 0, which ``reshape(-1, n)`` and ``reshape(M, -1)`` cannot infer."""
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
+def check_biases(bias, names: tuple[str, ...], dims: tuple[int, ...], device) -> tuple:
+    """``bias`` (None, or a tuple of one optional vector per name) checked: each a floating point
+    vector of its projection's outputs (``dims``) on ``device``; returned as a tuple (Nones without)."""
+    if bias is None:
+        return (None,) * len(names)
+    if not isinstance(bias, (tuple, list)) or len(bias) != len(names):
+        got = f"{len(bias)} entries" if isinstance(bias, (tuple, list)) else f"a {type(bias).__name__}"
+        raise ValueError(f"bias must be a tuple ({', '.join(names)}), each a tensor or None, got {got}")
+    for name, b, n in zip(names, bias, dims):
+        if b is not None and (not isinstance(b, Tensor) or b.shape != (n,) or not b.is_floating_point()
+                              or b.device != device):
+            got = f"{tuple(b.shape)} {b.dtype} {b.device}" if isinstance(b, Tensor) else type(b).__name__
+            raise ValueError(f"{name} must be a floating point [{n}] tensor on {device}, got {got}")
+    return tuple(bias)

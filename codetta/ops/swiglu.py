@@ -48,7 +48,7 @@ from .rmsnorm import _check_norm_inputs, given_stats, norm_operands, rmsnorm_lin
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .weight_grads import for_autograd, run_backward, stacked_like
-from .shapes import rows
+from .shapes import check_biases, rows
 
 
 @functools.lru_cache(maxsize=None)
@@ -161,21 +161,6 @@ def _backward(ctx, dy, _dz, _drstd):
 _rmsnorm_swiglu_op.register_autograd(_backward, setup_context=_setup)
 
 
-def check_mlp_biases(bias, names: tuple[str, ...], dims: tuple[int, ...], device) -> tuple:
-    """``bias`` (None, or a tuple of one optional vector per name) checked: each a floating point
-    vector of its projection's outputs (``dims``) on ``device``; returned as a tuple (Nones without)."""
-    if bias is None:
-        return (None,) * len(names)
-    if not isinstance(bias, (tuple, list)) or len(bias) != len(names):
-        raise ValueError(f"bias must be a tuple ({', '.join(names)}), each a tensor or None, got {bias!r:.80}")
-    for name, b, n in zip(names, bias, dims):
-        if b is not None and (not isinstance(b, Tensor) or b.shape != (n,) or not b.is_floating_point()
-                              or b.device != device):
-            got = f"{tuple(b.shape)} {b.dtype} {b.device}" if isinstance(b, Tensor) else type(b).__name__
-            raise ValueError(f"{name} must be a floating point [{n}] tensor on {device}, got {got}")
-    return tuple(bias)
-
-
 @casts_under_autocast("w_gate", "w_up", "stats", "bias", streams=("x",))
 def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, eps: float = 1e-6, *, stats=None,
                    bias: tuple | None = None):
@@ -193,7 +178,7 @@ def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor,
     if w_gate.shape != w_up.shape:
         raise ValueError(f"w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} differ")
     f = w_gate.shape[0]
-    b_gate, b_up = check_mlp_biases(bias, ("b_gate", "b_up"), (f, f), x.device)
+    b_gate, b_up = check_biases(bias, ("b_gate", "b_up"), (f, f), x.device)
     u, rstd = given_stats(x, stats, w_gate.dtype, norm_weight, eps)
     return _rmsnorm_swiglu_op(x, norm_weight, w_gate, w_up, float(eps), u, rstd, b_gate, b_up)[0]
 
