@@ -46,7 +46,7 @@ from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .rmsnorm import (NormStats, _check_norm_inputs, _linear_residual_op, _weight_k, check_eps, given_stats,
                       rmsnorm_linear_backward, rstd_like, used_rstd)
-from .swiglu import _rmsnorm_swiglu_op, bias_grad_sums, bias_grads, gate_up_biases, rmsnorm_swiglu_reference
+from .swiglu import _rmsnorm_swiglu_op, bias_grad_sums, bias_grads, rmsnorm_swiglu_reference
 from .weight_grads import for_autograd, run_backward, stacked_like, weight_grad
 from .shapes import check_biases, rows
 
@@ -81,13 +81,13 @@ def swiglu_mlp_backward(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, b_ga
     f, d = w_gate.shape
     dx2_2 = rows(dx2).to(w_down.dtype).contiguous()  # x2's gradient as the GEMMs' operand
     y = z.new_empty(z.shape[0], f)
-    biases = gate_up_biases(b_gate, b_up, f, z)
     dz, zdz = swiglu_backward(gemm(dx2_2, _weight_k([w_down])), z, y_out=y)
     dw_down = weight_grad(dx2_2, y, into[2])
-    zdz = zdz if biases is None else None  # z holds z + b: the row term from dL/dh (codetta.ops.rmsnorm)
+    if b_gate is not None or b_up is not None:
+        zdz = None  # z holds z + b: the row term from dL/dh (codetta.ops.rmsnorm)
     dx, dg, dws_gate_up = rmsnorm_linear_backward(dz, zdz, x, norm_weight, [w_gate, w_up], rstd, into[:2],
                                                   residual_grad=dx2)
-    return dx, dg, dws_gate_up, dw_down, bias_grad_sums(dz, biases)
+    return dx, dg, dws_gate_up, dw_down, bias_grad_sums(dz, b_gate, b_up)
 
 
 @direct_op("codetta::swiglu_mlp_backward")

@@ -62,7 +62,7 @@ def _forward_program(with_bias: bool) -> ep.Program:
     return p
 
 
-def gate_up_biases(b_gate: Optional[Tensor], b_up: Optional[Tensor], f: int, like: Tensor) -> Optional[Tensor]:
+def _gate_up_biases(b_gate: Optional[Tensor], b_up: Optional[Tensor], f: int, like: Tensor) -> Optional[Tensor]:
     """[b_g | b_u] ([2F], z's column order; zeros for a missing one), or None without either."""
     if b_gate is None and b_up is None:
         return None
@@ -75,9 +75,11 @@ def _interleaved(blocks: Tensor) -> Tensor:
     return blocks.view(2, -1).t().reshape(-1)
 
 
-def bias_grad_sums(dz: Tensor, biases: Optional[Tensor]) -> Tensor:
+def bias_grad_sums(dz: Tensor, b_gate: Optional[Tensor], b_up: Optional[Tensor]) -> Tensor:
     """dz's column sums in fp32 ([2F]: the gradient of [b_g | b_u]), or an empty tensor without biases."""
-    return dz.new_empty(0, dtype=torch.float32) if biases is None else dz.sum(0, dtype=torch.float32)
+    if b_gate is None and b_up is None:
+        return dz.new_empty(0, dtype=torch.float32)
+    return dz.sum(0, dtype=torch.float32)
 
 
 def bias_grads(sums: Tensor, b_gate: Optional[Tensor], b_up: Optional[Tensor]) -> list[Optional[Tensor]]:
@@ -94,7 +96,7 @@ def swiglu_forward(x2: Tensor, u: Tensor, rstd: Tensor, w_gate: Tensor, w_up: Te
     d, f = x2.shape[-1], w_gate.shape[0]
     z = x2.new_empty(x2.shape[0], 2 * f, dtype=w_gate.dtype)
     w_gate_up = torch.stack((w_gate, w_up), dim=1).reshape(2 * f, d)  # rows g0, u0, g1, u1, ...
-    biases = gate_up_biases(b_gate, b_up, f, w_gate)
+    biases = _gate_up_biases(b_gate, b_up, f, w_gate)
     operands = dict(rstd=rstd) if biases is None else dict(rstd=rstd, bias=_interleaved(biases))
     out = gemm(u.reshape(x2.shape), w_gate_up.t(), _forward_program(biases is not None),
                out={"z_gate": z[:, :f], "z_up": z[:, f:]}, **operands)
@@ -122,11 +124,11 @@ def _(x, norm_weight, w_gate, w_up, eps, u, rstd, b_gate, b_up):
 def rmsnorm_swiglu_backward(dy, z, x, norm_weight, w_gate, w_up, rstd, b_gate=None, b_up=None, dweights_into=()):
     """(dx, dnorm_weight, the weight gradients of W_gate and W_up as :func:`codetta.ops.weight_grads.weight_grads`
     gives them, the biases' gradient sums of :func:`bias_grad_sums`) given dy (the module doc's steps 1 and 2)."""
-    biases = gate_up_biases(b_gate, b_up, w_gate.shape[0], z)
     dz, zdz = swiglu_backward(dy.reshape(z.shape[0], z.shape[1] // 2).to(z.dtype), z)
-    zdz = zdz if biases is None else None  # z holds z + b: the row term from dL/dh (codetta.ops.rmsnorm)
+    if b_gate is not None or b_up is not None:
+        zdz = None  # z holds z + b: the row term from dL/dh (codetta.ops.rmsnorm)
     return (*rmsnorm_linear_backward(dz, zdz, x, norm_weight, [w_gate, w_up], rstd, dweights_into),
-            bias_grad_sums(dz, biases))
+            bias_grad_sums(dz, b_gate, b_up))
 
 
 @direct_op("codetta::rmsnorm_swiglu_backward")
