@@ -49,11 +49,15 @@ def test_forward_backward_fp32(shape, f):
 
 
 @pytest.mark.parametrize("biased", [(True, True), (True, False), (False, True)], ids=["both", "gate", "up"])
-@pytest.mark.parametrize("shape,f", [((37, 24), 20), ((2, 9, 32), 44)], ids=str)
+@pytest.mark.parametrize("shape,f", [((37, 24), 20), ((2, 9, 32), 44), ("transposed", 20)], ids=str)
 def test_biases_forward_backward_fp32(shape, f, biased):
     """Llama's mlp_bias: z_g = h W_g^T + b_g, z_u = h W_u^T + b_u (either may be missing); the
-    biases' gradients and every other one against fp64."""
+    biases' gradients and every other one against fp64 (also for x a transposed view)."""
+    transposed = shape == "transposed"
+    shape = (13, 24) if transposed else shape
     tensors = inputs(shape, f) + (torch.randn(f, device=DEVICE), torch.randn(f, device=DEVICE))
+    if transposed:
+        tensors = (tensors[0].t().contiguous().t(),) + tensors[1:]
     dy = torch.randn(*shape[:-1], f, device=DEVICE)
 
     def fused(x, g, wg, wu, bg, bu):

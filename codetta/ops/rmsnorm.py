@@ -338,7 +338,7 @@ def _rmsnorm_linear_backward_unfused(dz2, x2, shape, norm_weight, weights, rstd,
     """:func:`rmsnorm_linear_backward` with the row term from dL/dh = dz W, as eager PyTorch takes it:
     a plain dgrad GEMM, then the norm's backward kernel (dx, dnorm_weight), h for dW made apart."""
     dh = gemm(dz2, _weight_k(weights))
-    dx, dg = rmsnorm_backward(x2, norm_weight, rstd, dh, dx_out=torch.empty_like(x2))
+    dx, dg = rmsnorm_backward(x2, norm_weight, rstd, dh, dx_out=x2.new_empty(x2.shape))  # contiguous, x's dtype
     if residual_grad is not None:
         dx += rows(residual_grad)
     h = (x2.float() * rstd[:, None] * norm_weight.float()).to(dz2.dtype)
