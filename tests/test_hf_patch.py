@@ -771,48 +771,28 @@ def _with_bias(linear):
 
 
 @pytest.mark.parametrize("path, when", [
-    ("model.layers.1.self_attn.k_proj", "after_patch"),  # q/k/v partly biased: refused at patch time
-    ("model.layers.0.self_attn.q_proj", "set_on_the_module"),
-])
-def test_a_projection_bias_the_fused_forward_would_not_add_runs_unfused(path, when):
-    """The fused forward adds q/k/v's biases all together or none: one of them given a bias alone
-    (a biased nn.Linear swapped in after patching, or a bias set on the module itself after a fused
-    step) makes its layer run the model's own forward, with a warning, instead of dropping the bias
-    silently."""
-    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
-    ref = tiny("LlamaForCausalLM")
-    model = codetta.patch(copy.deepcopy(ref))
-    _wrap(ref, path, _with_bias)
-    assert_same_training_step(tiny("LlamaForCausalLM"), model, input_ids=ids, labels=ids)  # fused, unbiased
-    if when == "after_patch":
-        _wrap(model, path, lambda linear: copy.deepcopy(ref.get_submodule(path)))
-    else:
-        model.get_submodule(path).bias = torch.nn.Parameter(ref.get_submodule(path).bias.detach().clone())
-    with pytest.warns(UserWarning, match="bias"):
-        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
-    biased_layer = int(path.split(".")[2])
-    assert [layer._codetta_plan.unfusable is not None for layer in model.model.layers] == [
-        i == biased_layer for i in range(len(model.model.layers))]
-
-
-@pytest.mark.parametrize("path, when", [
+    ("model.layers.1.self_attn.k_proj", "before_patch"),
+    ("model.layers.0.self_attn.q_proj", "after_patch"),
+    ("model.layers.1.self_attn.v_proj", "set_on_the_module"),
+    ("model.layers.0.self_attn.o_proj", "after_patch"),
     ("model.layers.0.mlp.down_proj", "before_patch"),
     ("model.layers.0.mlp.gate_proj", "after_patch"),
     ("model.layers.1.mlp.up_proj", "set_on_the_module"),
 ])
-@pytest.mark.parametrize("swiglu", [True, False], ids=["swiglu", "swiglu_false"])
-def test_a_single_mlp_bias_is_added_fused(path, when, swiglu):
-    """Any of the MLP's projections may have a bias of its own (config.mlp_bias gives all three):
-    one given a bias before or after patching, or set on the module itself after a fused step, is
-    added by the fused forward (the others count as zero), with no warning."""
+@pytest.mark.parametrize("epilogues", [True, False], ids=["rope_swiglu", "norm_folded_only"])
+def test_a_single_projection_bias_is_added_fused(path, when, epilogues):
+    """Any projection may have a bias of its own (Qwen2 gives q/k/v theirs, config.mlp_bias the
+    MLP's): one given a bias before or after patching, or set on the module itself after a fused
+    step, is added by the fused forward (the others count as zero), with RoPE and SwiGLU in their
+    epilogues or after the norm-folded GEMMs, with no warning."""
     ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
     ref = tiny("LlamaForCausalLM")
     model = copy.deepcopy(ref)
     _wrap(ref, path, _with_bias)
     if when == "before_patch":
-        model = codetta.patch(copy.deepcopy(ref), swiglu=swiglu)
+        model = codetta.patch(copy.deepcopy(ref), rope=epilogues, swiglu=epilogues)
     else:
-        codetta.patch(model, swiglu=swiglu)
+        codetta.patch(model, rope=epilogues, swiglu=epilogues)
         assert_same_training_step(tiny("LlamaForCausalLM"), model, input_ids=ids, labels=ids)
         if when == "after_patch":
             _wrap(model, path, lambda linear: copy.deepcopy(ref.get_submodule(path)))

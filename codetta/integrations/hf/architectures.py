@@ -90,9 +90,8 @@ def model_classes(model) -> ModelClasses:
     return ModelClasses(*found.values())
 
 
-_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-_MLP_PROJECTIONS = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-_PROJECTIONS = (*_QKV, "self_attn.o_proj", *_MLP_PROJECTIONS)
+_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                "mlp.up_proj", "mlp.down_proj")
 _NORMS = ("input_layernorm", "post_attention_layernorm")
 _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 _REPLACED = ("self_attn", "mlp", "mlp.act_fn")  # modules whose forward the fused forward computes itself
@@ -106,14 +105,6 @@ def fused_modules(layer, arch: Architecture) -> tuple:
     """The modules of a layer whose forward the fused forward computes in their place, reading
     their parameters."""
     return tuple(layer.get_submodule(path) for path in _fused_paths(arch))
-
-
-def bias_layout(modules: tuple, arch: Architecture) -> tuple:
-    """Which of the projections among a layer's :func:`fused_modules` have a bias. A bias set on
-    (or removed from) a module after patching changes this but not the modules, so the layer
-    checks both again (:func:`why_unfusable`)."""
-    return tuple(getattr(module, "bias", None) is not None
-                 for path, module in zip(_fused_paths(arch), modules) if path in _PROJECTIONS)
 
 
 def is_plain_linear(module) -> bool:
@@ -180,11 +171,6 @@ def why_unfusable(modules: tuple, arch: Architecture, classes: ModelClasses):
             cls = own.get(path, classes.rms_norm)
             if type(module).forward is not cls.forward:
                 return f"{path} is a {type(module).__name__} whose forward is not {cls.__name__}'s"
-    # the fused forward adds q/k/v's biases all together or none (and each of the others where it is
-    # set): a bias it would not add must not be dropped silently
-    has_bias = dict(zip(_PROJECTIONS, bias_layout(modules, arch)))
-    if len({has_bias[path] for path in _QKV}) > 1:
-        return "some of q/k/v have a bias and some not"
     return None
 
 
@@ -240,9 +226,6 @@ def check_model(model, arch: Architecture, classes: ModelClasses):
             if any(n.weight.shape != (attn.head_dim,) for n in norms) or len({n.variance_epsilon for n in norms}) > 1:
                 raise UnsupportedModelError(f"{what}: q_norm and k_norm must be RMSNorms of head_dim "
                                             f"{attn.head_dim} with one epsilon. Nothing was patched.")
-        biases = {attn.q_proj.bias is None, attn.k_proj.bias is None, attn.v_proj.bias is None}
-        if len(biases) > 1:
-            raise UnsupportedModelError(f"{what}: some of q/k/v have a bias and some not. Nothing was patched.")
         if attn.q_proj.out_features % attn.head_dim:
             raise UnsupportedModelError(f"{what}: q_proj's {attn.q_proj.out_features} outputs are no whole number of "
                                         f"heads of {attn.head_dim}. Nothing was patched.")

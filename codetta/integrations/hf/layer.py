@@ -33,7 +33,7 @@ import torch
 
 from ...ops import linear_residual, rmsnorm_linear, rmsnorm_qkv_rope, swiglu_mlp
 from ...ops.rmsnorm import NormStats, stream_fits
-from .architectures import (Architecture, ModelClasses, bias_layout, fused_modules, hooked_module, hooks_between,
+from .architectures import (Architecture, ModelClasses, fused_modules, hooked_module, hooks_between,
                             why_rotary_unfusable, why_unfusable)
 
 try:  # transformers' collector of recorded outputs (output_attentions=True, output_hidden_states=True)
@@ -145,7 +145,6 @@ class LayerPlan:
     fuse_rope: bool
     fuse_swiglu: bool
     modules: tuple = ()  # the layer's modules as last seen (architectures.fused_modules)
-    biases: tuple = ()  # which of its projections had a bias then (architectures.bias_layout)
     unfusable: Optional[str] = None  # why the fused forward cannot read them, if it cannot
     hooked: Optional[str] = None  # the last module found with hooks the fused forward would skip (warned once)
     incoming: StatsHandoff = field(default_factory=StatsHandoff)  # stats of this layer's input
@@ -184,8 +183,7 @@ def _qkv(layer, plan: LayerPlan, x, stats, position_ids, position_embeddings, kw
     """q, k, v as [..., heads * head_dim] each, RoPE applied (and QK-norm where the model has it)."""
     attn, ln = layer.self_attn, layer.input_layernorm
     weights = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
-    biases = (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)
-    has_bias = biases[0] is not None
+    biases = (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)  # any of them may be None (0)
     rope, why_not = _rope_arguments(plan, x, position_ids, position_embeddings) if plan.fuse_rope else (None, None)
     if why_not is not None:
         warnings.warn(f"codetta: {why_not}; RoPE runs as the model's own code on its position_embeddings",
@@ -195,12 +193,11 @@ def _qkv(layer, plan: LayerPlan, x, stats, position_ids, position_embeddings, kw
         if plan.arch.qk_norm:  # the modules' own weights: their gradients land there
             qk_norm = dict(q_norm_weight=attn.q_norm.weight, k_norm_weight=attn.k_norm.weight,
                            qk_norm_eps=attn.q_norm.variance_epsilon)
-        return rmsnorm_qkv_rope(x, ln.weight, *weights, head_dim=attn.head_dim, bias=biases if has_bias else None,
+        return rmsnorm_qkv_rope(x, ln.weight, *weights, head_dim=attn.head_dim, bias=biases,
                                 eps=ln.variance_epsilon, stats=stats, **qk_norm, **rope)
     qkv = rmsnorm_linear(x, ln.weight, list(weights), ln.variance_epsilon, stats=stats)
-    if has_bias:
-        qkv = qkv + torch.cat(biases)
-    q, k, v = torch.split(qkv, [w.shape[0] for w in weights], dim=-1)
+    q, k, v = (z if b is None else z + b for z, b in zip(torch.split(qkv, [w.shape[0] for w in weights], dim=-1),
+                                                          biases))
     heads = (*x.shape[:-1], -1, attn.head_dim)
     if plan.arch.qk_norm:
         q, k = attn.q_norm(q.reshape(heads)), attn.k_norm(k.reshape(heads))
@@ -250,7 +247,7 @@ def attention_weights_requested() -> bool:
 def _fusable(layer, plan: LayerPlan, hidden_states) -> bool:
     """Whether the fused forward computes what the layer's own forward would: the modules it reads
     in their place are checked again whenever they change (PEFT wrapping a projection after
-    patching, or merging it back; a bias set on or removed from a projection), with a warning when the layer has to run unfused; and no
+    patching, or merging it back), with a warning when the layer has to run unfused; and no
     module whose forward it skips has hooks (warned once per module), nor are attention
     weights asked for; and the layer computes in a precision codetta's kernels take (a
     model cast to fp64 after patching runs as its own)."""
@@ -262,9 +259,8 @@ def _fusable(layer, plan: LayerPlan, hidden_states) -> bool:
         return False
 
     modules = fused_modules(layer, plan.arch)
-    biases = bias_layout(modules, plan.arch)
-    if modules != plan.modules or biases != plan.biases:
-        plan.modules, plan.biases = modules, biases
+    if modules != plan.modules:
+        plan.modules = modules
         plan.unfusable = why_unfusable(modules, plan.arch, plan.classes)
         if plan.unfusable is not None:
             warn_unfused(plan.unfusable)
