@@ -223,9 +223,10 @@ def _reduce(losses, valid, reduction):
 
 def _row_scale(grad, valid, reduction):
     """dloss_i: fp32 [M], 0 on ignored rows (also for "mean" over no valid row)."""
+    grad = grad.float()  # in fp32 whatever the default dtype (a bf16 default would round 1 / n_valid)
     if reduction == "mean":
         grad = grad / valid.sum()
-    return torch.where(valid, grad.float(), 0.0)
+    return torch.where(valid, grad, 0.0)
 
 
 def _add_dweight(dw, dz, h, first):
@@ -357,7 +358,7 @@ def _forward(
         if reduction == "mean" and weight.dtype == torch.float16:  # 1 / n_valid applied after, in fp32 (module doc)
             scale, post_scale = valid.float(), 1.0 / valid.sum().clamp_min(1).float()
         else:
-            scale = _row_scale(torch.ones((), device=x.device), valid, reduction)
+            scale = _row_scale(torch.ones((), device=x.device, dtype=torch.float32), valid, reduction)
     lse, target_logit, logit_sum, grads = _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs,
                                                    fp32_grads=True, label_smoothing=label_smoothing, z_loss=z_loss,
                                                    post_scale=post_scale)
