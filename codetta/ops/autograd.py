@@ -82,15 +82,14 @@ def arguments_needing_grad(ctx) -> tuple:
 
 def _runs_directly(args) -> bool:
     """Not under torch.compile nor a torch.func transform (vmap, grad: its wrapped tensors look
-    plain), and every tensor argument (also in lists) a plain Tensor or Parameter."""
+    plain), and every tensor argument (also in lists) a plain Tensor or Parameter with data (on
+    the meta device the registered op's fake implementation gives the shapes)."""
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return False
     for a in args:
-        if isinstance(a, list):
-            if any(type(t) not in _PLAIN for t in a):
+        for t in (a if isinstance(a, list) else (a,)):
+            if isinstance(t, torch.Tensor) and (type(t) not in _PLAIN or t.is_meta):
                 return False
-        elif isinstance(a, torch.Tensor) and type(a) not in _PLAIN:
-            return False
     return True
 
 

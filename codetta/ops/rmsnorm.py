@@ -140,7 +140,8 @@ def _check_norm_inputs(x: Tensor, norm_weight: Tensor, weights: list[Tensor], ep
         raise ValueError(f"norm_weight must be floating point, got {norm_weight.dtype}")
     check_eps(eps=eps)
     d = x.shape[-1]
-    check_device(x.device, "x")
+    if not x.is_meta:  # on the meta device the registered op's fake implementation gives the shapes
+        check_device(x.device, "x")
     for name, t in (("norm_weight", norm_weight), *((f"weight {i}", w) for i, w in enumerate(weights))):
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
