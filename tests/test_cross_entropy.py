@@ -6,6 +6,7 @@ module's reference function (which is checked against them too). Vocabulary size
 no multiple of any tile, and chunks are smaller than the batch and do not divide it.
 """
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -161,7 +162,7 @@ def test_single_row_vocab_131(reduction):
     check(make(lead=(1,), d=16, vocab=131, bias=True, norm=True), reduction)
 
 
-@pytest.mark.parametrize("chunk_size", [1, 4, 9, 64])
+@pytest.mark.parametrize("chunk_size", [1, 4, 9, 64, np.int64(5)])
 def test_chunk_sizes(chunk_size):
     check(make(lead=(9,), vocab=131, bias=True, ignored=2), "mean", chunk_size=chunk_size)
 

@@ -322,6 +322,26 @@ def test_the_models_rotary_embedding_as_it_is_at_each_call(change, fused, when):
     assert any("rotary_emb" in str(w.message) for w in seen) == (not fused)
 
 
+def _trainable_angle_scale(rotary):
+    rotary.angle_scale = torch.nn.Parameter(torch.tensor(0.9, device=rotary.inv_freq.device))
+    rotary.register_forward_hook(lambda mod, args, out: (out[0] * mod.angle_scale, out[1] * mod.angle_scale))
+    return rotary
+
+
+def test_rotary_angles_that_require_grad_get_their_gradient():
+    """cos and sin made by a trainable module (here a hook scaling them by a parameter): the fused
+    RoPE gives the angles no gradient, so RoPE runs as the model's own code after the
+    norm-folded GEMM, with a warning, and the parameter gets its gradient (found by a probe:
+    it was dropped silently)."""
+    ref = tiny("LlamaForCausalLM")
+    ref.model.rotary_emb = _trainable_angle_scale(ref.model.rotary_emb)
+    model = codetta.patch(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (2, 12), device=DEVICE)
+    with pytest.warns(UserWarning, match="rotary angles require grad"):
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    assert model.model.rotary_emb.angle_scale.grad is not None
+
+
 def test_position_embeddings_replaced_before_a_layer_are_applied():
     """A layer's forward pre-hook that replaces the position_embeddings it is given (position
     interpolation done in a hook), and a layer called with position_ids and position_embeddings

@@ -210,6 +210,33 @@ def test_cos_sin_refused_when_ambiguous_or_misshapen():
             pytest.fail(what)
 
 
+@pytest.mark.parametrize("trainable", ["inv_freq", "cos", "sin"])
+def test_rotary_angles_requiring_grad_are_refused_not_dropped(trainable):
+    """The fused RoPE gives no gradient for inv_freq or cos_sin: one that requires grad is refused
+    (found by a probe: its .grad stayed None), and taken under no_grad."""
+    tensors, _, pos, inv_freq = make(6, 16, 16, 2, 1, 16, False, 64)
+    theta = pos[:, None].double() * inv_freq.double()
+    cos, sin = (torch.cat((f(theta), f(theta)), -1).float() for f in (torch.cos, torch.sin))
+    grad = {name: t.clone().requires_grad_(name == trainable) for name, t in
+            dict(inv_freq=inv_freq, cos=cos, sin=sin).items()}
+    call = (dict(positions=pos, inv_freq=grad["inv_freq"]) if trainable == "inv_freq"
+            else dict(cos_sin=(grad["cos"], grad["sin"])))
+    with pytest.raises(ValueError, match="requires grad"):
+        rmsnorm_qkv_rope(*tensors, head_dim=16, **call)
+    with torch.no_grad():
+        q = rmsnorm_qkv_rope(*tensors, head_dim=16, **call)[0]
+    assert rel(q, rmsnorm_qkv_rope(*tensors, pos, inv_freq, head_dim=16)[0].detach()) < 1e-6
+
+
+def test_integer_arguments_of_any_integral_type():
+    """head_dim and rotary_dim as numpy integers (read from a config array) give what ints give."""
+    import numpy as np
+
+    tensors, _, pos, inv_freq = make(6, 16, 16, 2, 1, 16, False, 64)
+    q = rmsnorm_qkv_rope(*tensors, pos, inv_freq, head_dim=np.int64(16), rotary_dim=np.int32(16))[0]
+    assert torch.equal(q, rmsnorm_qkv_rope(*tensors, pos, inv_freq, head_dim=16)[0])
+
+
 def test_angles_beat_fp32_tables_at_long_positions():
     """At positions near 2^20, fp32 angle tables (as HF builds them) are off by ~1e-2 rad; codetta is not."""
     m, d, head_dim = 16, 32, 64

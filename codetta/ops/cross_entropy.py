@@ -522,7 +522,8 @@ def _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size, l
             or not -2**63 <= ignore_index < 2**63:
         fail(f"ignore_index must be an int (int64), got {ignore_index!r}")
     check_eps(eps=eps)
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral)
+                                   or chunk_size < 1):
         fail(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     for name, value, high in (("label_smoothing", label_smoothing, 1.0), ("z_loss", z_loss, math.inf)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= high:
@@ -563,7 +564,7 @@ def linear_cross_entropy(x, weight, target, *, bias=None, ignore_index=-100, red
                   ignore_index=ignore_index, eps=eps)
     vocab, d = weight.shape
     x2 = shapes.rows(x)
-    chunk = default_chunk_size(vocab, weight.dtype, rows=x2.shape[0], d=d) if chunk_size is None else chunk_size
+    chunk = default_chunk_size(vocab, weight.dtype, rows=x2.shape[0], d=d) if chunk_size is None else int(chunk_size)
     refuse_unsupported_autodiff("codetta::linear_cross_entropy", (x, weight, bias, norm_weight))
     # Under a torch.func transform (vmap) the gradients are not made in the forward: the
     # backward recomputes them with the gradients autograd asks for there.

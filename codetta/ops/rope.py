@@ -326,6 +326,13 @@ def _tables_of_positions(positions, inv_freq, rotary_dim: int, attention_scaling
     return rope_tables(_token_positions(positions, x.shape[:-1]), inv_freq, float(attention_scaling))
 
 
+def angles_need_grad(inv_freq, cos_sin) -> bool:
+    """Whether autograd would want a gradient for the rotary angles (a trainable inv_freq, or
+    cos and sin made by a trainable module), which the fused RoPE does not give."""
+    angles = (inv_freq, *(cos_sin if isinstance(cos_sin, (tuple, list)) else ()))
+    return torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in angles)
+
+
 def _check_cos_sin(cos_sin, positions, inv_freq, rotary_dim, attention_scaling, x: Tensor) -> int:
     """The rotary dim of a valid ``cos_sin`` (see :func:`rmsnorm_qkv_rope`), or a ValueError."""
     if positions is not None or inv_freq is not None:
@@ -397,12 +404,16 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
     weights = [w_q, w_k, w_v]
     _check_norm_inputs(x, norm_weight, weights, eps)
     check_eps(qk_norm_eps=qk_norm_eps)
-    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+    if isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral) or head_dim < 1:
         raise ValueError(f"head_dim must be a positive integer, got {head_dim!r}")
+    head_dim = int(head_dim)
     if rotary_dim is not None and (isinstance(rotary_dim, bool) or not isinstance(rotary_dim, numbers.Integral)):
         raise ValueError(f"rotary_dim must be an integer, got {rotary_dim!r}")
     if cos_sin is not None:
         rotary_dim = _check_cos_sin(cos_sin, positions, inv_freq, rotary_dim, attention_scaling, x)
+    if angles_need_grad(inv_freq, cos_sin):
+        raise ValueError("inv_freq or cos_sin requires grad: codetta's fused RoPE gives no gradient for the rotary "
+                         "angles (it would be dropped); detach them, or apply RoPE unfused")
     rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
     nq, nk = (w_q.shape[0] // head_dim, w_q.shape[0] % head_dim), (w_k.shape[0] // head_dim, w_k.shape[0] % head_dim)
     if nq[1] or nk[1] or w_v.shape != w_k.shape:

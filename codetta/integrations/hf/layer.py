@@ -33,6 +33,7 @@ import torch
 
 from ...ops import linear_residual, rmsnorm_linear, rmsnorm_qkv_rope, swiglu_mlp
 from ...ops.rmsnorm import NormStats, stream_fits
+from ...ops.rope import angles_need_grad
 from .architectures import (Architecture, ModelClasses, fused_modules, hooked_module, hooks_between,
                             why_rotary_unfusable, why_unfusable)
 
@@ -168,15 +169,19 @@ def _rope_arguments(plan: LayerPlan, x, position_ids, position_embeddings):
     if position_embeddings is not None:
         if rotary is not None and type(rotary).forward is not plan.classes.rotary.forward:
             return None, f"rotary_emb is a {type(rotary).__name__} whose forward is not {plan.classes.rotary.__name__}'s"
-        return dict(cos_sin=tuple(position_embeddings)), None
-    if position_ids is None:
+        rope = dict(cos_sin=tuple(position_embeddings))
+    elif position_ids is None:
         return None, None
-    why_not = "the model this layer was patched in is gone" if base is None else \
-        why_rotary_unfusable(rotary, plan.classes)
-    if why_not is not None:
-        return None, why_not
-    return dict(positions=position_ids.expand(x.shape[:-1]), inv_freq=rotary.inv_freq,
-                attention_scaling=rotary.attention_scaling), None
+    else:
+        why_not = "the model this layer was patched in is gone" if base is None else \
+            why_rotary_unfusable(rotary, plan.classes)
+        if why_not is not None:
+            return None, why_not
+        rope = dict(positions=position_ids.expand(x.shape[:-1]), inv_freq=rotary.inv_freq,
+                    attention_scaling=rotary.attention_scaling)
+    if angles_need_grad(rope.get("inv_freq"), rope.get("cos_sin")):
+        return None, "the rotary angles require grad (the fused RoPE gives them no gradient)"
+    return rope, None
 
 
 def _qkv(layer, plan: LayerPlan, x, stats, position_ids, position_embeddings, kwargs):
