@@ -322,6 +322,44 @@ def test_the_models_rotary_embedding_as_it_is_at_each_call(change, fused, when):
     assert any("rotary_emb" in str(w.message) for w in seen) == (not fused)
 
 
+def _unequal_halves_hook(rotary):
+    def hook(mod, args, out):
+        half = out[0].shape[-1] // 2
+        scale = torch.cat([torch.ones(half), torch.full((half,), 0.5)]).to(out[0].device)
+        return out[0] * scale, out[1] * scale
+
+    rotary.register_forward_hook(hook)
+    return rotary
+
+
+def test_a_rotary_hook_giving_unequal_halves_is_applied_as_the_model_does():
+    """The fused RoPE reads the first halves of cos and sin (the model's rotary class makes two
+    equal ones): where a hook on rotary_emb makes them differ, RoPE runs as the model's own
+    code, with a warning (found by a probe: k_proj's gradient was 60% off, silently)."""
+    ref = tiny("LlamaForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    for m in (ref, model):
+        _unequal_halves_hook(m.model.rotary_emb)
+    ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
+    with pytest.warns(UserWarning, match="unequal halves"):
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+
+
+def test_partial_rotary_fails_as_the_model_fails():
+    """A config's partial_rotary_factor gives angles for part of head_dim, which these models'
+    own RoPE does not take (it raises): the patched model raises the same, instead of rotating
+    part of each head (found by a probe: it trained, evaluated and generated silently)."""
+    ref = tiny("LlamaForCausalLM", rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=2.0,
+                                                        partial_rotary_factor=0.5))
+    model = codetta.patch(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
+    with pytest.raises(RuntimeError) as expected:
+        ref(input_ids=ids, labels=ids)
+    with pytest.warns(UserWarning, match="partial rotary"), pytest.raises(RuntimeError) as got:
+        model(input_ids=ids, labels=ids)
+    assert str(got.value) == str(expected.value)
+
+
 def _trainable_angle_scale(rotary):
     rotary.angle_scale = torch.nn.Parameter(torch.tensor(0.9, device=rotary.inv_freq.device))
     rotary.register_forward_hook(lambda mod, args, out: (out[0] * mod.angle_scale, out[1] * mod.angle_scale))
@@ -822,6 +860,57 @@ def test_a_single_projection_bias_is_added_fused(path, when, epilogues):
         warnings.simplefilter("error")
         assert_same_training_step(ref, model, input_ids=ids, labels=ids)
     assert all(layer._codetta_plan.unfusable is None for layer in model.model.layers)
+
+
+class _TimesOneAndAHalf(torch.nn.Module):
+    def forward(self, weight):
+        return 1.5 * weight
+
+
+@pytest.mark.parametrize("norm", ["model.layers.1.input_layernorm", "model.layers.0.post_attention_layernorm"])
+@pytest.mark.parametrize("when", ["before_patch", "after_patch"])
+def test_a_parametrized_norm_weight(norm, when):
+    """A norm weight under torch.nn.utils.parametrize is a new tensor at each read: the fused
+    forward reads it once per use (found by a probe: the statistics' check refused it, a crash in
+    training and in eval)."""
+    ref = tiny("LlamaForCausalLM")
+    model = copy.deepcopy(ref)
+    if when == "after_patch":
+        codetta.patch(model)
+    for m in (ref, model):
+        torch.nn.utils.parametrize.register_parametrization(m.get_submodule(norm), "weight", _TimesOneAndAHalf())
+    if when == "before_patch":
+        codetta.patch(model)
+    ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+        ref.eval(), model.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def _norm_with_offset(norm):
+    """The norm's class swapped in place for one with a forward of its own (Gemma's (1 + w))."""
+    cls = type(norm)
+
+    def forward(self, x):
+        return cls.forward(self, x) + x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+    norm.__class__ = type("OffsetRMSNorm", (cls,), {"forward": forward})
+
+
+def test_a_module_class_swapped_in_place_after_a_fused_step():
+    """module.__class__ changed after the layer was checked (the same object): checked again, and
+    run as the model's own forward with a warning (found by a probe: the old verdict stood)."""
+    ref = tiny("LlamaForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
+    model(input_ids=ids, labels=ids)
+    for m in (ref, model):
+        _norm_with_offset(m.model.layers[1].post_attention_layernorm)
+    with pytest.warns(UserWarning, match="OffsetRMSNorm"):
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
 
 
 def _scale_output(module, args, output):

@@ -30,11 +30,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+from torch.nn.utils import parametrize
 
 from ...ops import linear_residual, rmsnorm_linear, rmsnorm_qkv_rope, swiglu_mlp
 from ...ops.rmsnorm import NormStats, stream_fits
 from ...ops.rope import angles_need_grad
-from .architectures import (Architecture, ModelClasses, fused_modules, hooked_module, hooks_between,
+from .architectures import (Architecture, ModelClasses, fused_modules, hooked_module, hooks_between, is_hooked,
                             why_rotary_unfusable, why_unfusable)
 
 try:  # transformers' collector of recorded outputs (output_attentions=True, output_hidden_states=True)
@@ -145,7 +146,7 @@ class LayerPlan:
     base_model: WeakModule  # the model's decoder stack: its rotary_emb (inv_freq, attention_scaling), as it is now
     fuse_rope: bool
     fuse_swiglu: bool
-    modules: tuple = ()  # the layer's modules as last seen (architectures.fused_modules)
+    modules: tuple = ()  # the layer's modules and their classes as last seen (architectures.fused_modules)
     unfusable: Optional[str] = None  # why the fused forward cannot read them, if it cannot
     hooked: Optional[str] = None  # the last module found with hooks the fused forward would skip (warned once)
     incoming: StatsHandoff = field(default_factory=StatsHandoff)  # stats of this layer's input
@@ -155,21 +156,27 @@ class LayerPlan:
     outgoing: Optional[StatsHandoff] = None  # the next layer's incoming slot
 
 
-def _rope_arguments(plan: LayerPlan, x, position_ids, position_embeddings):
+def _rope_arguments(plan: LayerPlan, x, head_dim: int, position_ids, position_embeddings):
     """(the RoPE arguments of rmsnorm_qkv_rope, None), or (None, why RoPE runs as the model's own
     code after the norm-folded GEMM: None where the model's own layer would fail as well).
 
     The position_embeddings (cos, sin) the layer is given are what the model's own attention
     applies (also when a hook or a caller replaced them): the fused RoPE rotates by exactly
     those. They have the two equal halves of the model's own rotary class (cat(freqs, freqs));
-    a rotary embedding of another class may not. A layer called with position_ids alone takes
-    positions and the model's rotary_emb (its inv_freq and attention_scaling, as they are now)."""
+    a rotary embedding of another class may not, nor one whose hooks change them (checked then:
+    one host synchronization per new pair). A layer called with position_ids alone takes
+    positions and the model's rotary_emb (its inv_freq and attention_scaling, as they are now).
+    Angles for fewer dims than head_dim (a config's partial_rotary_factor, which these models'
+    own RoPE does not take) leave RoPE to the model's code, which fails as the model does."""
     base = plan.base_model.get()  # None for a layer copied by itself: its model's copy is gone
     rotary = base.rotary_emb if base is not None else None
     if position_embeddings is not None:
         if rotary is not None and type(rotary).forward is not plan.classes.rotary.forward:
             return None, f"rotary_emb is a {type(rotary).__name__} whose forward is not {plan.classes.rotary.__name__}'s"
         rope = dict(cos_sin=tuple(position_embeddings))
+        if rotary is not None and is_hooked(rotary) and not _halves_equal(*position_embeddings):
+            return None, "rotary_emb's hooks give cos and sin two unequal halves"
+        rotated = position_embeddings[0].shape[-1]
     elif position_ids is None:
         return None, None
     else:
@@ -179,9 +186,21 @@ def _rope_arguments(plan: LayerPlan, x, position_ids, position_embeddings):
             return None, why_not
         rope = dict(positions=position_ids.expand(x.shape[:-1]), inv_freq=rotary.inv_freq,
                     attention_scaling=rotary.attention_scaling)
+        rotated = 2 * rotary.inv_freq.shape[-1]
+    if rotated != head_dim:
+        return None, f"the rotary angles cover {rotated} of head_dim {head_dim} dims (partial rotary)"
     if angles_need_grad(rope.get("inv_freq"), rope.get("cos_sin")):
         return None, "the rotary angles require grad (the fused RoPE gives them no gradient)"
     return rope, None
+
+
+def _halves_equal(cos, sin) -> bool:
+    """Whether cos and sin are each two equal halves, as the model's rotary class makes them (a
+    host synchronization; not while torch.compile traces or a CUDA graph captures: taken as so)."""
+    if torch.compiler.is_compiling() or (cos.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return True
+    half = cos.shape[-1] // 2
+    return all(torch.equal(t[..., :half], t[..., half:2 * half]) for t in (cos, sin))
 
 
 def _qkv(layer, plan: LayerPlan, x, stats, position_ids, position_embeddings, kwargs):
@@ -189,7 +208,8 @@ def _qkv(layer, plan: LayerPlan, x, stats, position_ids, position_embeddings, kw
     attn, ln = layer.self_attn, layer.input_layernorm
     weights = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
     biases = (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)  # any of them may be None (0)
-    rope, why_not = _rope_arguments(plan, x, position_ids, position_embeddings) if plan.fuse_rope else (None, None)
+    rope, why_not = (_rope_arguments(plan, x, attn.head_dim, position_ids, position_embeddings) if plan.fuse_rope
+                     else (None, None))
     if why_not is not None:
         warnings.warn(f"codetta: {why_not}; RoPE runs as the model's own code on its position_embeddings",
                       stacklevel=4)
@@ -264,8 +284,9 @@ def _fusable(layer, plan: LayerPlan, hidden_states) -> bool:
         return False
 
     modules = fused_modules(layer, plan.arch)
-    if modules != plan.modules:
-        plan.modules = modules
+    seen = (modules, tuple(map(type, modules)))  # a class swapped in place (module.__class__ = ...) too
+    if seen != plan.modules:
+        plan.modules = seen
         plan.unfusable = why_unfusable(modules, plan.arch, plan.classes)
         if plan.unfusable is not None:
             warn_unfused(plan.unfusable)
@@ -300,10 +321,11 @@ def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_id
         return type(layer).forward(layer, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                    use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
     attn, mlp, ln2 = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+    g2 = ln2.weight  # read once: a parametrized weight is new at each read, and NormStats checks it is the same
     x = hidden_states
     q, k, v = _qkv(layer, plan, x, plan.incoming.take(x), position_ids, position_embeddings, kwargs)
     a = _attention(attn, plan, q, k, v, attention_mask, dict(position_ids=position_ids, use_cache=use_cache, **kwargs))
-    x1, stats = linear_residual(a, attn.o_proj.weight, x, ln2.weight, ln2.variance_epsilon, bias=attn.o_proj.bias)
+    x1, stats = linear_residual(a, attn.o_proj.weight, x, g2, ln2.variance_epsilon, bias=attn.o_proj.bias)
     next_layer = plan.next_layer.get() if plan.next_layer is not None else None
     ln_next = next_layer.input_layernorm if next_layer is not None else None
     hand_on = (
@@ -314,14 +336,16 @@ def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_id
         and not (layer.training and getattr(layer, "gradient_checkpointing", False))
         # a plain tensor: under FSDP2 the next layer's weights are sharded (DTensor) until its own forward
         and type(ln_next.weight) in (torch.Tensor, torch.nn.Parameter)
+        # a parametrized weight is made anew at each read: the next layer's would not be this one
+        and not parametrize.is_parametrized(ln_next)
     )
     next_norm = dict(next_norm_weight=ln_next.weight, next_eps=ln_next.variance_epsilon) if hand_on else {}
     biases = (mlp.gate_proj.bias, mlp.up_proj.bias, mlp.down_proj.bias)  # Llama's mlp_bias
     if plan.fuse_swiglu:
-        out = swiglu_mlp(x1, ln2.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
+        out = swiglu_mlp(x1, g2, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
                          ln2.variance_epsilon, stats=stats, bias=biases, **next_norm)
     else:
-        gate, up = torch.chunk(rmsnorm_linear(x1, ln2.weight, [mlp.gate_proj.weight, mlp.up_proj.weight],
+        gate, up = torch.chunk(rmsnorm_linear(x1, g2, [mlp.gate_proj.weight, mlp.up_proj.weight],
                                               ln2.variance_epsilon, stats=stats), 2, dim=-1)
         gate, up = (z if b is None else z + b for z, b in ((gate, biases[0]), (up, biases[1])))
         out = linear_residual(mlp.act_fn(gate) * up, mlp.down_proj.weight, x1, *next_norm.values(), bias=biases[2])
