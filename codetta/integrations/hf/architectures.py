@@ -178,7 +178,8 @@ def architecture_of(model) -> Architecture:
     name = type(model).__name__
     if name not in ARCHITECTURES:
         base = next((c.__name__ for c in type(model).__mro__[1:] if c.__name__ in ARCHITECTURES), None)
-        wrapped = (f" (a subclass of {base}: a wrapper's, as FSDP2's fully_shard(model) makes, is patched before "
+        wrapped = (f" (a subclass of {base}: codetta patches transformers' classes themselves, not a subclass that "
+                   "may compute otherwise; a wrapper's, as FSDP2's fully_shard(model) makes, is patched before "
                    "wrapping: patch, then wrap)") if base else ""
         raise UnsupportedModelError(
             f"codetta.patch supports {sorted(ARCHITECTURES)}; got {name}{wrapped}. Nothing was patched."
