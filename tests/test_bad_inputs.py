@@ -786,6 +786,24 @@ def test_reference_executor_checks_operand_names():
         ep.run_reference(p, a, b, {"r": dyadic(6), "typo": 1.0})
 
 
+def test_reference_executor_checks_operands_as_gemm_does():
+    """The reference executor refuses what codetta.gemm refuses, with the same messages (found by
+    a probe: an aux tile of the wrong shape was silently reshaped, others raised torch errors)."""
+    p = ep.Program("reference_checks")
+    p.store("y", p.acc + p.aux("x"), dtype=torch.float32)
+    a, b = dyadic(3, 4), dyadic(4, 6)
+    for operands, message in [({"x": dyadic(6, 3)}, r"is a tile: expected \[3, 6\]"),
+                              ({"x": 1.0}, "must be a torch.Tensor")]:
+        for run in (lambda: codetta.gemm(a, b, p, **operands), lambda: ep.run_reference(p, a, b, operands)):
+            with pytest.raises((EpilogueError, codetta.GemmError), match=message):
+                run()
+    pairs = ep.Program("reference_pairs")
+    gate, up = ep.pairs(pairs.acc)
+    pairs.store("y", gate * up)
+    with pytest.raises(EpilogueError, match="N = 7 is odd"):
+        ep.run_reference(pairs, a, dyadic(4, 7), {})
+
+
 def _brute_force_share(x, y):
     bx = {x.data_ptr() + sum(i * s for i, s in zip(idx, x.stride())) * x.element_size() + k
           for idx in itertools.product(*map(range, x.shape)) for k in range(x.element_size())}

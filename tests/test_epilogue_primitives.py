@@ -99,6 +99,46 @@ def test_comparisons_where_minmax_fma(ab):
     close(out, picked_ref * 2 + idx)
 
 
+def test_fma_rounds_once_in_both_executors():
+    """x * x + z with x = 1 + 2^-12, z = -(1 + 2^-11): exactly 2^-24, which two fp32 roundings make 0
+    (found by a probe: the reference executor rounded twice)."""
+    p = ep.Program("fma_rounding")
+    x = p.aux("x")
+    p.store("y", ep.fma(x, x, p.scalar("z")), dtype=torch.float32)
+    a, b = torch.zeros(2, 4, device=DEVICE), torch.zeros(4, 16, device=DEVICE)
+    operands = dict(x=torch.full((2, 16), 1 + 2**-12, device=DEVICE), z=-(1 + 2**-11))
+    for got in (codetta.gemm(a, b, p, **operands), ep.run_reference(p, a, b, operands)):
+        assert (got["y"] == 2.0**-24).all()
+
+
+def test_a_long_chain_of_nodes():
+    """A program of 2000 nodes in one chain runs in both executors (found by a probe: a recursion
+    error in the program's topological order)."""
+    p = ep.Program("long_chain")
+    v = p.acc
+    for _ in range(1000):
+        v = v * 1.0001 + 0.001
+    p.store("y", v, dtype=torch.float32)
+    a, b = torch.randn(3, 8, device=DEVICE), torch.randn(8, 16, device=DEVICE)
+    got, ref = codetta.gemm(a, b, p)["y"], ep.run_reference(p, a, b, {})["y"]
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_numeric_constants_of_any_real_type():
+    """numpy scalars work on either side of an operator; a constant beyond a float, or a bool (what
+    == gives), is refused naming the problem."""
+    import numpy as np
+
+    p = ep.Program("constants")
+    p.store("y", p.acc * np.float32(2) + np.int64(1) + np.float32(0.5) * p.acc, dtype=torch.float32)
+    a, b = torch.randn(3, 8, device=DEVICE), torch.randn(8, 16, device=DEVICE)
+    torch.testing.assert_close(codetta.gemm(a, b, p)["y"], 2.5 * (a @ b) + 1)
+    with pytest.raises(ep.EpilogueError, match="beyond a float's range"):
+        p.acc * 10**400
+    with pytest.raises(ep.EpilogueError, match=r"\.eq\(\)"):
+        ep.where(p.acc == 0, p.acc, 1.0)
+
+
 @pytest.mark.parametrize("segment", [2, 8, 16])
 def test_pairs_then_combine(segment, ab):
     """2 -> 1: column j of each segment with j + S/2 (S = 2: adjacent columns)."""

@@ -26,6 +26,8 @@ Programs are checked as they are built: an error names the program and the probl
 
 from __future__ import annotations
 
+import numbers
+
 import enum
 import hashlib
 from dataclasses import dataclass, field
@@ -169,12 +171,17 @@ def _program_of(*values):
 def _as_expr(program, x):
     if isinstance(x, Expr):
         return x
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        hint = " (== and != compare Python objects: compare values with .eq() and .ne())" if isinstance(x, bool) else ""
         raise EpilogueError(
             f"program {program.name!r}: cannot use {type(x).__name__} {x!r} in an epilogue; "
-            "use a number, or declare an operand (row, col, scalar, aux, table)"
+            f"use a number, or declare an operand (row, col, scalar, aux, table){hint}"
         )
-    return Expr(program, "const", attrs=(float(x),), rows=False, width=None)
+    try:
+        value = float(x)
+    except OverflowError:
+        raise EpilogueError(f"program {program.name!r}: the constant {x!r} is beyond a float's range") from None
+    return Expr(program, "const", attrs=(value,), rows=False, width=None)
 
 
 def _broadcast(program, op, *values):
@@ -537,18 +544,18 @@ class Program:
         return self._cached("nodes", self._topological_order)
 
     def _topological_order(self):
+        """Depth first, with a stack of its own (a program may chain thousands of nodes)."""
         seen, order = set(), []
-
-        def visit(n):
-            if id(n) in seen:
-                return
-            seen.add(id(n))
-            for a in n.args:
-                visit(a)
-            order.append(n)
-
         for out in self.outputs.values():
-            visit(out.value)
+            stack = [(out.value, False)]
+            while stack:
+                n, args_done = stack.pop()
+                if args_done:
+                    order.append(n)
+                elif id(n) not in seen:
+                    seen.add(id(n))
+                    stack.append((n, True))
+                    stack.extend((a, False) for a in reversed(n.args))
         return order
 
     def check(self):

@@ -86,7 +86,9 @@ def _tma_ok(t):
 class _Call:
     """One checked call: the GEMM's operands and layout, the program's operands and outputs."""
 
-    def __init__(self, a, b, program, operands, out):
+    def __init__(self, a, b, program, operands, out, for_kernel=True):
+        """``for_kernel=False``: the checks of :func:`codetta.epilogue.run_reference`, which runs on
+        any device and takes fp64 as well."""
         if not isinstance(program, Program):
             raise GemmError(f"epilogue must be a codetta Program, got {type(program).__name__}")
         program.check()
@@ -100,8 +102,9 @@ class _Call:
             raise GemmError(f"b must be a tensor or a list of 1 to {MAX_B_PARTS} tensors, got {len(parts)}")
         for i, t in enumerate(parts):
             _check_tensor(t, f"b[{i}]" if len(parts) > 1 else "b", device)
-        if a.dtype not in _DTYPES:
-            raise GemmError(f"a has dtype {a.dtype}; codetta.gemm takes {_DTYPES}")
+        dtypes = _DTYPES if for_kernel else (*_DTYPES, torch.float64)
+        if a.dtype not in dtypes:
+            raise GemmError(f"a has dtype {a.dtype}; codetta.gemm takes {dtypes}")
         for t in parts:
             if t.dtype != a.dtype:
                 raise GemmError(f"a is {a.dtype} but b is {t.dtype}: cast one so they match")
@@ -109,7 +112,8 @@ class _Call:
                 raise GemmError(f"b must be 2-d [K, N] (a weight W of nn.Linear is passed as W.t()), got shape {tuple(t.shape)}")
         if a.dim() < 2:
             raise GemmError(f"a must be at least 2-d [..., M, K], got shape {tuple(a.shape)}")
-        check_device(device)
+        if for_kernel:
+            check_device(device)
         self.lead = tuple(a.shape[:-1])
         a2 = a if a.dim() == 2 else a.reshape(math.prod(self.lead), a.shape[-1])  # not -1: K may be 0
         self.a, self.parts, self.device = a2, parts, device
