@@ -780,7 +780,8 @@ def _choose(call, config):
                 f"config {config} gives the epilogue tiles {config.epilogue_bn} wide; program "
                 f"{call.program.name!r} needs {min_bn}"
             )
-        return ("tma" if tma and _fits(config, parts) and config.epilogue_bn >= tma_min_bn else "ptr"), config
+        tma = tma and _fits(config, parts) and config.epilogue_bn >= tma_min_bn and _blocks_tma_ok(call, config)
+        return ("tma" if tma else "ptr"), config
     if interpreting():
         size = dict(m=call.M, n=call.N, k=call.K)
         cfg = interpreter_config(min_bn=tma_min_bn, n_parts_sizes=parts, **size)
@@ -891,3 +892,18 @@ def _tiles_tma_ok(call):
 
 def _fits(cfg, part_sizes):
     return not any(s % cfg.BN for s in part_sizes)
+
+
+def _blocks_tma_ok(call, cfg):
+    """Whether every TMA block of ``cfg`` spans 16 bytes or more along its contiguous dim, as TMA
+    needs: the A and B blocks, and the epilogue's aux and output tiles (a given config may have
+    narrower ones than any the tuner tries, e.g. 4 columns of bf16 after EPI_SPLIT = 4)."""
+    a_km, b_kn, _ = call.layout
+    elem = call.a.element_size()
+    bn = cfg.BN // 2 if call.b_parts == "interleave" else cfg.BN
+    spans = [(cfg.BM if a_km else cfg.BK) * elem, (bn if b_kn else cfg.BK) * elem]
+    p = call.program
+    tiles = [(o.width, call.operands[o.name].element_size()) for o in p.operands.values() if o.kind == "aux"]
+    tiles += [(o.width, call.output_dtype(o).itemsize) for o in p.outputs.values() if o.kind == "store"]
+    spans += [(cfg.epilogue_bn if width is FULL else cfg.epilogue_bn // 2) * size for width, size in tiles]
+    return min(spans) >= 16
