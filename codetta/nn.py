@@ -60,6 +60,8 @@ class DecoderConfig:
             raise ValueError(f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}")
         if self.head_dim < 2 or self.head_dim & (self.head_dim - 1):
             raise ValueError(f"head_dim {self.head_dim} must be a power of two, 2 or more (RoPE runs in the QKV epilogue)")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"DecoderConfig.tie_embeddings must be a bool, got {self.tie_embeddings!r}")
         for name, least in (("rms_norm_eps", "positive"), ("rope_theta", "positive"), ("init_std", "non-negative")):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
@@ -94,9 +96,10 @@ class DecoderLayer(nn.Module):
         b, s, _ = x.shape
         q, k, v = rmsnorm_qkv_rope(x, self.input_norm, self.q_proj, self.k_proj, self.v_proj, positions, inv_freq,
                                    head_dim=cfg.head_dim, eps=eps, stats=stats)
-        q, k, v = (t.reshape(b, s, -1, cfg.head_dim).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.reshape(b, s, heads, cfg.head_dim).transpose(1, 2)  # not -1: b or s may be 0
+                   for t, heads in zip((q, k, v), (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads)))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=cfg.num_heads != cfg.num_kv_heads)
-        a = a.transpose(1, 2).reshape(b, s, -1)
+        a = a.transpose(1, 2).reshape(b, s, cfg.num_heads * cfg.head_dim)
         x1, stats1 = linear_residual(a, self.o_proj, x, self.post_attention_norm, eps)
         mlp = (x1, self.post_attention_norm, self.gate_proj, self.up_proj, self.down_proj, eps)
         if next_norm is None:
@@ -129,6 +132,9 @@ class Decoder(nn.Module):
 
     def hidden_states(self, input_ids: Tensor) -> Tensor:
         """The residual stream after the last layer (before the final norm), [B, S, d]."""
+        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be a tensor [B, S], got "
+                             f"{tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__}")
         x = F.embedding(input_ids, self.embed)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
         inv_freq = self.rope_frequencies(input_ids.device)  # one tensor for all layers: they share RoPE's tables

@@ -140,10 +140,29 @@ def test_compiled_decoder_equals_eager():
                                         (dict(num_layers=0), "num_layers"), (dict(hidden_size=32.0), "hidden_size"),
                                         (dict(rms_norm_eps=0.0), "positive"), (dict(vocab_size=True), "vocab_size"),
                                         (dict(rope_theta=float("inf")), "rope_theta must be a positive finite"),
-                                        (dict(init_std=-0.1), "init_std must be a non-negative")], ids=str)
+                                        (dict(init_std=-0.1), "init_std must be a non-negative"),
+                                        (dict(tie_embeddings="no"), "tie_embeddings must be a bool")], ids=str)
 def test_config_rejects_what_the_decoder_cannot_run(bad, match):
     with pytest.raises(ValueError, match=match):
         cnn.DecoderConfig(**{**CFG.__dict__, **bad})
+
+
+@pytest.mark.parametrize("shape", [(2, 0), (0, 3)], ids=["no_tokens", "no_sequences"])
+def test_an_empty_batch_gives_what_pytorch_gives(shape):
+    """Logits [B, S, V] with no elements, and the mean loss over no token NaN with zero gradients,
+    as F.cross_entropy gives (found by a probe: a reshape with -1 of an empty tensor failed)."""
+    model = make_model()
+    ids = torch.zeros(shape, dtype=torch.long, device=DEVICE)
+    assert model(ids).shape == (*shape, CFG.vocab_size)
+    loss = model(ids, ids)
+    assert loss.isnan() and F.cross_entropy(torch.zeros(0, 5), torch.zeros(0, dtype=torch.long)).isnan()
+    loss.backward()
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+def test_input_ids_must_be_batch_by_sequence():
+    with pytest.raises(ValueError, match=r"input_ids must be a tensor \[B, S\], got \(5,\)"):
+        make_model()(torch.zeros(5, dtype=torch.long, device=DEVICE))
 
 
 def test_under_autocast_within_twice_the_error_of_the_unfused_model_under_autocast():
