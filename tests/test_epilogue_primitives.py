@@ -117,11 +117,13 @@ def test_a_long_chain_of_nodes():
     p = ep.Program("long_chain")
     v = p.acc
     for _ in range(1000):
-        v = v * 1.0001 + 0.001
+        v = v * 1.001 + 0.01
     p.store("y", v, dtype=torch.float32)
     a, b = torch.randn(3, 8, device=DEVICE), torch.randn(8, 16, device=DEVICE)
     got, ref = codetta.gemm(a, b, p)["y"], ep.run_reference(p, a, b, {})["y"]
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    # 2000 fp32 roundings (a compiler may contract each step into one fma): 1e-4 apart at most;
+    # a step missing or repeated would be 1e-3
+    torch.testing.assert_close(got, ref, rtol=3e-4, atol=3e-4)
 
 
 def test_numeric_constants_of_any_real_type():
