@@ -173,9 +173,10 @@ def row_kernels():
         dict(HALF_R=64, BLOCK_M=bm, BLOCK_P=bp, WITH_ZDZ=True, EMULATE_RNE=False), w)))
     bm, bn, w = softmax_k.GPU_BLOCK
     kernels.append((f"softmax gradient {bm}x{bn}", (
-        softmax_k._softmax_grad_kernel, dict(z_ptr="bf16", lse_ptr="fp32", target_ptr="i64", scale_ptr="fp32"),
+        softmax_k._softmax_grad_kernel,
+        dict(z_ptr="bf16", shift_ptr="fp32", log_sum_ptr="fp32", target_ptr="i64", scale_ptr="fp32"),
         dict(z_stride=i64, M=i32, N=i32, target_weight=f32, uniform=f32, z_loss_2=f32),
-        dict(BLOCK_M=bm, BLOCK_N=bn, EMULATE_RNE=False), w)))
+        dict(SPLIT=True, BLOCK_M=bm, BLOCK_N=bn, EMULATE_RNE=False), w)))
     return kernels
 
 

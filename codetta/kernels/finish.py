@@ -20,10 +20,17 @@ def row_max(part: torch.Tensor) -> torch.Tensor:
     return part.amax(dim=1) if part.shape[1] > 1 else part[:, 0]
 
 
-def row_logsumexp(pmax: torch.Tensor, psum: torch.Tensor) -> torch.Tensor:
+def row_max_and_log_sum(pmax: torch.Tensor, psum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(m, log s) with logsumexp = m + log s: the two parts apart keep what their fp32 sum rounds
+    away where one term dominates (log s far below m's spacing)."""
     m = pmax.amax(dim=1, keepdim=True)
     m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    return (m_safe + torch.log((psum * torch.exp(pmax - m_safe)).sum(dim=1, keepdim=True))).squeeze(1)
+    return m_safe.squeeze(1), torch.log((psum * torch.exp(pmax - m_safe)).sum(dim=1))
+
+
+def row_logsumexp(pmax: torch.Tensor, psum: torch.Tensor) -> torch.Tensor:
+    m, log_sum = row_max_and_log_sum(pmax, psum)
+    return m + log_sum
 
 
 def col_sum(part: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,11 @@ a z-loss coefficient c (loss_i + c lse_i^2), the general form is
 
     dz_ij = (p_ij (1 + 2 c lse_i) - (1 - e) [j == t_i] - e / N) * s_i,   p_ij = exp(z_ij - lse_i)
 
+lse may come as its two parts (m_i, log s_i), lse_i = m_i + log s_i with m_i the row's
+maximum: p_ij = exp((z_ij - m_i) - log s_i) then keeps 1 - p of a target that wins by so
+much that lse_i alone (about m_i, in fp32) would round it away, as eager's log_softmax
+keeps it ((z - max) - log sum).
+
 (e = c = 0 computes exactly the plain form: the extra terms are exact no-ops then). One
 memory-bound pass: a 2-D grid of [BLOCK_M, BLOCK_N] blocks, masked at the edges; only the
 elements of the view z are read and written (any row stride, unit column stride).
@@ -27,29 +32,34 @@ GPU_BLOCK = (4, 1024, 4)
 
 
 @triton.jit
-def _softmax_grad_kernel(z_ptr, z_stride, lse_ptr, target_ptr, scale_ptr, M, N, target_weight, uniform, z_loss_2,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE_RNE: tl.constexpr):
+def _softmax_grad_kernel(z_ptr, z_stride, shift_ptr, log_sum_ptr, target_ptr, scale_ptr, M, N, target_weight, uniform,
+                         z_loss_2, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         EMULATE_RNE: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     mask = row_ok[:, None] & (cols < N)[None, :]
     ptrs = z_ptr + rows.to(tl.int64)[:, None] * z_stride + cols[None, :]
     z = tl.load(ptrs, mask=mask, other=0.0)
-    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    shift = tl.load(shift_ptr + rows, mask=row_ok, other=0.0)  # lse, or m with SPLIT
+    log_sum = tl.zeros_like(shift)
+    if SPLIT:
+        log_sum = tl.load(log_sum_ptr + rows, mask=row_ok, other=0.0)
     target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
     scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
     onehot = tl.where(cols[None, :] == target[:, None], target_weight, 0.0)
-    p = tl.exp(z.to(tl.float32) - lse[:, None]) * (1.0 + z_loss_2 * lse[:, None])
+    p = tl.exp((z.to(tl.float32) - shift[:, None]) - log_sum[:, None]) * (1.0 + z_loss_2 * (shift + log_sum)[:, None])
     dz = (p - onehot - uniform) * scale[:, None]
     tl.store(ptrs, cast(dz, z.dtype, EMULATE_RNE), mask=mask)
 
 
-def softmax_grad_(z: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, *,
+def softmax_grad_(z: torch.Tensor, lse, target: torch.Tensor, scale: torch.Tensor, *,
                   label_smoothing: float = 0.0, z_loss: float = 0.0, block_m: int = GPU_BLOCK[0],
                   block_n: int = GPU_BLOCK[1]) -> torch.Tensor:
     """z [M, N] becomes (softmax(z) - onehot(target)) * scale, in place; returns z.
 
-    lse, scale: fp32 [M] (lse_i = logsumexp of row i, s_i its weight: 0 skips the row);
+    lse, scale: fp32 [M] (lse_i = logsumexp of row i, s_i its weight: 0 skips the row); lse
+    may be a pair (m, log_sum) of fp32 [M], its parts (see the module doc);
     target: integer [M] (a value outside [0, N), e.g. an ignore_index, has no one-hot).
     label_smoothing, z_loss: e and c of the module doc's general form.
     block_m, block_n: the tile per program (4 warps; see GPU_BLOCK).
@@ -57,14 +67,17 @@ def softmax_grad_(z: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scal
     m, n = z.shape
     if z.stride(1) != 1 and n > 1:
         raise ValueError(f"softmax_grad_: z needs unit column stride, got strides {z.stride()}")
-    for name, t in (("lse", lse), ("scale", scale)):
-        if t.shape != (m,) or t.dtype != torch.float32:
-            raise ValueError(f"softmax_grad_: {name} must be fp32 [{m}], got {t.dtype} {tuple(t.shape)}")
+    split = isinstance(lse, (tuple, list))
+    shift, log_sum = lse if split else (lse, lse)
+    for name, t in (("lse", shift), ("log_sum", log_sum), ("scale", scale)):
+        if not isinstance(t, torch.Tensor) or t.shape != (m,) or t.dtype != torch.float32:
+            raise ValueError(f"softmax_grad_: {name} must be fp32 [{m}], got "
+                             f"{f'{t.dtype} {tuple(t.shape)}' if isinstance(t, torch.Tensor) else type(t).__name__}")
     if target.shape != (m,) or target.dtype.is_floating_point:
         raise ValueError(f"softmax_grad_: target must be integer [{m}], got {target.dtype} {tuple(target.shape)}")
     if m and n:
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-        launch(_softmax_grad_kernel, grid, z, z.stride(0), lse.contiguous(), target.contiguous(), scale.contiguous(), m, n,
-               1.0 - label_smoothing, label_smoothing / n, 2.0 * z_loss,
-               BLOCK_M=block_m, BLOCK_N=block_n, EMULATE_RNE=interpreting(), num_warps=GPU_BLOCK[2])
+        launch(_softmax_grad_kernel, grid, z, z.stride(0), shift.contiguous(), log_sum.contiguous(), target.contiguous(),
+               scale.contiguous(), m, n, 1.0 - label_smoothing, label_smoothing / n, 2.0 * z_loss,
+               SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, EMULATE_RNE=interpreting(), num_warps=GPU_BLOCK[2])
     return z

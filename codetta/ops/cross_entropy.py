@@ -4,9 +4,12 @@ Math. With h = x, or h = RMSNorm(x) = x ⊙row r ⊙col g, r_i = rsqrt(mean_k x_
 the logits are z = h W^T (+ b) ([M, V], fp32 accumulators) and, for every row i whose
 target t_i is not ``ignore_index`` (the valid rows, n_valid of them),
 
-    lse_i  = log sum_j exp(z_ij)                         (row_logsumexp in the epilogue)
+    lse_i  = log sum_j exp(z_ij) = m_i + log s_i         (row_logsumexp in the epilogue, m_i the row max)
     zt_i   = sum_j [j == t_i] z_ij                       (row_sum in the epilogue)
-    loss_i = lse_i - zt_i                                 (0 for ignored rows)
+    loss_i = (m_i - zt_i) + log s_i                       (0 for ignored rows)
+
+(m_i and log s_i are kept apart, as eager's log_softmax keeps (z - max) - log sum: a row whose
+target wins by so much that its loss is under lse_i's fp32 spacing keeps its loss and 1 - p.)
 
 reduced as "none" (per row), "sum", or "mean" (sum / n_valid: NaN when n_valid = 0, as
 in PyTorch). Optionally, with label smoothing e (PyTorch's ``label_smoothing``) and a
@@ -18,7 +21,7 @@ z-loss coefficient c (PaLM's auxiliary loss, pulling lse towards 0):
 With dloss_i = dL/dloss_i (grad_output / n_valid for "mean", grad_output
 for "sum", grad_output_i for "none"; 0 for ignored rows), the gradients are
 
-    dz_ij = (p_ij (1 + 2 c lse_i) - (1 - e) [j == t_i] - e / V) * dloss_i,  p_ij = exp(z_ij - lse_i)
+    dz_ij = (p_ij (1 + 2 c lse_i) - (1 - e) [j == t_i] - e / V) * dloss_i,  p_ij = exp((z_ij - m_i) - log s_i)
 
 (softmax minus one-hot when e = c = 0), and
     dh = dz W,   dW = dz^T h,   db_j = sum_i dz_ij,
@@ -97,6 +100,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import epilogue as ep
+from ..kernels.finish import row_max_and_log_sum
 from ..kernels.rmsnorm import rmsnorm, rmsnorm_backward
 from ..kernels.scale import scale_unless_one_
 from ..kernels.softmax_grad import softmax_grad_
@@ -204,13 +208,14 @@ def _check_target_values(target, vocab, ignore_index):
 
 
 def _losses(valid, lse, target_logit, logit_sum, vocab, label_smoothing, z_loss):
-    """loss_i (fp32 [M], 0 on ignored rows): see the module doc."""
+    """loss_i (fp32 [M], 0 on ignored rows) from lse's parts (m, log s): see the module doc."""
+    m, log_sum = lse
     if label_smoothing:
-        loss = lse - (1 - label_smoothing) * target_logit - (label_smoothing / vocab) * logit_sum
+        loss = (m - (1 - label_smoothing) * target_logit - (label_smoothing / vocab) * logit_sum) + log_sum
     else:
-        loss = lse - target_logit
+        loss = (m - target_logit) + log_sum
     if z_loss:
-        loss = loss + z_loss * lse.square()
+        loss = loss + z_loss * (m + log_sum).square()
     return torch.where(valid, loss, 0.0)
 
 
@@ -239,7 +244,7 @@ def _add_dweight(dw, dz, h, first):
 
 def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs, fp32_grads=False,
              label_smoothing=0.0, z_loss=0.0, post_scale=None):
-    """lse, target_logit, logit_sum (fp32 [M]; logit_sum None without label smoothing) and
+    """(m, log s) (lse's parts), target_logit, logit_sum (fp32 [M]; logit_sum None without label smoothing) and
     the gradients (dx, dweight, dbias, dnorm_weight) of sum_i scale_i loss_i asked for by
     ``needs`` (None for the others), chunk by chunk, times ``post_scale`` (an fp32 scalar
     tensor, applied in fp32 at the end; dW then accumulates in fp32). With ``fp32_grads``,
@@ -252,9 +257,9 @@ def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs
     rows, (vocab, d) = x.shape[0], weight.shape
     low = weight.dtype  # the GEMMs' operands (x may be a wider fp32 stream before the final norm)
     fp32 = {"device": x.device, "dtype": torch.float32}
-    lse = torch.empty(rows, **fp32)
-    target_logit = torch.empty_like(lse)
-    logit_sum = torch.empty_like(lse) if label_smoothing else None
+    lse = (torch.empty(rows, **fp32), torch.empty(rows, **fp32))  # (m, log s)
+    target_logit = torch.empty(rows, **fp32)
+    logit_sum = torch.empty(rows, **fp32) if label_smoothing else None
     store = any(needs)
     program = _logits_program(bias is not None, low if store else None, bool(label_smoothing))
     if store:  # rows padded to 16 bytes, so that the GEMMs can read and write it through TMA
@@ -270,15 +275,19 @@ def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs
     dg = torch.zeros(d, **fp32) if need_norm_weight else None
     for i, c in enumerate(_chunks(rows, chunk_size)):
         h, rstd = _hidden(x[c], norm_weight, eps, low)
-        out = {"lse": lse[c], "target_logit": target_logit[c]}
+        out = {"target_logit": target_logit[c]}
         if label_smoothing:
             out["logit_sum"] = logit_sum[c]
         if store:
             out["logits"] = dz = logits[: c.stop - c.start]
-        gemm(h, weight.t(), program, out=out, target=target[c], **_bias_operand(bias))
+        parts = gemm(h, weight.t(), program, out=out, finish={"lse": row_max_and_log_sum}, target=target[c],
+                     **_bias_operand(bias))["lse"]
+        for buffer, part in zip(lse, parts):
+            buffer[c] = part
         if not store:
             continue
-        softmax_grad_(dz, lse[c], target[c], scale[c], label_smoothing=label_smoothing, z_loss=z_loss)
+        softmax_grad_(dz, tuple(t[c] for t in lse), target[c], scale[c], label_smoothing=label_smoothing,
+                      z_loss=z_loss)
         if need_bias:
             db += dz.sum(0, dtype=torch.float32)
         if need_weight:
@@ -590,5 +599,7 @@ def linear_cross_entropy_reference(x, weight, target, *, bias=None, ignore_index
     z = F.linear(h.float(), weight.float(), None if bias is None else bias.float())
     valid = target != ignore_index
     picked = z.gather(-1, torch.where(valid, target, 0).long().unsqueeze(-1)).squeeze(-1)
-    losses = _losses(valid, torch.logsumexp(z, -1), picked, z.sum(-1), z.shape[-1], label_smoothing, z_loss)
+    m = z.amax(-1).nan_to_num(0.0, 0.0, 0.0)  # lse's parts, as the epilogue keeps them
+    losses = _losses(valid, (m, torch.log(torch.exp(z - m.unsqueeze(-1)).sum(-1))), picked, z.sum(-1), z.shape[-1],
+                     label_smoothing, z_loss)
     return _reduce(losses, valid, reduction)
