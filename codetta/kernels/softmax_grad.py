@@ -10,7 +10,9 @@ a z-loss coefficient c (loss_i + c lse_i^2), the general form is
 lse may come as its two parts (m_i, log s_i), lse_i = m_i + log s_i with m_i the row's
 maximum: p_ij = exp((z_ij - m_i) - log s_i) then keeps 1 - p of a target that wins by so
 much that lse_i alone (about m_i, in fp32) would round it away, as eager's log_softmax
-keeps it ((z - max) - log sum).
+keeps it ((z - max) - log sum). The target's p - 1 is expm1(log p), by its series where p
+is near 1 (|log p| < 1e-2: relative error under 1e-7), not exp(log p) - 1, whose absolute
+error (exp's, ~1e-7 on a GPU) would swamp a p - 1 of ~1e-6.
 
 (e = c = 0 computes exactly the plain form: the extra terms are exact no-ops then). One
 memory-bound pass: a 2-D grid of [BLOCK_M, BLOCK_N] blocks, masked at the edges; only the
@@ -47,9 +49,14 @@ def _softmax_grad_kernel(z_ptr, z_stride, shift_ptr, log_sum_ptr, target_ptr, sc
         log_sum = tl.load(log_sum_ptr + rows, mask=row_ok, other=0.0)
     target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
     scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
-    onehot = tl.where(cols[None, :] == target[:, None], target_weight, 0.0)
-    p = tl.exp((z.to(tl.float32) - shift[:, None]) - log_sum[:, None]) * (1.0 + z_loss_2 * (shift + log_sum)[:, None])
-    dz = (p - onehot - uniform) * scale[:, None]
+    a = (z.to(tl.float32) - shift[:, None]) - log_sum[:, None]  # log p
+    p = tl.exp(a)
+    f = 1.0 + z_loss_2 * (shift + log_sum)[:, None]
+    # the target's p f - (1 - e) as (p - 1) f + (f - (1 - e)), p - 1 = expm1(a) by its series
+    # where p is near 1 (exp(a) - 1 would keep only exp's absolute error there, ~1e-7)
+    p_minus_1 = tl.where(tl.abs(a) < 1e-2, a * (1.0 + a * (0.5 + a * (1.0 / 6.0))), p - 1.0)
+    is_target = cols[None, :] == target[:, None]
+    dz = (tl.where(is_target, p_minus_1 * f + (f - target_weight), p * f) - uniform) * scale[:, None]
     tl.store(ptrs, cast(dz, z.dtype, EMULATE_RNE), mask=mask)
 
 
