@@ -345,6 +345,20 @@ def test_a_rotary_hook_giving_unequal_halves_is_applied_as_the_model_does():
         assert_same_training_step(ref, model, input_ids=ids, labels=ids)
 
 
+def test_hooked_rotary_halves_are_checked_once_per_forward(monkeypatch):
+    """The check of a hooked rotary embedding's halves synchronizes with the GPU: once for the
+    pair all layers share, not once per layer."""
+    model = codetta.patch(tiny("LlamaForCausalLM", num_hidden_layers=3))
+    _with_hook(model.model.rotary_emb)
+    compared = []
+    equal = torch.equal
+    monkeypatch.setattr(torch, "equal", lambda a, b: compared.append(a.shape) or equal(a, b))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # halves equal: fused
+        model(input_ids=torch.randint(0, VOCAB, (2, 9), device=DEVICE), labels=None)
+    assert len(compared) == 2  # cos and sin, once
+
+
 def test_partial_rotary_fails_as_the_model_fails():
     """A config's partial_rotary_factor gives angles for part of head_dim, which these models'
     own RoPE does not take (it raises): the patched model raises the same, instead of rotating

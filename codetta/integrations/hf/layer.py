@@ -194,13 +194,22 @@ def _rope_arguments(plan: LayerPlan, x, head_dim: int, position_ids, position_em
     return rope, None
 
 
+_LAST_HALVES = [None]  # (weak references to cos and sin, their versions, the answer): the layers share one pair
+
+
 def _halves_equal(cos, sin) -> bool:
     """Whether cos and sin are each two equal halves, as the model's rotary class makes them (a
-    host synchronization; not while torch.compile traces or a CUDA graph captures: taken as so)."""
+    host synchronization, once per pair the layers share; not while torch.compile traces or a
+    CUDA graph captures: taken as so)."""
     if torch.compiler.is_compiling() or (cos.is_cuda and torch.cuda.is_current_stream_capturing()):
         return True
+    versions, last = (cos._version, sin._version), _LAST_HALVES[0]
+    if last is not None and last[0]() is cos and last[1]() is sin and last[2] == versions:
+        return last[3]
     half = cos.shape[-1] // 2
-    return all(torch.equal(t[..., :half], t[..., half:2 * half]) for t in (cos, sin))
+    equal = all(torch.equal(t[..., :half], t[..., half:2 * half]) for t in (cos, sin))
+    _LAST_HALVES[0] = (weakref.ref(cos), weakref.ref(sin), versions, equal)
+    return equal
 
 
 def _qkv(layer, plan: LayerPlan, x, stats, position_ids, position_embeddings, kwargs):
