@@ -26,10 +26,9 @@ Programs are checked as they are built: an error names the program and the probl
 
 from __future__ import annotations
 
-import numbers
-
 import enum
 import hashlib
+import numbers
 from dataclasses import dataclass, field
 
 import torch

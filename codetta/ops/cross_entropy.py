@@ -207,9 +207,9 @@ def _check_target_values(target, vocab, ignore_index):
         raise ValueError(f"{message}; target[{i}] = {int(target[i])} (flattened index)")
 
 
-def _losses(valid, lse, target_logit, logit_sum, vocab, label_smoothing, z_loss):
+def _losses(valid, lse_parts, target_logit, logit_sum, vocab, label_smoothing, z_loss):
     """loss_i (fp32 [M], 0 on ignored rows) from lse's parts (m, log s): see the module doc."""
-    m, log_sum = lse
+    m, log_sum = lse_parts
     if label_smoothing:
         loss = (m - (1 - label_smoothing) * target_logit - (label_smoothing / vocab) * logit_sum) + log_sum
     else:
@@ -257,7 +257,7 @@ def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs
     rows, (vocab, d) = x.shape[0], weight.shape
     low = weight.dtype  # the GEMMs' operands (x may be a wider fp32 stream before the final norm)
     fp32 = {"device": x.device, "dtype": torch.float32}
-    lse = (torch.empty(rows, **fp32), torch.empty(rows, **fp32))  # (m, log s)
+    lse_parts = (torch.empty(rows, **fp32), torch.empty(rows, **fp32))  # (m, log s)
     target_logit = torch.empty(rows, **fp32)
     logit_sum = torch.empty(rows, **fp32) if label_smoothing else None
     store = any(needs)
@@ -282,11 +282,11 @@ def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs
             out["logits"] = dz = logits[: c.stop - c.start]
         parts = gemm(h, weight.t(), program, out=out, finish={"lse": row_max_and_log_sum}, target=target[c],
                      **_bias_operand(bias))["lse"]
-        for buffer, part in zip(lse, parts):
+        for buffer, part in zip(lse_parts, parts):
             buffer[c] = part
         if not store:
             continue
-        softmax_grad_(dz, tuple(t[c] for t in lse), target[c], scale[c], label_smoothing=label_smoothing,
+        softmax_grad_(dz, tuple(t[c] for t in lse_parts), target[c], scale[c], label_smoothing=label_smoothing,
                       z_loss=z_loss)
         if need_bias:
             db += dz.sum(0, dtype=torch.float32)
@@ -307,7 +307,7 @@ def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs
         db if not need_bias or fp32_grads else db.to(bias.dtype),
         dg if not need_norm_weight or fp32_grads else dg.to(norm_weight.dtype),
     )
-    return lse, target_logit, logit_sum, grads
+    return lse_parts, target_logit, logit_sum, grads
 
 
 def _wide_dweight(weight, fp32_grads):
@@ -368,10 +368,10 @@ def _forward(
             scale, post_scale = valid.float(), 1.0 / valid.sum().clamp_min(1).float()
         else:
             scale = _row_scale(torch.ones((), device=x.device, dtype=torch.float32), valid, reduction)
-    lse, target_logit, logit_sum, grads = _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs,
-                                                   fp32_grads=True, label_smoothing=label_smoothing, z_loss=z_loss,
-                                                   post_scale=post_scale)
-    losses = _losses(valid, lse, target_logit, logit_sum, weight.shape[0], label_smoothing, z_loss)
+    lse_parts, target_logit, logit_sum, grads = _chunked(
+        x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs, fp32_grads=True,
+        label_smoothing=label_smoothing, z_loss=z_loss, post_scale=post_scale)
+    losses = _losses(valid, lse_parts, target_logit, logit_sum, weight.shape[0], label_smoothing, z_loss)
     return (_reduce(losses, valid, reduction), *_grad_outputs(x, grads))
 
 
@@ -599,7 +599,7 @@ def linear_cross_entropy_reference(x, weight, target, *, bias=None, ignore_index
     z = F.linear(h.float(), weight.float(), None if bias is None else bias.float())
     valid = target != ignore_index
     picked = z.gather(-1, torch.where(valid, target, 0).long().unsqueeze(-1)).squeeze(-1)
-    m = z.amax(-1).nan_to_num(0.0, 0.0, 0.0)  # lse's parts, as the epilogue keeps them
-    losses = _losses(valid, (m, torch.log(torch.exp(z - m.unsqueeze(-1)).sum(-1))), picked, z.sum(-1), z.shape[-1],
-                     label_smoothing, z_loss)
+    z2 = z.reshape(-1, z.shape[-1])  # each logit its own partial: (max, log sum exp) as the epilogue's finish
+    lse_parts = tuple(t.reshape(z.shape[:-1]) for t in row_max_and_log_sum(z2, torch.ones_like(z2)))
+    losses = _losses(valid, lse_parts, picked, z.sum(-1), z.shape[-1], label_smoothing, z_loss)
     return _reduce(losses, valid, reduction)

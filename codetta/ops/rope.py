@@ -74,7 +74,7 @@ from .rmsnorm import (_check_norm_inputs, _weight_t, check_eps, given_stats, nor
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .weight_grads import for_autograd, run_backward, stacked_like
-from .shapes import check_biases, rows
+from .shapes import check_biases, concat_biases, rows
 
 
 @functools.lru_cache(maxsize=None)
@@ -420,10 +420,8 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
         raise ValueError(f"q/k/v weights {[tuple(w.shape) for w in weights]} are not whole heads of {head_dim}")
     if rotary_dim < 2 or rotary_dim & (rotary_dim - 1) or head_dim % rotary_dim:
         raise ValueError(f"rotary_dim {rotary_dim} must be a power of two dividing head_dim {head_dim}")
-    biases = check_biases(bias, ("b_q", "b_k", "b_v"), tuple(w.shape[0] for w in weights), x.device)
-    given = [t for t in biases if t is not None]
-    b = torch.cat([t if t is not None else given[0].new_zeros(w.shape[0]) for t, w in zip(biases, weights)]) \
-        if given else None  # a missing one adds 0
+    widths = tuple(w.shape[0] for w in weights)
+    b = concat_biases(check_biases(bias, ("b_q", "b_k", "b_v"), widths, x.device), widths)  # a missing one adds 0
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("QK-norm needs both q_norm_weight and k_norm_weight (or neither)")
     if q_norm_weight is not None:

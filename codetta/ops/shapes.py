@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
+import torch
 from torch import Tensor
 
 
@@ -27,3 +29,12 @@ def check_biases(bias, names: tuple[str, ...], dims: tuple[int, ...], device) ->
             got = f"{tuple(b.shape)} {b.dtype} {b.device}" if isinstance(b, Tensor) else type(b).__name__
             raise ValueError(f"{name} must be a floating point [{n}] tensor on {device}, got {got}")
     return tuple(bias)
+
+
+def concat_biases(biases: tuple, dims: tuple[int, ...]) -> Optional[Tensor]:
+    """The checked ``biases`` (see :func:`check_biases`) as one vector, zeros of ``dims[i]`` for a
+    missing one; None when all are missing."""
+    given = [b for b in biases if b is not None]
+    if not given:
+        return None
+    return torch.cat([b if b is not None else given[0].new_zeros(n) for b, n in zip(biases, dims)])

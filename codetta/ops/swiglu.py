@@ -48,7 +48,7 @@ from .rmsnorm import _check_norm_inputs, given_stats, norm_operands, rmsnorm_lin
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .weight_grads import for_autograd, run_backward, stacked_like
-from .shapes import check_biases, rows
+from .shapes import check_biases, concat_biases, rows
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,14 +60,6 @@ def _forward_program(with_bias: bool) -> ep.Program:
     p.store("z_up", up)
     p.store("y", ep.silu(gate) * up)
     return p
-
-
-def _gate_up_biases(b_gate: Optional[Tensor], b_up: Optional[Tensor], f: int, like: Tensor) -> Optional[Tensor]:
-    """[b_g | b_u] ([2F], z's column order; zeros for a missing one), or None without either."""
-    if b_gate is None and b_up is None:
-        return None
-    zero = like.new_zeros(f, dtype=(b_gate if b_gate is not None else b_up).dtype)
-    return torch.cat((b_gate if b_gate is not None else zero, b_up if b_up is not None else zero))
 
 
 def _interleaved(blocks: Tensor) -> Tensor:
@@ -96,7 +88,7 @@ def swiglu_forward(x2: Tensor, u: Tensor, rstd: Tensor, w_gate: Tensor, w_up: Te
     d, f = x2.shape[-1], w_gate.shape[0]
     z = x2.new_empty(x2.shape[0], 2 * f, dtype=w_gate.dtype)
     w_gate_up = torch.stack((w_gate, w_up), dim=1).reshape(2 * f, d)  # rows g0, u0, g1, u1, ...
-    biases = _gate_up_biases(b_gate, b_up, f, w_gate)
+    biases = concat_biases((b_gate, b_up), (f, f))  # [b_g | b_u], z's column order
     operands = dict(rstd=rstd) if biases is None else dict(rstd=rstd, bias=_interleaved(biases))
     out = gemm(u.reshape(x2.shape), w_gate_up.t(), _forward_program(biases is not None),
                out={"z_gate": z[:, :f], "z_up": z[:, f:]}, **operands)
