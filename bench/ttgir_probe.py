@@ -111,7 +111,7 @@ def main():
         "RMSNorm + gate/up + SwiGLU": (swiglu._forward_program(), 1),
         "residual + norm statistics": (rmsnorm._producer(torch.bfloat16, True, False), 1),
         "norm backward": (rmsnorm._consumer_backward(), 1),
-        "cross-entropy logits": (cross_entropy._logits_program(False, torch.bfloat16), 1),
+        "cross-entropy loss": (cross_entropy._loss_program(False), 1),
     }
     for name, (program, num_b) in programs.items():
         for config, kwargs in CONFIGS.items():

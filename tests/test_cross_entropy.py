@@ -322,13 +322,14 @@ def test_fp16_loss_scaling_keeps_small_gradients(x_scale):
 
 
 def record_gemms(monkeypatch):
-    """(program name, a's rows, b's columns, data_ptr of the stored logits or None) of every GEMM."""
+    """(program name, a's rows, b's columns, data_ptr of its output "out" or None) of every GEMM."""
     seen = []
 
     def recording_gemm(a, b, epilogue=None, **kwargs):
-        logits = (kwargs.get("out") or {}).get("logits")
+        out = kwargs.get("out")
+        out = out.get("out") if isinstance(out, dict) else out
         seen.append((epilogue.name if epilogue else "plain", a.shape[0], b.shape[1],
-                     None if logits is None else logits.data_ptr()))
+                     None if out is None else out.data_ptr()))
         return codetta.gemm(a, b, epilogue, **kwargs)
 
     monkeypatch.setattr(ce, "gemm", recording_gemm)
@@ -342,10 +343,10 @@ def test_three_gemms_per_chunk_in_the_forward(monkeypatch):
                                 norm_weight=inputs["norm_weight"], eps=EPS, chunk_size=6)
     expected = []
     for i, rows in enumerate([6, 6, 6, 5]):  # logits; dW = dz^T h (written, then added); dh = dz W
-        expected += [("lce_logits_bias_float32", rows, 37), ("weight_grad_add" if i else "weight_grad", 37, 20),
+        expected += [("linear_bias", rows, 37), ("weight_grad_add" if i else "weight_grad", 37, 20),
                      ("plain", rows, 20)]
     assert [s[:3] for s in seen] == expected
-    assert len({s[3] for s in seen if s[3] is not None}) == 1  # one logits buffer for every chunk
+    assert len({s[3] for s in seen if s[0] == "linear_bias"}) == 1  # one logits buffer for every chunk
     seen.clear()
     (3.7 * loss).backward()
     assert seen == []  # the backward only scales the saved gradients
@@ -356,7 +357,7 @@ def test_reduction_none_recomputes_in_the_backward(monkeypatch):
     inputs = make(lead=(23,), vocab=37, bias=True, norm=True)
     ours(inputs, "none", random_grad_output("none", inputs["target"]), chunk_size=6)
     logits = [(name, rows) for name, rows, cols, _ in seen if cols == 37]
-    assert logits == [("lce_loss_bias", r) for r in (6, 6, 6, 5)] + [("lce_logits_bias_float32", r) for r in (6, 6, 6, 5)]
+    assert logits == [("lce_loss_bias", r) for r in (6, 6, 6, 5)] + [("linear_bias", r) for r in (6, 6, 6, 5)]
     assert len(seen) == 4 + 3 * 4
 
 
@@ -505,6 +506,40 @@ def test_softmax_grad_kernel(dtype):
     rest = buffer.clone()
     rest[1 : m + 1, 2 : n + 2] = 0
     torch.testing.assert_close(rest, outside, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_row_stats_kernel(dtype):
+    """Rows of a 13 x 75 view (row stride wider than the row) in blocks of 4 x 16 (edges masked):
+    lse's parts, the target's logit and the row sum against fp64; a target in the last column,
+    beyond the vocabulary, negative, or in a block's first column; a row of -inf and a row with
+    one finite logit; the buffer around the view untouched."""
+    from codetta.kernels.logsumexp import row_stats
+
+    m, n = 13, 75
+    buffer = torch.full((m + 2, n + 5), float("nan"), device=DEVICE, dtype=dtype)
+    z = buffer[1 : m + 1, :n]
+    z.copy_(6 * torch.randn(m, n, device=DEVICE) + 20)
+    z[3] = float("-inf")
+    z[4] = float("-inf")
+    z[4, 40] = -3.0
+    before = buffer.clone()
+    target = torch.randint(0, n, (m,), device=DEVICE)
+    target[[0, 1, 2, 5]] = torch.tensor([n - 1, n, -100, 16], device=DEVICE)
+    (row_max, log_sum), target_logit, logit_sum = row_stats(z, target, logit_sum=True, block_m=4, block_n=16)
+    z64 = z.double()
+    lse = torch.logsumexp(z64, 1)
+    finite = torch.isfinite(lse)
+    assert row_max.dtype == log_sum.dtype == target_logit.dtype == logit_sum.dtype == torch.float32
+    torch.testing.assert_close(row_max.double(), torch.where(finite, z64.amax(1), 0.0), rtol=0, atol=0)
+    torch.testing.assert_close((row_max.double() + log_sum.double())[finite], lse[finite], rtol=1e-6, atol=1e-6)
+    assert (log_sum[~finite] == float("-inf")).all() and not finite[3] and finite[4]
+    inside = (target >= 0) & (target < n)
+    want = torch.where(inside, z64.gather(1, target.clamp(0, n - 1)[:, None])[:, 0], 0.0)
+    torch.testing.assert_close(target_logit.double(), want, rtol=0, atol=0)
+    torch.testing.assert_close(logit_sum[finite].double(), z64.sum(1)[finite], rtol=1e-6, atol=1e-3)
+    torch.testing.assert_close(buffer, before, rtol=0, atol=0, equal_nan=True)
+    assert row_stats(z, target)[2] is None
 
 
 def test_softmax_grad_kernel_label_smoothing_and_z_loss():

@@ -31,9 +31,14 @@ for "sum", grad_output_i for "none"; 0 for ignored rows), the gradients are
 Design. The rows are processed in chunks of ``chunk_size`` rows (C), so the [M, V]
 logits exist one chunk at a time. Per chunk (``_chunked``):
 
-1. GEMM z_c = h_c W^T (+ b), whose epilogue writes lse and zt (the loss) and, when
-   gradients are computed, also stores z_c rounded to the input dtype into one [C, V]
-   buffer reused by every chunk;
+1. GEMM z_c = h_c W^T (+ b). When gradients are computed it stores z_c, rounded to the
+   input dtype, into one [C, V] buffer reused by every chunk, and one memory-bound pass
+   over that buffer (``codetta.kernels.logsumexp.row_stats``) gives lse's parts and zt
+   (the loss). Otherwise its epilogue computes them from the accumulators and stores
+   nothing. (In the epilogue of a GEMM whose logits are stored anyway they cost more: on
+   the H200 the logits GEMM with them took 1.03-1.10x a plain GEMM plus the pass at
+   8192 x 128256 x d = 2048, 4096, and up to 1.17x with another tuning draw; the pass
+   reads the bf16 logits at ~3.5 TB/s: bench/results/ce_logits_probe.md.)
 2. ``softmax_grad_`` (codetta.kernels.softmax_grad) turns that buffer into dz_c in place,
    in fp32 arithmetic, stored in the input dtype (db += its column sums, when needed);
 3. GEMM dh_c = dz_c W, then the RMSNorm backward (dx_c, dg) when norm_weight is given;
@@ -66,10 +71,10 @@ small probabilities of a large batch fell below fp16's range before a loss scale
 errors were 7x eager's. bf16 has fp32's exponent range and keeps the scaled dz.
 
 Memory, beyond the inputs and the gradients returned: the [C, V] logits / dz buffer in
-the input dtype (rows padded to 16 bytes), the epilogue's per-tile partials (3 fp32 [C, ceil(V / BLOCK_N)]), h_c and
-dh_c [C, d]; with several chunks, an fp32 [V, d] accumulator for dW, cast to the weight's
-dtype at the end (with one chunk dW is written directly in the weight's dtype); fp32 [V]
-for db. The default C keeps the buffer at C * V * itemsize <= 2^30 bytes (1 GiB): 4096
+the input dtype (rows padded to 16 bytes), the per-block partials of lse's parts and zt
+(3 fp32 [C, ceil(V / 1024)], 4 with label smoothing), h_c and dh_c [C, d]; with several
+chunks, an fp32 [V, d] accumulator for dW, cast to the weight's dtype at the end (with one
+chunk dW is written directly in the weight's dtype); fp32 [V] for db. The default C keeps the buffer at C * V * itemsize <= 2^30 bytes (1 GiB): 4096
 rows at V = 128256 in bf16; or takes all M rows when their logits need no more memory
 than such a chunk plus the fp32 dW accumulator (M <= C + 4d / itemsize: 8192 rows at
 d = 2048 or 4096), which also saves dW's read-modify-write per chunk. The gradients
@@ -101,6 +106,7 @@ import torch.nn.functional as F
 
 from .. import epilogue as ep
 from ..kernels.finish import row_max_and_log_sum
+from ..kernels.logsumexp import row_stats
 from ..kernels.rmsnorm import rmsnorm, rmsnorm_backward
 from ..kernels.scale import scale_unless_one_
 from ..kernels.softmax_grad import softmax_grad_
@@ -108,6 +114,7 @@ from ..matmul import gemm
 from .rmsnorm import check_eps, rms_rstd
 from .autocast import casts_under_autocast
 from .autograd import only_first_output_differentiable, refuse_double_backward, refuse_unsupported_autodiff
+from .linear import linear_program
 from .weight_grads import weight_grad_program
 from . import shapes
 
@@ -147,22 +154,12 @@ def _is_target(p: ep.Program):
 
 
 @functools.lru_cache(maxsize=None)
-def _logits_program(bias: bool, store: Optional[torch.dtype], logit_sum: bool = False) -> ep.Program:
-    """Per row: lse = logsumexp of the logits, target_logit = the logit at the target column,
-    and with ``logit_sum`` the sum of the row's logits (label smoothing).
-
-    With ``store`` (the input dtype, when gradients are computed) the logits are rounded to it
-    first and stored; lse and the target logit then come from the rounded logits, as eager
-    PyTorch computes them, so that the softmax of the stored logits sums to one. Without it,
-    they come from the fp32 accumulators.
-    """
-    suffix = f"_{str(store).split('.')[-1]}" if store is not None else ""
-    p = ep.Program(f"lce_{'logits' if store else 'loss'}{'_bias' if bias else ''}{'_sum' if logit_sum else ''}{suffix}")
+def _loss_program(bias: bool, logit_sum: bool = False) -> ep.Program:
+    """Per row, from the fp32 accumulators (nothing stored): lse = logsumexp of the logits (as its
+    parts), target_logit = the logit at the target column, and with ``logit_sum`` the sum of the
+    row's logits (label smoothing)."""
+    p = ep.Program(f"lce_loss{'_bias' if bias else ''}{'_sum' if logit_sum else ''}")
     z = _logits(p, bias)
-    if store is not None:
-        if store != torch.float32:
-            z = ep.round_to(z, store)
-        p.store("logits", z)
     p.row_logsumexp("lse", z)
     p.row_sum("target_logit", ep.where(_is_target(p), z, 0.0))
     if logit_sum:
@@ -194,6 +191,14 @@ def _hidden(x, norm_weight, eps, dtype):
 
 def _bias_operand(bias):
     return {} if bias is None else {"bias": bias}
+
+
+def _store_logits(logits, h, weight, bias):
+    """logits = h W^T (+ b), rounded to logits' dtype: a plain GEMM, or one adding the bias."""
+    if bias is None:
+        gemm(h, weight.t(), out=logits)
+    else:
+        gemm(h, weight.t(), linear_program(True), out={"out": logits}, bias=bias)
 
 
 def _check_target_values(target, vocab, ignore_index):
@@ -261,7 +266,7 @@ def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs
     target_logit = torch.empty(rows, **fp32)
     logit_sum = torch.empty(rows, **fp32) if label_smoothing else None
     store = any(needs)
-    program = _logits_program(bias is not None, low if store else None, bool(label_smoothing))
+    loss_program = _loss_program(bias is not None, bool(label_smoothing))
     if store:  # rows padded to 16 bytes, so that the GEMMs can read and write it through TMA
         pad = 16 // low.itemsize
         logits = x.new_empty(min(rows, chunk_size), -(-vocab // pad) * pad, dtype=low)[:, :vocab]
@@ -275,17 +280,22 @@ def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs
     dg = torch.zeros(d, **fp32) if need_norm_weight else None
     for i, c in enumerate(_chunks(rows, chunk_size)):
         h, rstd = _hidden(x[c], norm_weight, eps, low)
-        out = {"target_logit": target_logit[c]}
-        if label_smoothing:
-            out["logit_sum"] = logit_sum[c]
-        if store:
-            out["logits"] = dz = logits[: c.stop - c.start]
-        parts = gemm(h, weight.t(), program, out=out, finish={"lse": row_max_and_log_sum}, target=target[c],
-                     **_bias_operand(bias))["lse"]
+        if not store:
+            out = {"target_logit": target_logit[c]}
+            if label_smoothing:
+                out["logit_sum"] = logit_sum[c]
+            parts = gemm(h, weight.t(), loss_program, out=out, finish={"lse": row_max_and_log_sum}, target=target[c],
+                         **_bias_operand(bias))["lse"]
+            for buffer, part in zip(lse_parts, parts):
+                buffer[c] = part
+            continue
+        dz = logits[: c.stop - c.start]
+        _store_logits(dz, h, weight, bias)
+        parts, target_logit[c], row_logit_sum = row_stats(dz, target[c], logit_sum=bool(label_smoothing))
         for buffer, part in zip(lse_parts, parts):
             buffer[c] = part
-        if not store:
-            continue
+        if label_smoothing:
+            logit_sum[c] = row_logit_sum
         softmax_grad_(dz, tuple(t[c] for t in lse_parts), target[c], scale[c], label_smoothing=label_smoothing,
                       z_loss=z_loss)
         if need_bias:

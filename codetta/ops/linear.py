@@ -19,7 +19,8 @@ from .shapes import rows
 
 
 @functools.lru_cache(maxsize=None)
-def _program(with_bias: bool) -> ep.Program:
+def linear_program(with_bias: bool) -> ep.Program:
+    """out = acc (+ the column vector bias), stored in the operands' dtype."""
     p = ep.Program("linear_bias" if with_bias else "linear")
     y = p.acc + p.col("bias") if with_bias else p.acc
     p.store("out", y)
@@ -29,7 +30,7 @@ def _program(with_bias: bool) -> ep.Program:
 @direct_op("codetta::linear")
 def _linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     operands = {} if bias is None else {"bias": bias}
-    return gemm(x, weight.t(), _program(bias is not None), **operands)["out"]
+    return gemm(x, weight.t(), linear_program(bias is not None), **operands)["out"]
 
 
 @_linear_op.register_fake
