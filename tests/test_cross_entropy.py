@@ -264,6 +264,30 @@ def test_no_valid_target_with_a_non_finite_grad_output(reduction, grad_output):
         assert torch.equal(grads[name], ref_grads[name]) and not grads[name].any(), name
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_a_logit_of_plus_inf_gives_nan_as_pytorch(reduction, grad):
+    """A +inf logit (two columns of overflowed bias; a -inf one too) makes every row's loss NaN in
+    F.cross_entropy (log_softmax: inf - inf), and in ours, whether the logits are stored
+    (training) or only reduced in the epilogue (no gradient; the forward of "none"). Targets on a
+    +inf column, the -inf one and elsewhere, over several chunks."""
+    inputs = make(lead=(9,), vocab=37, bias=True, requires_grad=("x", "weight") if grad else ())
+    with torch.no_grad():
+        inputs["bias"][[3, 30]] = float("inf")
+        inputs["bias"][7] = float("-inf")
+    inputs["weight"].data[[3, 30], :] = 0.0  # so that inf + x w stays inf
+    inputs["target"][:3] = torch.tensor([3, 7, 0], device=DEVICE)
+    loss = linear_cross_entropy(inputs["x"], inputs["weight"], inputs["target"], bias=inputs["bias"],
+                                reduction=reduction, chunk_size=4)
+    ref = F.cross_entropy(F.linear(inputs["x"], inputs["weight"], inputs["bias"]).double(), inputs["target"],
+                          reduction=reduction)
+    assert torch.isnan(ref).all()
+    assert torch.isnan(loss).all(), loss
+    if grad:
+        loss.sum().backward()
+        assert torch.isnan(inputs["x"].grad).any() and torch.isnan(inputs["weight"].grad).any()
+
+
 # --------------------------------------------------------------------------------------
 # bf16 / fp16: error of ours <= 2 x error of eager PyTorch in that dtype (both against fp64)
 

@@ -15,12 +15,14 @@ import triton
 import triton.language as tl
 
 from .finish import row_max_and_log_sum, row_sum
+from ..interpreter import interpreting
 from .launch import launch
 
 # (rows, columns, warps) per program. On the H200 (bench/ce_logits_probe.py, 8192 x 128256 bf16)
 # 1 x 4096 read at 3.4-3.6 TB/s, 4 x 1024 (the softmax-gradient pass's block) at 2.9-3.1,
 # 16 x 256 at 2.8; a loop over a row's blocks in one program at 2.1.
 GPU_BLOCK = (1, 4096, 4)
+INTERPRETER_BLOCK = (4, 64)
 
 
 @triton.jit
@@ -51,10 +53,14 @@ def _row_stats_kernel(z_ptr, z_stride, target_ptr, max_ptr, sum_exp_ptr, target_
 
 
 def row_stats(z: torch.Tensor, target: torch.Tensor, *, logit_sum: bool = False,
-              block_m: int = GPU_BLOCK[0], block_n: int = GPU_BLOCK[1]) -> tuple:
+              block_m: int | None = None, block_n: int | None = None) -> tuple:
     """((m, log s), target_logit, logit_sum or None) of the rows of z [M, N] (any float dtype, unit
     column stride), all fp32 [M]: lse_i = m_i + log s_i, target_logit_i = z[i, target_i] (0 where
-    target_i is outside [0, N)), logit_sum_i = sum_j z_ij. block_m, block_n: the block per program."""
+    target_i is outside [0, N)), logit_sum_i = sum_j z_ij. A row holding +inf gets a NaN log s,
+    as its log_softmax has (inf - inf). block_m, block_n: the block per program (GPU_BLOCK;
+    4 x 64 in Triton's interpreter, so that small vocabularies span several blocks there too)."""
+    default = INTERPRETER_BLOCK if interpreting() else GPU_BLOCK
+    block_m, block_n = block_m or default[0], block_n or default[1]
     m, n = z.shape
     if z.stride(1) != 1 and n > 1:
         raise ValueError(f"row_stats: z needs unit column stride, got strides {z.stride()}")

@@ -72,7 +72,7 @@ errors were 7x eager's. bf16 has fp32's exponent range and keeps the scaled dz.
 
 Memory, beyond the inputs and the gradients returned: the [C, V] logits / dz buffer in
 the input dtype (rows padded to 16 bytes), the per-block partials of lse's parts and zt
-(3 fp32 [C, ceil(V / 1024)], 4 with label smoothing), h_c and dh_c [C, d]; with several
+(3 fp32 [C, ceil(V / 4096)], 4 with label smoothing), h_c and dh_c [C, d]; with several
 chunks, an fp32 [V, d] accumulator for dW, cast to the weight's dtype at the end (with one
 chunk dW is written directly in the weight's dtype); fp32 [V] for db. The default C keeps the buffer at C * V * itemsize <= 2^30 bytes (1 GiB): 4096
 rows at V = 128256 in bf16; or takes all M rows when their logits need no more memory
@@ -193,6 +193,15 @@ def _bias_operand(bias):
     return {} if bias is None else {"bias": bias}
 
 
+def _lse_parts(pmax, psum):
+    """(m, log s) from the loss epilogue's per-tile partials, with a NaN log s for a row holding +inf
+    (F.cross_entropy's log_softmax has inf - inf there; the epilogue's logsumexp is inf, as
+    torch.logsumexp's), as :func:`codetta.kernels.logsumexp.row_stats` gives where the logits are
+    stored."""
+    m, log_sum = row_max_and_log_sum(pmax, psum)
+    return m, torch.where(pmax.amax(1) == math.inf, math.nan, log_sum)
+
+
 def _store_logits(logits, h, weight, bias):
     """logits = h W^T (+ b), rounded to logits' dtype: a plain GEMM, or one adding the bias."""
     if bias is None:
@@ -284,7 +293,7 @@ def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs
             out = {"target_logit": target_logit[c]}
             if label_smoothing:
                 out["logit_sum"] = logit_sum[c]
-            parts = gemm(h, weight.t(), loss_program, out=out, finish={"lse": row_max_and_log_sum}, target=target[c],
+            parts = gemm(h, weight.t(), loss_program, out=out, finish={"lse": _lse_parts}, target=target[c],
                          **_bias_operand(bias))["lse"]
             for buffer, part in zip(lse_parts, parts):
                 buffer[c] = part
