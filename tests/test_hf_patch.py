@@ -904,6 +904,42 @@ def test_a_parametrized_norm_weight(norm, when):
             torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
 
 
+class _CountedScale(torch.nn.Module):
+    """w -> 1.25 w, counting its runs (one per read of the parametrized weight)."""
+
+    def __init__(self):
+        super().__init__()
+        self.runs = 0
+
+    def forward(self, weight):
+        self.runs += 1
+        return 1.25 * weight
+
+
+def test_parametrized_weights_are_read_as_often_as_the_model_reads_them():
+    """Each read of a parametrized weight reruns its parametrization, which can have state
+    (spectral_norm steps its power iteration in training): the fused forward reads lm_head's,
+    q_proj's and the norms' weights as many times per step as the model's own (found by a probe:
+    3 reads of lm_head's against 1, 2 of q_proj's, and spectral_norm's results drifted apart)."""
+    ref = tiny("LlamaForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    paths = ["lm_head", "model.layers.0.self_attn.q_proj", "model.layers.1.input_layernorm",
+             "model.layers.1.self_attn.o_proj"]
+    counters = {}
+    for name, m in (("ref", ref), ("model", model)):
+        for path in paths:
+            counters[name, path] = _CountedScale()
+            torch.nn.utils.parametrize.register_parametrization(m.get_submodule(path), "weight", counters[name, path])
+    for counter in counters.values():
+        counter.runs = 0  # registering ran each once, to check its output
+    ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    assert {p: counters["model", p].runs for p in paths} == {p: counters["ref", p].runs for p in paths}
+    assert all(counters["ref", p].runs == 1 for p in paths)
+
+
 def _norm_with_offset(norm):
     """The norm's class swapped in place for one with a forward of its own (Gemma's (1 + w))."""
     cls = type(norm)

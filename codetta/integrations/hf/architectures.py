@@ -26,6 +26,7 @@ from types import ModuleType
 
 import torch
 from torch.nn.modules import module as nn_module
+from torch.nn.utils import parametrize
 from transformers import activations
 
 
@@ -110,6 +111,17 @@ def fused_modules(layer, arch: Architecture) -> tuple:
 def is_plain_linear(module) -> bool:
     """An ``nn.Linear`` whose output is ``F.linear(x, weight, bias)``: nothing overrides its forward."""
     return isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward
+
+
+def stored_weight(module) -> torch.Tensor:
+    """What ``module.weight`` is made from, for its dtype and device: a parametrized weight's
+    original (``torch.nn.utils.parametrize``; each read of ``.weight`` reruns the
+    parametrization, and a stateful one such as spectral_norm's power iteration steps on), else
+    the weight itself. The fused forward reads each ``.weight`` once, where the model's would."""
+    if parametrize.is_parametrized(module, "weight"):
+        parametrization = module.parametrizations.weight
+        return parametrization.original if hasattr(parametrization, "original") else parametrization.original0
+    return module.weight
 
 
 _SILU = tuple(cls for cls in (torch.nn.SiLU, getattr(activations, "SiLUActivation", None)) if cls is not None)

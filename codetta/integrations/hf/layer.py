@@ -36,7 +36,7 @@ from ...ops import linear_residual, rmsnorm_linear, rmsnorm_qkv_rope, swiglu_mlp
 from ...ops.rmsnorm import NormStats, stream_fits
 from ...ops.rope import angles_need_grad
 from .architectures import (Architecture, ModelClasses, fused_modules, hooked_module, hooks_between, is_hooked,
-                            why_rotary_unfusable, why_unfusable)
+                            stored_weight, why_rotary_unfusable, why_unfusable)
 
 try:  # transformers' collector of recorded outputs (output_attentions=True, output_hidden_states=True)
     from transformers.utils.output_capturing import _active_collector
@@ -307,7 +307,7 @@ def _fusable(layer, plan: LayerPlan, hidden_states) -> bool:
         return False
     # a stream the kernels cannot take with these weights (bf16 inputs_embeds given to an fp32 model):
     # the model's own layer upcasts it (its norm and residual add make an fp32 stream for the next layer)
-    operand, device_type = attn.q_proj.weight.dtype, hidden_states.device.type
+    operand, device_type = stored_weight(attn.q_proj).dtype, hidden_states.device.type
     if torch.is_autocast_enabled(device_type):
         operand = torch.get_autocast_dtype(device_type)
     if not stream_fits(hidden_states.dtype, operand):
@@ -343,10 +343,11 @@ def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_id
         # (StatsHandoff.take checks it in eager mode)
         and not hooks_between(layer, next_layer)
         and not (layer.training and getattr(layer, "gradient_checkpointing", False))
+        # a parametrized weight is made anew at each read (not read here: that would run its
+        # parametrization once more than the model does); the next layer's would not be this one
+        and not parametrize.is_parametrized(ln_next)
         # a plain tensor: under FSDP2 the next layer's weights are sharded (DTensor) until its own forward
         and type(ln_next.weight) in (torch.Tensor, torch.nn.Parameter)
-        # a parametrized weight is made anew at each read: the next layer's would not be this one
-        and not parametrize.is_parametrized(ln_next)
     )
     next_norm = dict(next_norm_weight=ln_next.weight, next_eps=ln_next.variance_epsilon) if hand_on else {}
     biases = (mlp.gate_proj.bias, mlp.up_proj.bias, mlp.down_proj.bias)  # Llama's mlp_bias

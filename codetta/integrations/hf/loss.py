@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ...ops import linear_cross_entropy
-from .architectures import class_name, is_hooked, is_plain_linear
+from .architectures import class_name, is_hooked, is_plain_linear, stored_weight
 
 try:
     from transformers.loss.loss_utils import ForCausalLMLoss
@@ -36,7 +36,7 @@ def why_loss_unfusable(model):
     head = model.lm_head
     if not is_plain_linear(head):
         return f"lm_head is a {class_name(head)}, not a plain torch.nn.Linear"
-    if head.weight.dtype == torch.float64:
+    if stored_weight(head).dtype == torch.float64:
         return "lm_head is fp64 (codetta's kernels take fp32, fp16 and bf16)"
     if is_hooked(head):
         return "lm_head has hooks or its own forward"
@@ -68,7 +68,8 @@ def fused_causal_lm_forward(model, input_ids=None, attention_mask=None, position
     # the positions whose logits the model computes (logits_to_keep = k > 0: the last k; 0: all)
     kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
     head = model.lm_head
-    loss = linear_cross_entropy(outputs.last_hidden_state[:, kept, :], head.weight, shift_labels.to(head.weight.device),
+    weight = head.weight  # read once, as the model's head reads it (a parametrization runs at each read)
+    loss = linear_cross_entropy(outputs.last_hidden_state[:, kept, :], weight, shift_labels.to(weight.device),
                                 bias=head.bias, ignore_index=ignore_index,
                                 reduction="mean" if num_items is None else "sum")
     if num_items is not None:
