@@ -74,11 +74,11 @@ Memory, beyond the inputs and the gradients returned: the [C, V] logits / dz buf
 the input dtype (rows padded to 16 bytes), the per-block partials of lse's parts and zt
 (3 fp32 [C, ceil(V / 4096)], 4 with label smoothing), h_c and dh_c [C, d]; with several
 chunks, an fp32 [V, d] accumulator for dW, cast to the weight's dtype at the end (with one
-chunk dW is written directly in the weight's dtype); fp32 [V] for db. The default C keeps the buffer at C * V * itemsize <= 2^30 bytes (1 GiB): 4096
-rows at V = 128256 in bf16; or takes all M rows when their logits need no more memory
-than such a chunk plus the fp32 dW accumulator (M <= C + 4d / itemsize: 8192 rows at
-d = 2048 or 4096), which also saves dW's read-modify-write per chunk. The gradients
-computed in the forward live until the backward.
+chunk dW is written directly in the weight's dtype); fp32 [V] for db. The default C keeps
+the buffer at C * V * itemsize <= 2^30 bytes (1 GiB): 4096 rows at V = 128256 in bf16; or
+takes all M rows when their logits need no more memory than such a chunk plus the fp32 dW
+accumulator (M <= C + 4d / itemsize: 8192 rows at d = 2048 or 4096), which also saves dW's
+read-modify-write per chunk. The gradients computed in the forward live until the backward.
 
 The RMSNorm of each chunk, forward and backward, is one row kernel each
 (:mod:`codetta.kernels.rmsnorm`): h in fp32 rounded once to the input dtype, and dx, dg
