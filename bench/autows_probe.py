@@ -123,7 +123,7 @@ def main():
     from codetta import epilogue as ep
     from codetta.ops import rmsnorm
 
-    from common import graph_ms_in_rounds, markdown_table, require_gpu, write_results
+    from common import gemm_operands, graph_ms_in_rounds, markdown_table, require_gpu, write_results
 
     require_gpu("autows_probe")
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
@@ -132,11 +132,7 @@ def main():
     silu.store("y", ep.silu(silu.acc))
     rows, runs = [], {}
     for name, (m, n, k) in SHAPES.items():
-        torch.manual_seed(0)
-        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16)
-        r = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        g = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        a, w, r, g = gemm_operands(m, n, k)
         z = a.float() @ w.float().t()
         runs[name, "plain", "cuBLAS"] = lambda a=a, w=w: torch.mm(a, w.t())
         for epilogue in EPILOGUES[name]:

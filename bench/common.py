@@ -55,6 +55,17 @@ def graph_ms_in_rounds(runs: dict, rounds: int) -> dict:
     return times
 
 
+def gemm_operands(m: int, n: int, k: int) -> tuple:
+    """A GEMM's bf16 operands on the GPU, seeded: a [m, k], w [n, k] (scaled by 1/sqrt(k), as a
+    layer's weight), and a residual [m, n] and norm weight [n] for the epilogues that read them."""
+    torch.manual_seed(0)
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16)
+    residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    gamma = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    return a, w, residual, gamma
+
+
 def environment() -> dict:
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     return {

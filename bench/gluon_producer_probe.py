@@ -446,7 +446,7 @@ def main():
     import codetta
     from codetta.ops import rmsnorm
 
-    from common import graph_ms_in_rounds, markdown_table, require_gpu, write_results
+    from common import gemm_operands, graph_ms_in_rounds, markdown_table, require_gpu, write_results
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
@@ -464,11 +464,7 @@ def main():
     program = rmsnorm._producer(torch.bfloat16, True, False)
     rows, runs = [], {}
     for name, (m, n, k) in SHAPES.items():
-        torch.manual_seed(0)
-        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        w = (torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16)
-        residual = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        gamma = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        a, w, residual, gamma = gemm_operands(m, n, k)
         row = {"shape": name, "M x N x K": f"{m}x{n}x{k}"}
         runs[name, "cuBLAS plain"] = lambda a=a, w=w: torch.mm(a, w.t())
         runs[name, "codetta (Triton)"] = lambda a=a, w=w, r=residual, g=gamma: codetta.gemm(

@@ -5,7 +5,8 @@ Each program reads one [BLOCK_M, BLOCK_N] block of z and writes, per row, its pa
 block's maximum m_b, s_b = sum_j exp(z_j - m_b), the target's logit (where the block holds the
 target's column) and the sum of the logits, into [M, P] buffers (P = ceil(N / BLOCK_N));
 :func:`codetta.kernels.finish.row_max_and_log_sum` and row sums finish them, as they finish a
-GEMM epilogue's per-tile partials. A row whose logits are all -inf keeps m = -inf, s = 0 (its lse is -inf).
+GEMM epilogue's per-tile partials. A row whose logits are all -inf keeps m = -inf, s = 0 (its
+lse is -inf); a row holding +inf gets s = NaN (inf - inf), as F.cross_entropy's log_softmax.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .finish import row_max_and_log_sum, row_sum
 from ..interpreter import interpreting
+from .finish import row_max_and_log_sum, row_sum
 from .launch import launch
 
 # (rows, columns, warps) per program. On the H200 (bench/ce_logits_probe.py, 8192 x 128256 bf16)
