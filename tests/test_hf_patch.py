@@ -29,9 +29,9 @@ def tiny(name, **overrides):
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=256, attn_implementation="sdpa")
     common.update(overrides)
-    config_cls = getattr(transformers, name.replace("ForCausalLM", "Config"))
+    model_cls = getattr(transformers, name)
     torch.manual_seed(0)
-    model = getattr(transformers, name)(config_cls(**common)).to(DEVICE).float()
+    model = model_cls(model_cls.config_class(**common)).to(DEVICE).float()
     with torch.no_grad():  # transformers initializes biases to zero: make them count
         for param_name, param in model.named_parameters():
             if param_name.endswith(".bias"):
@@ -83,6 +83,57 @@ def test_loss_and_every_gradient_match_unpatched(key):
     # fused, not matched by the model's own forward running in its place
     assert not [str(w.message) for w in seen if "codetta" in str(w.message)]
     assert all(layer._codetta_plan.unfusable is None for layer in model.model.layers)
+
+
+OTHER_KINDS = {  # each family once, each kind at least once: (model, its loss from an output and the batch)
+    "LlamaModel": lambda out, ids: (out.last_hidden_state * _fixed_randn(out.last_hidden_state.shape)).sum(),
+    "Qwen3ForSequenceClassification": lambda out, ids: out.loss,
+    "Qwen2ForTokenClassification": lambda out, ids: out.loss,
+    "MistralForQuestionAnswering": lambda out, ids: out.loss,
+}
+
+
+def _fixed_randn(shape):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+
+
+def _task_batch(name, ids):
+    if name.endswith("SequenceClassification"):
+        return dict(labels=torch.tensor([0, 2], device=DEVICE))
+    if name.endswith("TokenClassification"):
+        return dict(labels=(ids % 3))
+    if name.endswith("QuestionAnswering"):
+        return dict(start_positions=torch.tensor([1, 3], device=DEVICE), end_positions=torch.tensor([4, 9], device=DEVICE))
+    return {}
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_KINDS))
+def test_bare_decoders_and_other_heads_match_unpatched(name):
+    """The families' bare decoder stacks and their classification / QA heads: the decoder layers
+    fused, the head and its loss the model's own (no LM loss to fuse); output, loss and every
+    gradient as the unpatched model's."""
+    ref = tiny(name, pad_token_id=0, num_labels=3, classifier_dropout=0.0)
+    model = codetta.patch(copy.deepcopy(ref))
+    assert model._codetta_patched["cross_entropy"] is False and "forward" not in model.__dict__
+    assert all(layer._codetta_plan is not None for layer in model.base_model.layers)
+    ids = torch.randint(1, VOCAB, (2, 13), device=DEVICE)
+    results = []
+    for m in (ref, model):
+        m.zero_grad(set_to_none=True)
+        loss = OTHER_KINDS[name](m(input_ids=ids, **_task_batch(name, ids)), ids)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (loss_ref, grads_ref), (loss, grads) = results
+    assert abs(loss.item() - loss_ref.item()) <= 2e-5 * abs(loss_ref.item())
+    assert grads.keys() == grads_ref.keys() and len(grads) == len(list(model.parameters()))
+    # relative to the largest gradient: a QA head's bias gets ~0 exactly (the softmax's gradients sum to 0)
+    scale = max(g.norm() for g in grads_ref.values())
+    for param_name, g in grads_ref.items():
+        err = ((grads[param_name] - g).norm() / torch.maximum(g.norm(), 1e-3 * scale)).item()
+        assert err < 2e-4, f"{param_name}: {err}"
+    assert not any(layer._codetta_plan.unfusable for layer in model.base_model.layers)
+    codetta.unpatch(model)
+    assert all("forward" not in layer.__dict__ for layer in model.base_model.layers)
 
 
 _ATTENTION_CALLS = []

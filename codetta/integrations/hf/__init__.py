@@ -1,4 +1,4 @@
-"""``codetta.patch`` / ``codetta.unpatch`` for Hugging Face causal language models.
+"""``codetta.patch`` / ``codetta.unpatch`` for Hugging Face Llama-family models.
 
 The model keeps its own parameters (names, shapes, layouts, state_dict), so optimizers,
 FSDP, PEFT and checkpoints keep working and gradients land in them. Patching replaces
@@ -11,12 +11,12 @@ from __future__ import annotations
 import inspect
 import warnings
 
-from .architectures import (ARCHITECTURES, UnsupportedModelError, architecture_of, check_model, model_classes,
-                            rope_fusable)
+from .architectures import (ARCHITECTURES, MODEL_KINDS, UnsupportedModelError, architecture_of, check_model, decoder_of,
+                            is_causal_lm, model_classes, rope_fusable)
 from .layer import LayerPlan, WeakModule, fused_decoder_forward
 from .loss import fused_causal_lm_forward
 
-__all__ = ["ARCHITECTURES", "UnsupportedModelError", "patch", "unpatch"]
+__all__ = ["ARCHITECTURES", "MODEL_KINDS", "UnsupportedModelError", "patch", "unpatch"]
 
 
 class FusedForward:
@@ -69,7 +69,11 @@ class FusedForward:
 
 
 def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True, cross_entropy: bool = True):
-    """Patch an already built transformers causal LM in place; returns it.
+    """Patch an already built transformers model in place; returns it.
+
+    Models: the Llama, Mistral, Qwen2 and Qwen3 families' causal LMs (``LlamaForCausalLM``, ...),
+    their bare decoder stacks (``LlamaModel``, ...) and the other heads transformers puts on them
+    (``...ForSequenceClassification``, ``...ForTokenClassification``, ``...ForQuestionAnswering``).
 
     rms_norm: fold every RMSNorm into the GEMM after it (and its statistics into the GEMM
         before it); rope: RoPE in the QKV GEMM's epilogue (with Qwen3's QK-norm before it,
@@ -78,6 +82,8 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
         GEMM's epilogue;
         cross_entropy: LM head + loss fused when labels are given in training mode (``logits`` is
             then None; in eval mode the model's own head and loss run and return the logits).
+            A causal LM's only: the other models have no LM loss, and their heads and losses run
+            as the model's own code.
         ``rope`` and ``swiglu`` need ``rms_norm``.
 
     Raises UnsupportedModelError (a ValueError) for a model or option it cannot patch,
@@ -88,15 +94,17 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
         raise ValueError("rope and swiglu fusion need rms_norm=True (the norm is folded into their GEMMs)")
     classes = model_classes(model)
     check_model(model, arch, classes)
+    cross_entropy = cross_entropy and is_causal_lm(model)
     _check_instance_forwards(model, rms_norm, cross_entropy)
     unpatch(model)
+    decoder = decoder_of(model)
     if rms_norm:
-        layers = list(model.model.layers)
+        layers = list(decoder.layers)
         if rope and not all(map(rope_fusable, layers)):
             rope = False
             warnings.warn(f"codetta.patch: head_dim {layers[0].self_attn.head_dim} is not a power of two; RoPE runs "
                           "as the model's own code after the norm-folded QKV GEMM", stacklevel=2)
-        plans = [LayerPlan(arch, classes, WeakModule(model.model), rope, swiglu) for _ in layers]
+        plans = [LayerPlan(arch, classes, WeakModule(decoder), rope, swiglu) for _ in layers]
         for i, (layer, plan) in enumerate(zip(layers, plans)):
             if i + 1 < len(layers):  # this layer's last GEMM makes the next layer's norm statistics
                 plan.next_layer, plan.outgoing = WeakModule(layers[i + 1]), plans[i + 1].incoming
@@ -115,7 +123,7 @@ def _check_instance_forwards(model, rms_norm: bool, cross_entropy: bool):
     accelerate's hooks (device_map dispatch, offloading), transformers' tensor- or pipeline-parallel
     wrappers. Replacing it would drop what it adds; patched first, the wrapper calls the patched forward."""
     replaced = ([("the model", model)] if cross_entropy else []) + (
-        [(f"model.layers.{i}", layer) for i, layer in enumerate(model.model.layers)] if rms_norm else [])
+        [(f"layer {i}", layer) for i, layer in enumerate(decoder_of(model).layers)] if rms_norm else [])
     for where, module in replaced:
         forward = module.__dict__.get("forward")
         if forward is not None and not isinstance(forward, FusedForward):

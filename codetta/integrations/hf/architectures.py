@@ -4,7 +4,7 @@ A supported decoder layer is Llama-shaped: ``input_layernorm`` and
 ``post_attention_layernorm`` (RMSNorm: ``weight``, ``variance_epsilon``), ``self_attn``
 with ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (optionally ``q_norm``, ``k_norm``:
 QK-norm, RMSNorms over ``head_dim`` with one epsilon) and ``mlp`` with ``gate_proj``,
-``up_proj``, ``down_proj`` and SiLU. A new architecture of that shape is one more entry in :data:`ARCHITECTURES`.
+``up_proj``, ``down_proj`` and SiLU. A new family of that shape is one more entry in :data:`ARCHITECTURES`.
 
 The fused forward reads the projections' ``weight`` and ``bias`` and the norms' ``weight``
 and ``variance_epsilon`` directly, and replaces the forwards of the layer, its attention
@@ -52,12 +52,34 @@ class Architecture:
         return {"sliding_window": getattr(owner, "sliding_window", None)}
 
 
+# The model families, by their transformers class prefix; each is patched in any of the
+# :data:`MODEL_KINDS`.
 ARCHITECTURES = {
-    "LlamaForCausalLM": Architecture(),
-    "MistralForCausalLM": Architecture(sliding_window="config"),
-    "Qwen2ForCausalLM": Architecture(sliding_window="module"),
-    "Qwen3ForCausalLM": Architecture(qk_norm=True, sliding_window="module"),
+    "Llama": Architecture(),
+    "Mistral": Architecture(sliding_window="config"),
+    "Qwen2": Architecture(sliding_window="module"),
+    "Qwen3": Architecture(qk_norm=True, sliding_window="module"),
 }
+# The classes of a family that codetta patches: the causal LM (its decoder layers, and its LM head +
+# loss), the bare decoder stack and the other task heads on it (their decoder layers).
+CAUSAL_LM = "ForCausalLM"
+MODEL_KINDS = (CAUSAL_LM, "Model", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+
+
+def family_and_kind(cls: type):
+    """("Llama", "ForCausalLM") for LlamaForCausalLM, and so on; None for a class not patched."""
+    for kind in MODEL_KINDS:
+        family = cls.__name__.removesuffix(kind)
+        if family != cls.__name__ and family in ARCHITECTURES and cls.__module__.startswith("transformers."):
+            return family, kind
+    return None
+
+
+def decoder_of(model):
+    """The model's decoder stack (``embed_tokens``, ``layers``, ``norm``, ``rotary_emb``): the
+    model itself for an ``XModel``, else its transformers base model (``model.model``, or
+    ``model.transformer`` for the question-answering heads)."""
+    return model.base_model
 
 
 @dataclass(frozen=True)
@@ -81,7 +103,7 @@ def model_classes(model) -> ModelClasses:
     LlamaDecoderLayer, LlamaAttention, LlamaMLP, LlamaRMSNorm and LlamaRotaryEmbedding of
     ``modeling_llama``."""
     modeling = sys.modules[type(model).__module__]
-    family = type(model).__name__.removesuffix("ForCausalLM")
+    family, _ = family_and_kind(type(model))
     found = {family + role: getattr(modeling, family + role, None)
              for role in ("DecoderLayer", "Attention", "MLP", "RMSNorm", "RotaryEmbedding")}
     missing = [name for name, cls in found.items() if not isinstance(cls, type)]
@@ -187,16 +209,23 @@ def why_unfusable(modules: tuple, arch: Architecture, classes: ModelClasses):
 
 
 def architecture_of(model) -> Architecture:
-    name = type(model).__name__
-    if name not in ARCHITECTURES:
-        base = next((c.__name__ for c in type(model).__mro__[1:] if c.__name__ in ARCHITECTURES), None)
+    found = family_and_kind(type(model))
+    if found is None:
+        base = next((c.__name__ for c in type(model).__mro__[1:] if family_and_kind(c)), None)
         wrapped = (f" (a subclass of {base}: codetta patches transformers' classes themselves, not a subclass that "
                    "may compute otherwise; a wrapper's, as FSDP2's fully_shard(model) makes, is patched before "
                    "wrapping: patch, then wrap)") if base else ""
         raise UnsupportedModelError(
-            f"codetta.patch supports {sorted(ARCHITECTURES)}; got {name}{wrapped}. Nothing was patched."
+            f"codetta.patch supports the {', '.join(ARCHITECTURES)} families' transformers classes "
+            f"(X{', X'.join(MODEL_KINDS)}); got {type(model).__name__}{wrapped}. Nothing was patched."
         )
-    return ARCHITECTURES[name]
+    return ARCHITECTURES[found[0]]
+
+
+def is_causal_lm(model) -> bool:
+    """Whether the model is one of the supported causal LMs (an LM head and its loss to fuse)."""
+    found = family_and_kind(type(model))
+    return found is not None and found[1] == CAUSAL_LM
 
 
 def _need(obj, path, what):
@@ -217,10 +246,11 @@ def check_model(model, arch: Architecture, classes: ModelClasses):
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise UnsupportedModelError(f"the model is in {dtype}; codetta's kernels take float16, bfloat16 and "
                                     "float32. Nothing was patched.")
-    rotary = _need(model, "model.rotary_emb.inv_freq", type(model).__name__)
+    decoder = decoder_of(model)
+    rotary = _need(decoder, "rotary_emb.inv_freq", f"{type(model).__name__}'s {type(decoder).__name__}")
     if rotary.dim() != 1:
         raise UnsupportedModelError(f"rotary inv_freq of shape {tuple(rotary.shape)} is not supported (e.g. mrope)")
-    for i, layer in enumerate(_need(model, "model.layers", type(model).__name__)):
+    for i, layer in enumerate(_need(decoder, "layers", f"{type(model).__name__}'s {type(decoder).__name__}")):
         what = f"layer {i} ({type(layer).__name__})"
         if type(layer).forward is not classes.layer.forward:
             raise UnsupportedModelError(f"{what} has a forward of its own (not {classes.layer.__name__}'s), which the "
