@@ -48,10 +48,11 @@ def _hf():
 
 
 def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True, cross_entropy: bool = True):
-    """Patch a Hugging Face causal LM (Llama, Mistral, Qwen2, Qwen3) in place to run codetta's
+    """Patch a Hugging Face model of the Llama, Mistral, Qwen2 or Qwen3 family (its causal LM, bare
+    decoder, or sequence-classification, token-classification or QA model) in place to run codetta's
     fused operators, and return it: ``rms_norm`` folds every RMSNorm into the GEMMs around it,
     ``rope`` and ``swiglu`` run in the QKV and gate/up epilogues (they need ``rms_norm``),
-    ``cross_entropy`` fuses the LM head with the loss when labels are given in training mode. See
+    ``cross_entropy`` fuses a causal LM's head with the loss when labels are given in training mode. See
     :func:`codetta.integrations.hf.patch`."""
     return _hf().patch(model, rms_norm=rms_norm, rope=rope, swiglu=swiglu, cross_entropy=cross_entropy)
 

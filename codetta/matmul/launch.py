@@ -595,7 +595,8 @@ def gemm(a, b, epilogue: Program | None = None, *, out=None, config=None, finish
             concatenated along N, or [K_i, N] concatenated along K (sum K_i = K); or
             ``interleave(b0, b1)``: two [K, N/2] whose columns alternate.
         epilogue: a :class:`codetta.epilogue.Program`; None means a plain GEMM.
-        out: optional name -> tensor to write outputs into (checked: shape, dtype, device).
+        out: optional name -> tensor to write outputs into (checked: shape, dtype, device); for
+            a plain GEMM (no program), the output tensor itself.
         config: a :class:`codetta.Config` to use instead of tuning.
         finish: optional name -> function replacing the finishing step of that reduction
             output (not per segment): it gets the fp32 partials ([M, T] per row tile column,

@@ -53,7 +53,8 @@ Otherwise (inference, and the "none" recompute) both come from the fp32 accumula
 When a backward will be needed (grad mode on, an input requires grad) and the reduction
 is "mean" or "sum", the forward runs all of it, Liger-style: three GEMMs of M x V x d per
 training step. It returns the gradients for grad_output = 1; the backward multiplies
-them by grad_output, a scalar, in place (nothing when it is 1: a host check, as in Liger).
+them by grad_output, a scalar, in place (nothing when it is 1, decided on the GPU by
+``kernels/scale.py``: no host synchronization).
 Those saved gradients are consumed by the backward: a second backward through the same
 graph (``retain_graph=True``) raises.
 Otherwise the forward runs step 1 alone, storing nothing (inference, evaluation), and

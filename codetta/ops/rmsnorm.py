@@ -45,7 +45,9 @@ statistics come from the fp32 x, as the model's own fp32 norm computes them.
 
 The weights may be given as several tensors (W_q, W_k, W_v) read as one, concatenated
 along the output features, without a copy: the forward GEMM reads them as parts along
-N, the dgrad GEMM as parts along K, and each weight gradient is its own GEMM.
+N, the dgrad GEMM as parts along K, and one wgrad GEMM gives all their gradients (cut into
+row views of one tensor; a GEMM per weight only when accumulating into existing ``.grad``s,
+:mod:`codetta.ops.weight_grads`).
 
 Each operator is a ``torch.library`` custom op with a fake (shape) implementation and
 its backward registered, so torch.compile traces models that use it without graph breaks;

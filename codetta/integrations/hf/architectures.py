@@ -77,8 +77,8 @@ def family_and_kind(cls: type):
 
 def decoder_of(model):
     """The model's decoder stack (``embed_tokens``, ``layers``, ``norm``, ``rotary_emb``): the
-    model itself for an ``XModel``, else its transformers base model (``model.model``, or
-    ``model.transformer`` for the question-answering heads)."""
+    model itself for an ``XModel``, else its transformers base model (``base_model``: ``model.model``,
+    or ``model.transformer`` for Llama's, Qwen2's and Qwen3's question-answering heads)."""
     return model.base_model
 
 

@@ -1,0 +1,74 @@
+"""Where the host's time goes in a training step: cProfile over steady-state steps.
+
+    python bench/host_profile.py --variant hf_codetta [--steps 3] [--top 45]
+
+The model of bench/train_bench.py; after warm-up steps (tuning), each profiled step is
+issued behind a GPU spin (``torch.cuda._sleep``) so that the host never waits for the GPU:
+what the profile holds is the host's own cost (Python, autograd, launches). cProfile's own
+overhead inflates many-call functions; read the shares, not the absolute times. Prints the
+functions by own time and by cumulative time; writes bench/results/host_profile_<variant>.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import RESULTS, environment, require_gpu  # noqa: E402
+from train_bench import VARIANTS, build  # noqa: E402
+
+SPIN_CYCLES = 4_000_000_000  # ~2 s at the H200's clock: longer than a step's host time
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--variant", choices=VARIANTS, default="hf_codetta")
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--top", type=int, default=45)
+    args = parser.parse_args()
+    require_gpu("bench/host_profile.py")
+    model = build(args.variant)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device="cuda")
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(args.warmup):
+        step()
+    profiler, host_s = cProfile.Profile(), []
+    for _ in range(args.steps):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SPIN_CYCLES)
+        t0 = time.perf_counter()
+        profiler.enable()
+        step()
+        profiler.disable()
+        host_s.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    print(environment(), file=text)
+    print(f"host ms per profiled step: {[round(s * 1e3, 1) for s in host_s]}", file=text)
+    for order in ("tottime", "cumulative"):
+        print(f"\n## by {order}, {args.steps} steps", file=text)
+        pstats.Stats(profiler, stream=text).strip_dirs().sort_stats(order).print_stats(args.top)
+    (RESULTS / f"host_profile_{args.variant}.txt").write_text(text.getvalue())
+    print(text.getvalue())
+
+
+if __name__ == "__main__":
+    main()
