@@ -30,6 +30,7 @@ from . import epilogue  # noqa: E402
 from .epilogue import EpilogueError, Program, kernel_source, run_reference  # noqa: E402
 from .matmul import Config, GemmError, explain, gemm, interleave  # noqa: E402
 from .ops import linear  # noqa: E402
+from .integrations import UnsupportedModelError  # noqa: E402
 from . import nn  # noqa: E402
 
 __version__ = "0.1.0"
@@ -63,5 +64,5 @@ def unpatch(model):
 
 __all__ = [
     "Config", "EpilogueError", "GemmError", "Program", "epilogue", "explain", "gemm", "interleave", "kernel_source",
-    "linear", "nn", "patch", "run_reference", "unpatch",
+    "linear", "nn", "patch", "run_reference", "UnsupportedModelError", "unpatch",
 ]

@@ -315,6 +315,19 @@ def test_torch_func_reverse_transforms_are_refused_by_name():
         "func.jacrev swiglu_mlp": lambda: torch.func.jacrev(lambda t: ops.swiglu_mlp(t, g, w, w, w))(x),
         "func.grad linear_cross_entropy": lambda: torch.func.grad(lambda t: ops.linear_cross_entropy(t, w, target))(x),
     }
+    # RoPE's tables from tensors made inside the transform (wrapped, as a model's cos and sin are)
+    positions, inv_freq, w_kv = torch.arange(6, device=DEVICE), torch.rand(4, device=DEVICE), w[:8]
+
+    def by_positions():
+        return dict(positions=positions + 0, inv_freq=inv_freq * 1)
+
+    def by_cos_sin():
+        half = positions[:, None].float() * inv_freq
+        return dict(positions=None, inv_freq=None, cos_sin=(half.cos().repeat(1, 2), half.sin().repeat(1, 2)))
+
+    for rope in (by_positions, by_cos_sin):
+        calls[f"func.grad rmsnorm_qkv_rope {rope.__name__}"] = lambda rope=rope: torch.func.grad(
+            lambda t: ops.rmsnorm_qkv_rope(t, g, w, w_kv, w_kv, head_dim=8, **rope())[0].sum())(x)
     for what, call in calls.items():
         with pytest.raises(RuntimeError, match=r"codetta::\w+: .*torch\.func\.grad, vjp or jacrev.*torch\.autograd\.grad"):
             call()

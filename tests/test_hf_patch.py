@@ -633,6 +633,14 @@ def test_parameters_and_state_dict_unchanged_and_unpatch():
     assert model._codetta_patched["rope"] and "forward" in model.model.layers[0].__dict__
     codetta.unpatch(model)
     assert "forward" not in model.model.layers[0].__dict__ and "forward" not in model.__dict__
+    # its bare decoder patched by itself, then the whole model: one patch, whose flags the modules say
+    codetta.patch(model.model, rope=False, swiglu=False)
+    codetta.patch(model)
+    assert "_codetta_patched" not in model.model.__dict__ and model._codetta_patched["rope"]
+    assert model.model.layers[0]._codetta_plan.fuse_rope
+    codetta.patch(model.model)
+    codetta.unpatch(model)  # the bare decoder's patch too
+    assert not any(k.startswith("_codetta") or "forward" in m.__dict__ for m in model.modules() for k in m.__dict__)
     ids = torch.randint(0, VOCAB, (1, 6), device=DEVICE)
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
@@ -751,13 +759,15 @@ def test_unsupported_models_and_options_are_refused_untouched():
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     from codetta.integrations.hf import UnsupportedModelError
 
+    assert codetta.UnsupportedModelError is UnsupportedModelError and issubclass(UnsupportedModelError, ValueError)
+
     with pytest.raises(UnsupportedModelError, match="supports"):
         codetta.patch(gpt2)
     gelu = tiny("LlamaForCausalLM", hidden_act="gelu")
     with pytest.raises(ValueError, match="activation"):
         codetta.patch(gelu)
     assert "forward" not in gelu.model.layers[0].__dict__
-    with pytest.raises(ValueError, match="need rms_norm"):
+    with pytest.raises(UnsupportedModelError, match="need rms_norm"):
         codetta.patch(tiny("LlamaForCausalLM"), rms_norm=False)
     with pytest.raises(UnsupportedModelError, match="float64"):
         codetta.patch(tiny("LlamaForCausalLM").double())

@@ -146,9 +146,11 @@ def _cached_tables(inputs: tuple, extra, make) -> tuple[Tensor, Tensor]:
     tables. Inference tensors, whose changes cannot be seen, are not reused, nor is anything
     while torch.compile traces. The cache holds its inputs (the bases of views) only weakly and
     forgets the tables when one of them dies (its memory could then pass for a new tensor's):
-    nothing of a step, nor of a deleted model, is kept after it.
+    nothing of a step, nor of a deleted model, is kept after it. Under torch.func's transforms the
+    inputs are wrapped (no memory to compare): the tables are made, and the op then says what it
+    supports.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return make()
     key = (*map(_identity, inputs), extra)
     reusable = None not in key

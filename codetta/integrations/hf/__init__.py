@@ -11,8 +11,8 @@ from __future__ import annotations
 import inspect
 import warnings
 
-from .architectures import (ARCHITECTURES, MODEL_KINDS, UnsupportedModelError, architecture_of, check_model, decoder_of,
-                            is_causal_lm, model_classes, rope_fusable)
+from .architectures import (ARCHITECTURES, MODEL_KINDS, UnsupportedModelError, architecture_of, check_model,
+                            decoder_of, is_causal_lm, model_classes, rope_fusable)
 from .layer import LayerPlan, WeakModule, fused_decoder_forward
 from .loss import fused_causal_lm_forward
 
@@ -91,7 +91,8 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
     """
     arch = architecture_of(model)
     if (rope or swiglu) and not rms_norm:
-        raise ValueError("rope and swiglu fusion need rms_norm=True (the norm is folded into their GEMMs)")
+        raise UnsupportedModelError("rope and swiglu fusion need rms_norm=True (the norm is folded into their GEMMs). "
+                                    "Nothing was patched.")
     classes = model_classes(model)
     check_model(model, arch, classes)
     cross_entropy = cross_entropy and is_causal_lm(model)
@@ -133,10 +134,11 @@ def _check_instance_forwards(model, rms_norm: bool, cross_entropy: bool):
 
 
 def unpatch(model):
-    """Undo :func:`patch`; a model that is not patched is returned unchanged."""
+    """Undo :func:`patch`, of the model and of any of its submodules patched by themselves (a
+    causal LM's bare decoder, say); a model that is not patched is returned unchanged."""
     for module in model.modules():
         if isinstance(module.__dict__.get("forward"), FusedForward):
             del module.forward
         module.__dict__.pop("_codetta_plan", None)
-    model.__dict__.pop("_codetta_patched", None)
+        module.__dict__.pop("_codetta_patched", None)
     return model

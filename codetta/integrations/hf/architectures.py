@@ -29,9 +29,7 @@ from torch.nn.modules import module as nn_module
 from torch.nn.utils import parametrize
 from transformers import activations
 
-
-class UnsupportedModelError(ValueError):
-    """The model (or an option of it) is not one codetta can patch; nothing was changed."""
+from .. import UnsupportedModelError
 
 
 @dataclass(frozen=True)
