@@ -780,6 +780,10 @@ def test_unsupported_models_and_options_are_refused_untouched():
     sharded.__class__ = type("FSDPLlamaForCausalLM", (transformers.LlamaForCausalLM,), {})
     with pytest.raises(UnsupportedModelError, match="subclass of LlamaForCausalLM.*patch, then wrap"):
         codetta.patch(sharded)
+    remote = tiny("LlamaForCausalLM")  # a class of the same name from elsewhere (a model's remote code)
+    remote.__class__ = type("LlamaForCausalLM", (transformers.LlamaForCausalLM,), {"__module__": "remote_llama"})
+    with pytest.raises(UnsupportedModelError, match="got LlamaForCausalLM from remote_llama, not transformers' own"):
+        codetta.patch(remote)
 
 
 class LoraLike(torch.nn.Module):

@@ -64,11 +64,13 @@ CAUSAL_LM = "ForCausalLM"
 MODEL_KINDS = (CAUSAL_LM, "Model", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
 
 
-def family_and_kind(cls: type):
-    """("Llama", "ForCausalLM") for LlamaForCausalLM, and so on; None for a class not patched."""
+def family_and_kind(cls: type, *, any_module: bool = False):
+    """("Llama", "ForCausalLM") for transformers' LlamaForCausalLM, and so on; None for a class not
+    patched (with ``any_module``: for a class of such a name defined anywhere)."""
     for kind in MODEL_KINDS:
         family = cls.__name__.removesuffix(kind)
-        if family != cls.__name__ and family in ARCHITECTURES and cls.__module__.startswith("transformers."):
+        if family != cls.__name__ and family in ARCHITECTURES and (
+                any_module or cls.__module__.startswith("transformers.")):
             return family, kind
     return None
 
@@ -213,6 +215,9 @@ def architecture_of(model) -> Architecture:
         wrapped = (f" (a subclass of {base}: codetta patches transformers' classes themselves, not a subclass that "
                    "may compute otherwise; a wrapper's, as FSDP2's fully_shard(model) makes, is patched before "
                    "wrapping: patch, then wrap)") if base else ""
+        if family_and_kind(type(model), any_module=True):  # e.g. a model's remote code (trust_remote_code=True)
+            wrapped = (f" from {type(model).__module__}, not transformers' own class of that name, whose forward codetta "
+                       "computes")
         raise UnsupportedModelError(
             f"codetta.patch supports the {', '.join(ARCHITECTURES)} families' transformers classes "
             f"(X{', X'.join(MODEL_KINDS)}); got {type(model).__name__}{wrapped}. Nothing was patched."
