@@ -227,6 +227,23 @@ def test_operand_of_wrong_shape_is_refused(name, shape, message):
         codetta.gemm(dyadic(8, 5), dyadic(5, 6), operand_program(), **ops)
 
 
+def test_shape_messages_with_leading_dims_and_accumulate_targets():
+    """With a's leading dims the expected shape is given both ways; an accumulating store's
+    target given in out= is pointed to the operands."""
+    p = ep.Program("batched_ops")
+    p.store("y", p.acc * p.row("r") + p.aux("x"), dtype=torch.float32)
+    a, b = dyadic(2, 4, 5), dyadic(5, 6)
+    with pytest.raises(EpilogueError, match=r"'r' .* row vector: expected \[8\] or \[2, 4\], got \(7,\)"):
+        codetta.gemm(a, b, p, r=dyadic(7), x=dyadic(2, 4, 6))
+    with pytest.raises(EpilogueError, match=r"'x' .* tile: expected \[8, 6\] or \[2, 4, 6\], got \(2, 4, 5\)"):
+        codetta.gemm(a, b, p, r=dyadic(8), x=dyadic(2, 4, 5))
+    acc = ep.Program("accumulate_target")
+    acc.store("g", acc.acc, accumulate=True, dtype=torch.float32)
+    with pytest.raises(EpilogueError, match=r"needs operand\(s\) \['g'\] \(g: the tensor an accumulating store "
+                                            r"adds into, passed as an operand, e.g. g=tensor, not in out=\)"):
+        codetta.gemm(dyadic(8, 5), b, acc, out={"g": dyadic(8, 6)})
+
+
 def test_half_width_operands_given_full_width_are_refused():
     """A HALF column (or tile) operand has N/2 entries; one of N is refused, with N/2 in the message."""
     p = ep.Program("half_ops")
@@ -288,6 +305,20 @@ def test_functions_of_numbers_only_are_refused(build):
     """An epilogue function given no epilogue value says so (it mixes no programs)."""
     with pytest.raises(EpilogueError, match=r"takes epilogue values, got only \(1.0, 2.0"):
         build()
+
+
+def test_an_operand_declared_twice_differently_and_values_of_two_programs_are_refused():
+    p = ep.Program("twice")
+    p.row("v")
+    with pytest.raises(EpilogueError, match="program 'twice': operand 'v' declared as a row vector and as a "
+                                            "FULL-width column vector"):
+        p.col("v")
+    p.col("h", ep.HALF)
+    with pytest.raises(EpilogueError, match="'h' declared as a HALF-width column vector and as a FULL-width column"):
+        p.col("h")
+    other = ep.Program("other")
+    with pytest.raises(EpilogueError, match=r"mixes values of different programs \['other', 'twice'\]"):
+        p.acc + other.acc  # noqa: B018
 
 
 # --------------------------------------------------------------------------------------
@@ -577,11 +608,11 @@ def test_leading_batch_dims_accept_flat_operands():
     assert flat.shape == (2, 3, 6)
     ops = operands(6, 6)
     ops["r"] = ops["r"].reshape(3, 2)
-    with pytest.raises(EpilogueError, match=r"'r' .* is a row vector: expected \[6\] \(or \[2, 3\]\), got \(3, 2\)"):
+    with pytest.raises(EpilogueError, match=r"'r' .* is a row vector: expected \[6\] or \[2, 3\], got \(3, 2\)"):
         codetta.gemm(a, b, p, **ops)
     ops = operands(6, 6)
     ops["x"] = ops["x"].reshape(3, 2, 6)
-    with pytest.raises(EpilogueError, match=r"'x' .* is a tile: expected \[6, 6\] \(or \[2, 3\] \+ \[6\]\), got \(3, 2, 6\)"):
+    with pytest.raises(EpilogueError, match=r"'x' .* is a tile: expected \[6, 6\] or \[2, 3, 6\], got \(3, 2, 6\)"):
         codetta.gemm(a, b, p, **ops)
 
 

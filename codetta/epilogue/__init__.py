@@ -1,4 +1,9 @@
-"""The epilogue language (programs over a GEMM's output tile) and its two executors."""
+"""The epilogue language (programs over a GEMM's output tile) and its two executors.
+
+The language (values, widths, pairs and segments, outputs) is described in
+:mod:`codetta.epilogue.ir` (``help(codetta.epilogue.ir)``); :func:`run_reference` runs a
+program in plain PyTorch, :func:`kernel_source` shows the Triton kernel generated for it.
+"""
 
 from .codegen import kernel_source
 from .ir import (

@@ -163,7 +163,9 @@ def _program_of(*values):
     if not progs:
         raise EpilogueError(f"an epilogue function takes epilogue values, got only {values!r}")
     if len(progs) > 1:
-        raise EpilogueError("an epilogue expression mixes values of different programs")
+        names = sorted(p.name for p in progs.values())
+        raise EpilogueError(f"an epilogue expression mixes values of different programs {names}: build each "
+                            "program from its own values")
     return next(iter(progs.values()))
 
 
@@ -346,6 +348,13 @@ class Operand:
     width: Width | None = None
     period: int | None = None
 
+    def describe(self) -> str:
+        """'a row vector', 'a HALF-width column vector', 'a table of period 8', ..."""
+        what = {"row": "row vector", "col": "column vector", "scalar": "scalar", "aux": "tile", "table": "table"}
+        width = f"{self.width.name}-width " if self.width is not None else ""
+        period = f" of period {self.period}" if self.period is not None else ""
+        return f"a {width}{what.get(self.kind, self.kind)}{period}"
+
 
 @dataclass(frozen=True)
 class Output:
@@ -375,7 +384,7 @@ ROW_REDUCTIONS = ("row_sum", "row_max", "row_logsumexp")
 
 @dataclass
 class Program:
-    """An epilogue program under construction; see the module docstring for the values.
+    """An epilogue program under construction; :mod:`codetta.epilogue.ir`'s docstring describes the values.
 
     >>> p = Program("rowscale_swiglu")
     >>> z = p.acc * p.row("rstd")
@@ -427,7 +436,8 @@ class Program:
         new = Operand(name, kind, width, period)
         old = self.operands.get(name)
         if old is not None and old != new:
-            raise EpilogueError(f"program {self.name!r}: operand {name!r} declared as {old} and as {new}")
+            raise EpilogueError(f"program {self.name!r}: operand {name!r} declared as {old.describe()} and as "
+                                f"{new.describe()}")
         if name in self.outputs:
             raise EpilogueError(f"program {self.name!r}: {name!r} is already an output")
         self.operands[name] = new

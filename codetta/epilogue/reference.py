@@ -93,7 +93,9 @@ def run_reference(program: Program, a, b, operands, compute_dtype=torch.float32)
     a: [..., M, K] (leading dims flattened into M); b: [K, N], a list of [K, N_i]
     concatenated along N or of [K_i, N] along K, or ``interleave(b0, b1)``;
     operands: name -> tensor or number (and, for accumulating stores, the tensor to add into).
-    Returns name -> output tensor, shaped as codetta.gemm returns it.
+    Returns name -> output tensor, shaped as codetta.gemm returns it; an accumulating store's
+    result is a new tensor (prior + value: the operand is left as it was, where codetta.gemm
+    adds into it in place).
     """
     from ..matmul.launch import _Call
 

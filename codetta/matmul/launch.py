@@ -169,7 +169,10 @@ class _Call:
             )
         missing = (set(p.operands) | accum) - set(operands)
         if missing:
-            raise EpilogueError(f"program {p.name!r} needs operand(s) {sorted(missing)}")
+            targets = sorted(missing & accum)
+            hint = (f" ({', '.join(targets)}: the tensor an accumulating store adds into, passed as an operand, "
+                    f"e.g. {targets[0]}=tensor, not in out=)") if targets else ""
+            raise EpilogueError(f"program {p.name!r} needs operand(s) {sorted(missing)}{hint}")
         checked = {}
         for name, value in operands.items():
             op = p.operands.get(name)
@@ -184,7 +187,7 @@ class _Call:
             if kind == "row":
                 v = value.reshape(-1) if tuple(value.shape) == self.lead else value
                 if v.dim() != 1 or v.shape[0] != self.M:
-                    raise EpilogueError(f"{what} is a row vector: expected [{self.M}] (or {list(self.lead)}), got {tuple(value.shape)}")
+                    raise EpilogueError(f"{what} is a row vector: expected {self._shapes()}, got {tuple(value.shape)}")
             elif kind == "col":
                 n = self.width(op.width)
                 if value.dim() != 1 or value.shape[0] != n:
@@ -192,13 +195,13 @@ class _Call:
                 v = value
             elif kind == "table":
                 if tuple(value.shape) not in ((self.M, op.period), (*self.lead, op.period)):
-                    raise EpilogueError(f"{what} is a table: expected [{self.M}, {op.period}] (or {list(self.lead)} + [{op.period}]), got {tuple(value.shape)}")
+                    raise EpilogueError(f"{what} is a table: expected {self._shapes(op.period)}, got {tuple(value.shape)}")
                 v = value.reshape(self.M, op.period)
             else:
                 width = op.width if op else p.outputs[name].width
                 n = self.width(width)
                 if tuple(value.shape) not in ((self.M, n), (*self.lead, n)):
-                    raise EpilogueError(f"{what} is a tile: expected [{self.M}, {n}] (or {list(self.lead)} + [{n}]), got {tuple(value.shape)}")
+                    raise EpilogueError(f"{what} is a tile: expected {self._shapes(n)}, got {tuple(value.shape)}")
                 if kind == "accumulate":
                     want = p.outputs[name].dtype or self.a.dtype
                     if value.dtype != want:
@@ -211,6 +214,11 @@ class _Call:
                 raise EpilogueError(f"{what} has dtype {v.dtype}; pass a real number type")
             checked[name] = v
         return checked
+
+    def _shapes(self, *last) -> str:
+        """"[M, *last]", or with a's leading dims "[M, *last] or [B, S, *last]"."""
+        flat = list((self.M, *last))
+        return str(flat) if len(self.lead) == 1 else f"{flat} or {[*self.lead, *last]}"
 
     def _check_out(self, out):
         p = self.program
