@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import RESULTS, environment, require_gpu  # noqa: E402
-from train_bench import VARIANTS, build  # noqa: E402
+from train_bench import VARIANTS, step_arguments, training_setup  # noqa: E402
 
 SPIN_CYCLES = 4_000_000_000  # ~2 s at the H200's clock: longer than a step's host time
 
@@ -32,16 +32,11 @@ SPIN_CYCLES = 4_000_000_000  # ~2 s at the H200's clock: longer than a step's ho
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--variant", choices=VARIANTS, default="hf_codetta")
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=3)
+    step_arguments(parser, steps=3)
     parser.add_argument("--top", type=int, default=45)
     args = parser.parse_args()
     require_gpu("bench/host_profile.py")
-    model = build(args.variant)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device="cuda")
+    model, opt, ids = training_setup(args.variant, args)
 
     def step():
         model(input_ids=ids, labels=ids).loss.backward()

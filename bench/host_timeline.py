@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import markdown_table, require_gpu, write_results  # noqa: E402
-from train_bench import build, rows_of_variants  # noqa: E402
+from train_bench import rows_of_variants, step_arguments, training_setup  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer")
 SPIN_CYCLES = 4_000_000_000  # ~2 s of GPU spin at the H200's clock: longer than any step's host time
@@ -117,9 +117,7 @@ def _syncs(model, opt, ids) -> list[str]:
 
 
 def run_variant(variant: str, args) -> dict:
-    model = build(variant)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    ids = torch.randint(0, 128256, (args.batch, args.seq), device="cuda")
+    model, opt, ids = training_setup(variant, args)
     for _ in range(args.warmup):
         for phase in _step_phases(model, opt, ids):
             phase()
@@ -137,10 +135,7 @@ def run_variant(variant: str, args) -> dict:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--variants", default="hf_eager,hf_codetta")
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=3)
+    step_arguments(parser, steps=5)
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # one variant, in a child process
     args = parser.parse_args()
     require_gpu("host_timeline")

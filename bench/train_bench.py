@@ -52,10 +52,25 @@ def build(variant: str):
     return model
 
 
-def run_variant(variant: str, args) -> dict:
+def training_setup(variant: str, args):
+    """(model, optimizer, input ids): the model of :func:`build`, fused AdamW, and random tokens
+    [args.batch, args.seq] (the labels are the ids)."""
     model = build(variant)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    ids = torch.randint(0, 128256, (args.batch, args.seq), device="cuda")
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device="cuda")
+    return model, opt, ids
+
+
+def step_arguments(parser, *, steps: int, warmup: int = 3):
+    """The shape and length of the runs: --seq, --batch, --steps, --warmup."""
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=warmup)
+
+
+def run_variant(variant: str, args) -> dict:
+    model, opt, ids = training_setup(variant, args)
     times, first = [], None
     start = time.perf_counter()
     for step in range(args.warmup + args.steps):
@@ -118,10 +133,7 @@ def rows_of_variants(script: str, args) -> list[dict]:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=3)
+    step_arguments(parser, steps=8)
     parser.add_argument("--variant", choices=VARIANTS, help="run one variant here (used by the driver)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="the variants to compare, comma-separated")
     args = parser.parse_args()

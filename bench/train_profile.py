@@ -25,23 +25,19 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS, environment, require_gpu  # noqa: E402
-from train_bench import VARIANTS, build  # noqa: E402
+from train_bench import VARIANTS, step_arguments, training_setup  # noqa: E402
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--variant", choices=VARIANTS, default="hf_codetta")
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=2)
+    step_arguments(parser, steps=2)
     parser.add_argument("--rows", type=int, default=30)
     args = parser.parse_args()
     require_gpu("train_profile")
     start = time.perf_counter()
-    model = build(args.variant)
+    model, opt, ids = training_setup(args.variant, args)
     print(f"built {args.variant} in {time.perf_counter() - start:.1f} s", flush=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    ids = torch.randint(0, 128256, (args.batch, args.seq), device="cuda")
 
     def step():
         with record_function("phase:forward"):
@@ -52,7 +48,7 @@ def main():
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-    for _ in range(3):
+    for _ in range(args.warmup):
         step()
     torch.cuda.synchronize()
     print(f"warm-up (compilation, tuning) done at {time.perf_counter() - start:.1f} s", flush=True)
