@@ -212,15 +212,17 @@ def architecture_of(model) -> Architecture:
     found = family_and_kind(type(model))
     if found is None:
         base = next((c.__name__ for c in type(model).__mro__[1:] if family_and_kind(c)), None)
-        wrapped = (f" (a subclass of {base}: codetta patches transformers' classes themselves, not a subclass that "
-                   "may compute otherwise; a wrapper's, as FSDP2's fully_shard(model) makes, is patched before "
-                   "wrapping: patch, then wrap)") if base else ""
         if family_and_kind(type(model), any_module=True):  # e.g. a model's remote code (trust_remote_code=True)
-            wrapped = (f" from {type(model).__module__}, not transformers' own class of that name, whose forward codetta "
-                       "computes")
+            why = f" from {type(model).__module__}, not transformers' own class of that name, whose forward codetta computes"
+        elif base:
+            why = (f" (a subclass of {base}: codetta patches transformers' classes themselves, not a subclass that "
+                   "may compute otherwise; a wrapper's, as FSDP2's fully_shard(model) makes, is patched before "
+                   "wrapping: patch, then wrap)")
+        else:
+            why = ""
         raise UnsupportedModelError(
             f"codetta.patch supports the {', '.join(ARCHITECTURES)} families' transformers classes "
-            f"(X{', X'.join(MODEL_KINDS)}); got {type(model).__name__}{wrapped}. Nothing was patched."
+            f"(X{', X'.join(MODEL_KINDS)}); got {type(model).__name__}{why}. Nothing was patched."
         )
     return ARCHITECTURES[found[0]]
 
