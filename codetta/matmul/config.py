@@ -30,7 +30,6 @@ class Config:
     EPI_SPLIT: int = 1  # run the epilogue on 1, 2 or 4 column slices of the tile
     FLATTEN: bool = False
     CTAS_PER_SM: int = 1
-    STAGGER: bool = False
 
     def __post_init__(self):
         def power_of_two(name, low, high):
@@ -46,9 +45,8 @@ class Config:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Config.{name} must be a positive integer, got {v!r}")
-        for name in ("FLATTEN", "STAGGER"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.FLATTEN, bool):
+            raise ValueError(f"Config.FLATTEN must be a bool, got {self.FLATTEN!r}")
 
     @property
     def epilogue_bn(self):

@@ -25,7 +25,6 @@ B may come in up to four parts (``NUM_B``) read as one, without a copy; ``B_PART
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import globaltimer
 
 
 @triton.jit
@@ -39,28 +38,6 @@ def tile_coords(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.cons
     pid_m = first_m + (tile % in_group) % group_m
     pid_n = (tile % in_group) // group_m
     return pid_m, pid_n
-
-
-@triton.jit
-def wait_for_turn(num_tiles, started):
-    """Called by each CTA of the persistent grid after its first tile (``started``: the global
-    timer when it began): a CTA that runs one tile less than others waits a share of that
-    tile's time, so that the grid's epilogues do not all fall on the same moments.
-
-    Tiles of equal cost keep a persistent grid in lockstep: every CTA runs its epilogue at
-    once, and their loads and stores meet at HBM in one burst while the tensor cores idle.
-    The ``num_tiles % grid`` CTAs with a tile more set the kernel's time; each of the others
-    has one tile's time to spare, and spends up to 4/5 of it (spread evenly over them)
-    shifting its later epilogues in between.
-    """
-    pid = tl.program_id(0)
-    grid = tl.num_programs(0)
-    longer = num_tiles % grid
-    if (longer > 0) & (pid >= longer):
-        now = globaltimer()
-        until = now + (now - started) * (pid - longer) * 4 // (5 * (grid - longer))
-        while globaltimer() < until:
-            pass
 
 
 @triton.jit
