@@ -25,8 +25,8 @@ from conftest import DEVICE
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
-KINDS = ("ForCausalLM", "Model", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+from codetta.integrations.hf.architectures import ARCHITECTURES, MODEL_KINDS, decoder_of  # noqa: E402
+
 NUM_LABELS = 3
 
 
@@ -49,7 +49,7 @@ def rope_parameters(draw):
 @st.composite
 def models(draw):
     """(class name, config keyword arguments)."""
-    family, kind = draw(st.sampled_from(FAMILIES)), draw(st.sampled_from(KINDS))
+    family, kind = draw(st.sampled_from(list(ARCHITECTURES))), draw(st.sampled_from(MODEL_KINDS))
     kv_heads, group = draw(st.integers(1, 3)), draw(st.integers(1, 3))
     head_dim = draw(st.sampled_from([8, 16, 32, 12, 24]))  # 12, 24: the model's own RoPE (not a power of two)
     config = dict(
@@ -161,7 +161,7 @@ def test_random_config_matches_unpatched(model, data):
         main, loss, grads = step(patched, batch)
     messages = [str(w.message) for w in seen if "codetta" in str(w.message)]
     note(f"warnings: {messages}")
-    layers = codetta.integrations.hf.architectures.decoder_of(patched).layers
+    layers = decoder_of(patched).layers
     if config["head_dim"] & (config["head_dim"] - 1) == 0:
         assert not messages
         assert all(layer._codetta_plan.unfusable is None for layer in layers)
