@@ -49,7 +49,8 @@ def _hf():
 
 
 def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True, cross_entropy: bool = True):
-    """Patch a Hugging Face model of the Llama, Mistral, Qwen2 or Qwen3 family (its causal LM, bare
+    """Patch a Hugging Face model of a Llama-shaped family (Llama, Mistral, Qwen2, Qwen3, ...: see
+    :data:`codetta.integrations.hf.architectures.ARCHITECTURES`; its causal LM, bare
     decoder, or sequence-classification, token-classification or QA model) in place to run codetta's
     fused operators, and return it: ``rms_norm`` folds every RMSNorm into the GEMMs around it,
     ``rope`` and ``swiglu`` run in the QKV and gate/up epilogues (they need ``rms_norm``),

@@ -2,8 +2,9 @@
 
 The reference is written here the Hugging Face way (rotate_half, cos/sin of head_dim
 entries, v untouched, partial rotary on the first rotary_dim columns; Qwen3's QK-norm as
-F.rms_norm per head of q and k before RoPE), in fp64, with fp64 angles: codetta's epilogue
-must match it even at positions near 2^20.
+F.rms_norm per head of q and k before RoPE; the interleaved convention as Helium's and Ernie
+4.5's apply_rotary_pos_emb, the first halves of cos/sin repeated pairwise), in fp64, with fp64
+angles: codetta's epilogue must match it even at positions near 2^20.
 """
 
 import pytest
@@ -27,7 +28,13 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def hf_style(x, g, wq, wk, wv, pos, inv_freq, head_dim, rotary_dim, scale, bias, qk_norm=None, cos_sin=None):
+def rotate_half_interleaved(x):
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def hf_style(x, g, wq, wk, wv, pos, inv_freq, head_dim, rotary_dim, scale, bias, qk_norm=None, cos_sin=None,
+             interleaved=False):
     """With ``cos_sin`` ([..., R] each), RoPE by those instead of positions, inv_freq and scale."""
     h = F.rms_norm(x, (x.shape[-1],), g, EPS)
     bq, bk, bv = bias if bias is not None else (None, None, None)
@@ -40,11 +47,14 @@ def hf_style(x, g, wq, wk, wv, pos, inv_freq, head_dim, rotary_dim, scale, bias,
         emb = torch.cat((freqs, freqs), dim=-1)
         cos_sin = emb.cos() * scale, emb.sin() * scale
     cos, sin = (t.to(x.dtype)[..., None, :] for t in cos_sin)
+    if interleaved:
+        cos, sin = (t[..., : t.shape[-1] // 2].repeat_interleave(2, dim=-1) for t in (cos, sin))
+    rotate = rotate_half_interleaved if interleaved else rotate_half
 
     def apply(t):
         heads = t.reshape(*t.shape[:-1], -1, head_dim)
         rot, rest = heads[..., :rotary_dim], heads[..., rotary_dim:]
-        return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1).reshape(t.shape)
+        return torch.cat((rot * cos + rotate(rot) * sin, rest), dim=-1).reshape(t.shape)
 
     return apply(q), apply(k), v
 
@@ -84,8 +94,9 @@ if not INTERPRET:
     CASES += [(128, 32, 8, 128, False, 1.0), (64, 16, 4, 32, True, 1.0)]
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_forward_backward_fp32_long_positions(case):
+def test_forward_backward_fp32_long_positions(case, interleaved):
     head_dim, hq, hkv, rotary_dim, bias, scale = case
     m, d = (13, 32) if INTERPRET else (300, 512)
     tensors, biases, pos, inv_freq = make(m, d, head_dim, hq, hkv, rotary_dim, bias, max_pos=2**20)
@@ -93,10 +104,10 @@ def test_forward_backward_fp32_long_positions(case):
 
     def ours(ts, bs):
         return rmsnorm_qkv_rope(*ts, pos, inv_freq, head_dim=head_dim, rotary_dim=rotary_dim,
-                                attention_scaling=scale, bias=bs, eps=EPS)
+                                attention_scaling=scale, bias=bs, eps=EPS, interleaved=interleaved)
 
     def ref(ts, bs):
-        return hf_style(*ts, pos, inv_freq, head_dim, rotary_dim, scale, bs)
+        return hf_style(*ts, pos, inv_freq, head_dim, rotary_dim, scale, bs, interleaved=interleaved)
 
     got = run(ours, tensors, biases, grads, torch.float32)
     want = run(ref, tensors, biases, grads, torch.float64)
@@ -136,16 +147,17 @@ def test_gradients_of_some_of_q_k_v_with_strides_of_their_own(given):
         assert rel(a, b) < 3e-5, name
 
 
-QK_CASES = [  # (head_dim, hq, hkv, rotary_dim, bias, scale)
-    (16, 2, 2, 16, False, 1.0),  # MHA (GQA ratio 1)
-    (16, 4, 1, 8, True, 1.3),  # GQA 4, partial rotary, q/k/v bias, scaled
+QK_CASES = [  # (head_dim, hq, hkv, rotary_dim, bias, scale, interleaved)
+    (16, 2, 2, 16, False, 1.0, False),  # MHA (GQA ratio 1)
+    (16, 4, 1, 8, True, 1.3, False),  # GQA 4, partial rotary, q/k/v bias, scaled
+    (16, 4, 2, 8, False, 1.0, True),  # interleaved RoPE, partial
 ]
 
 
 @pytest.mark.parametrize("case", QK_CASES, ids=str)
 def test_qk_norm_forward_backward_fp32(case):
     """Qwen3's QK-norm fused before RoPE: outputs and every gradient, q/k norm weights included."""
-    head_dim, hq, hkv, rotary_dim, bias, scale = case
+    head_dim, hq, hkv, rotary_dim, bias, scale, interleaved = case
     m, d = (13, 32) if INTERPRET else (300, 512)  # odd M: masked rows
     tensors, biases, pos, inv_freq = make(m, d, head_dim, hq, hkv, rotary_dim, bias, max_pos=2**16)
     qk_norm = make_qk_norm(head_dim)
@@ -153,10 +165,11 @@ def test_qk_norm_forward_backward_fp32(case):
 
     def ours(ts, bs, qk):
         return rmsnorm_qkv_rope(*ts, pos, inv_freq, head_dim=head_dim, rotary_dim=rotary_dim, attention_scaling=scale,
-                                bias=bs, eps=EPS, q_norm_weight=qk[0], k_norm_weight=qk[1], qk_norm_eps=QK_EPS)
+                                bias=bs, eps=EPS, q_norm_weight=qk[0], k_norm_weight=qk[1], qk_norm_eps=QK_EPS,
+                                interleaved=interleaved)
 
     def ref(ts, bs, qk):
-        return hf_style(*ts, pos, inv_freq, head_dim, rotary_dim, scale, bs, qk_norm=qk)
+        return hf_style(*ts, pos, inv_freq, head_dim, rotary_dim, scale, bs, qk_norm=qk, interleaved=interleaved)
 
     got = run(ours, tensors, biases, grads, torch.float32, qk_norm)
     want = run(ref, tensors, biases, grads, torch.float64, qk_norm)
@@ -168,11 +181,13 @@ def test_qk_norm_forward_backward_fp32(case):
         assert rel(a, b) < 3e-5, (name, rel(a, b))
 
 
-@pytest.mark.parametrize("case", [(16, 4, 2, 16, True), (16, 2, 1, 8, False)], ids=str)
+@pytest.mark.parametrize("case", [(16, 4, 2, 16, True, False), (16, 2, 1, 8, False, False), (16, 4, 2, 16, True, True)],
+                         ids=str)
 def test_cos_sin_of_a_hf_rotary_embedding(case):
     """cos_sin: a model's own (cos, sin), [1, S, R] for x [B, S, d], fp32 angle products and the
-    attention scaling in them as HF makes them: RoPE rotates by exactly those (also partially)."""
-    head_dim, hq, hkv, rotary_dim, bias = case
+    attention scaling in them as HF makes them: RoPE rotates by exactly those (also partially,
+    and in the interleaved convention)."""
+    head_dim, hq, hkv, rotary_dim, bias, interleaved = case
     b, s, d = 2, 7, 32
     tensors, biases, _, inv_freq = make(b * s, d, head_dim, hq, hkv, rotary_dim, bias, max_pos=2)
     tensors[0] = tensors[0].reshape(b, s, d)
@@ -182,10 +197,11 @@ def test_cos_sin_of_a_hf_rotary_embedding(case):
     grads = [torch.randn(b, s, h * head_dim, device=DEVICE) for h in (hq, hkv, hkv)]
 
     def ours(ts, bs):
-        return rmsnorm_qkv_rope(*ts, head_dim=head_dim, cos_sin=cos_sin, bias=bs, eps=EPS)
+        return rmsnorm_qkv_rope(*ts, head_dim=head_dim, cos_sin=cos_sin, bias=bs, eps=EPS, interleaved=interleaved)
 
     def ref(ts, bs):
-        return hf_style(*ts, None, None, head_dim, rotary_dim, None, bs, cos_sin=[t.double() for t in cos_sin])
+        return hf_style(*ts, None, None, head_dim, rotary_dim, None, bs, cos_sin=[t.double() for t in cos_sin],
+                        interleaved=interleaved)
 
     got = run(ours, tensors, biases, grads, torch.float32)
     want = run(ref, tensors, biases, grads, torch.float64)
@@ -299,8 +315,9 @@ def test_layers_share_one_pair_of_tables_with_a_bf16_inv_freq(monkeypatch):
 
 
 @pytest.mark.parametrize("bias_std", [0, 100], ids=["no_bias", "bias_std_100"])
-@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
-def test_bf16_within_twice_eager_error(qk_norm, bias_std):
+@pytest.mark.parametrize("qk_norm,interleaved", [(False, False), (True, False), (False, True)],
+                         ids=["plain", "qk_norm", "interleaved"])
+def test_bf16_within_twice_eager_error(qk_norm, interleaved, bias_std):
     """Also with q/k/v biases far larger than the projections (Qwen2's k biases reach the
     hundreds): stored z + b would make zdz cancel, so the norm's row term comes from dL/dh
     (found by a probe: dx was 5.7x eager's error at a bias std of 100)."""
@@ -313,10 +330,10 @@ def test_bf16_within_twice_eager_error(qk_norm, bias_std):
 
     def ours(ts, bs, qk=(None, None)):
         return rmsnorm_qkv_rope(*ts, pos, inv_freq, head_dim=head_dim, bias=bs, eps=EPS, q_norm_weight=qk[0],
-                                k_norm_weight=qk[1], qk_norm_eps=QK_EPS)
+                                k_norm_weight=qk[1], qk_norm_eps=QK_EPS, interleaved=interleaved)
 
     def eager(ts, bs, qk=None):
-        return hf_style(*ts, pos, inv_freq, head_dim, head_dim, 1.0, bs, qk_norm=qk)
+        return hf_style(*ts, pos, inv_freq, head_dim, head_dim, 1.0, bs, qk_norm=qk, interleaved=interleaved)
 
     got = run(ours, tensors, biases, grads, torch.bfloat16, norms)
     base = run(eager, tensors, biases, grads, torch.bfloat16, norms)
@@ -337,6 +354,8 @@ def test_bad_inputs():
         rmsnorm_qkv_rope(*tensors, pos.float(), inv_freq, head_dim=16)
     with pytest.raises(ValueError, match="rotary_dim must be an integer"):  # was truncated to 8 silently
         rmsnorm_qkv_rope(*tensors, pos, inv_freq[:4], head_dim=16, rotary_dim=8.5)
+    with pytest.raises(ValueError, match="interleaved must be a bool"):
+        rmsnorm_qkv_rope(*tensors, pos, inv_freq, head_dim=16, interleaved="yes")
     qn, kn = make_qk_norm(16)
     with pytest.raises(ValueError, match="both q_norm_weight and k_norm_weight"):
         rmsnorm_qkv_rope(*tensors, pos, inv_freq, head_dim=16, q_norm_weight=qn)
@@ -376,14 +395,16 @@ def test_some_of_q_k_v_biased(given):
         assert rel(a, b) < 2e-5
 
 
-@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
-def test_custom_op_passes_opcheck(qk_norm):
+@pytest.mark.parametrize("qk_norm,interleaved", [(False, False), (True, False), (False, True)],
+                         ids=["plain", "qk_norm", "interleaved"])
+def test_custom_op_passes_opcheck(qk_norm, interleaved):
     tensors, _, pos, inv_freq = make(6, 16, 16, 2, 1, 16, False, 64)
     x, g, wq, wk, wv = (t.requires_grad_() for t in tensors)
     qn, kn = (t.requires_grad_() for t in make_qk_norm(16)) if qk_norm else (None, None)
     torch.library.opcheck(
         torch.ops.codetta.rmsnorm_qkv_rope.default,
-        (x, g, [wq, wk, wv], None, *rope_tables(pos, inv_freq, 1.0), 2, 1, 16, 16, EPS, None, None, qn, kn, QK_EPS),
+        (x, g, [wq, wk, wv], None, *rope_tables(pos, inv_freq, 1.0), 2, 1, 16, 16, interleaved, EPS, None, None, qn, kn,
+         QK_EPS),
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )
 

@@ -7,7 +7,8 @@ from per-token tables [M, R/2] (s: the attention scaling). The forward was
 
     qkv_t = cos_t z_t - sin_t z_{t+R/2},   qkv_{t+R/2} = cos_t z_{t+R/2} + sin_t z_t
 
-so the gradient of z is the transposed rotation of dqkv:
+(or, ``interleaved``, column 2t with column 2t + 1 by the same angle), so the gradient of z is
+the transposed rotation of dqkv:
 
     dz_t = cos_t dqkv_t + sin_t dqkv_{t+R/2},   dz_{t+R/2} = cos_t dqkv_{t+R/2} - sin_t dqkv_t
 
@@ -22,7 +23,8 @@ its part, so that they need not be concatenated into one [M, N] tensor first (a 
 write of all of dqkv).
 
 The kernel works in the space of column pairs: pair p sits at columns
-(p // (R/2)) R + p % (R/2) and R/2 further on. Its grid is (row blocks, pair blocks); each
+(p // (R/2)) R + p % (R/2) and R/2 further on (interleaved: 2p and 2p + 1), its angle's
+frequency is p % (R/2). Its grid is (row blocks, pair blocks); each
 program writes its partial row sums of zdz to an fp32 [M, pair blocks] buffer, summed after
 (deterministic, no atomics). Without qkv (``qkv=None``: QK-norm, whose backward takes the
 norm's zdz from the pre-norm z instead) the kernel neither reads qkv nor writes zdz.
@@ -54,15 +56,16 @@ def _rope_backward_kernel(
     dqkv0, dqkv1, dqkv2, qkv, cos, sin, dz, zdz_part,
     M, N, n_rotated, head_dim, end0, end1,
     s_dqkv0, s_dqkv1, s_dqkv2, s_qkv, s_table, s_dz, s_part,
-    HALF_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, WITH_ZDZ: tl.constexpr,
-    EMULATE_RNE: tl.constexpr,
+    HALF_R: tl.constexpr, HALF_SEGMENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+    WITH_ZDZ: tl.constexpr, EMULATE_RNE: tl.constexpr,
 ):
-    """dqkv in three parts: columns [0, end0), [end0, end1), [end1, N)."""
+    """dqkv in three parts: columns [0, end0), [end0, end1), [end1, N). A pair's columns lie
+    HALF_SEGMENT apart inside segments of 2 HALF_SEGMENT columns (R/2: rotate_half; 1: interleaved)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     rows64 = rows.to(tl.int64)[:, None]
-    first = (pairs // HALF_R) * (2 * HALF_R) + pairs % HALF_R
-    second = first + HALF_R
+    first = (pairs // HALF_SEGMENT) * (2 * HALF_SEGMENT) + pairs % HALF_SEGMENT
+    second = first + HALF_SEGMENT
     freq = pairs % HALF_R
     ok = (rows < M)[:, None] & (pairs < N // 2)[None, :]
     rotated = ((first % head_dim < 2 * HALF_R) & (first < n_rotated))[None, :]
@@ -91,11 +94,12 @@ def _rope_backward_kernel(
 
 
 def rope_backward(dqkv: torch.Tensor | list[torch.Tensor], qkv: Optional[torch.Tensor], cos: torch.Tensor,
-                  sin: torch.Tensor, *, n_rotated: int, head_dim: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                  sin: torch.Tensor, *, n_rotated: int, head_dim: int,
+                  interleaved: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(dz [M, N] in dqkv's dtype, zdz [M] fp32) from dqkv [M, N], or its parts along the columns
     (at most three, whole heads each: [dq, dk, dv]), qkv [M, N] and the tables cos, sin [M, R/2]
     fp32 (attention scaling included); see the module docstring. With ``qkv=None`` only dz is
-    computed (zdz is None)."""
+    computed (zdz is None). ``interleaved``: the rotated pairs are adjacent columns."""
     parts = [t if t.stride(1) == 1 else t.contiguous() for t in (dqkv if isinstance(dqkv, list) else [dqkv])]
     if not 1 <= len(parts) <= 3 or any(t.shape[0] != parts[0].shape[0] or t.dtype != parts[0].dtype for t in parts):
         raise ValueError(f"dqkv must be a tensor or up to three parts of one dtype and row count, got "
@@ -115,7 +119,7 @@ def rope_backward(dqkv: torch.Tensor | list[torch.Tensor], qkv: Optional[torch.T
         launch(_rope_backward_kernel, grid,
             *parts, qkv, cos, sin, dz, part, m, n, n_rotated, head_dim, ends[0], ends[1],
             *(t.stride(0) for t in parts), qkv.stride(0), cos.stride(0), dz.stride(0), part.stride(0),
-            HALF_R=half_r, BLOCK_M=block_m, BLOCK_P=block_p, WITH_ZDZ=with_zdz, EMULATE_RNE=interpreting(),
-            num_warps=warps,
+            HALF_R=half_r, HALF_SEGMENT=1 if interleaved else half_r, BLOCK_M=block_m, BLOCK_P=block_p,
+            WITH_ZDZ=with_zdz, EMULATE_RNE=interpreting(), num_warps=warps,
         )
     return dz, part.sum(dim=1) if with_zdz else None

@@ -14,7 +14,10 @@ theta = position_i * inv_freq_t:
 
 (times HF's ``attention_scaling``). In the epilogue, these are column pairs inside
 segments of R columns (``epilogue.pairs(z, segment=R)``); v heads and the columns past R
-of a head are left as they are.
+of a head are left as they are. The interleaved convention (``interleaved=True``: Helium's
+and Ernie 4.5's ``rotate_half`` of columns 0::2 and 1::2, GPT-J's) rotates column 2t with
+column 2t + 1 by the same angle theta_t: adjacent pairs (``epilogue.pairs(z)``), the same
+tables, nothing else changed.
 
 Angles. theta reaches 10^6 radians at positions near 2^20, where fp32 products are off
 by up to 0.06 radians (as Hugging Face's own fp32 tables are). The per-token tables
@@ -78,9 +81,10 @@ from .shapes import check_biases, concat_biases, rows
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_program(rotary_dim: int, with_bias: bool, qk_norm_dim: int = 0) -> ep.Program:
-    """The epilogue; ``qk_norm_dim`` = D turns QK-norm on (0: off, the program is unchanged)."""
-    name = f"rmsnorm_qkv_rope_r{rotary_dim}" + ("_bias" if with_bias else "")
+def _forward_program(rotary_dim: int, with_bias: bool, qk_norm_dim: int = 0, interleaved: bool = False) -> ep.Program:
+    """The epilogue; ``qk_norm_dim`` = D turns QK-norm on (0: off, the program is unchanged);
+    ``interleaved`` rotates adjacent column pairs instead of rotate_half's."""
+    name = f"rmsnorm_qkv_rope_r{rotary_dim}" + ("_interleaved" if interleaved else "") + ("_bias" if with_bias else "")
     p = ep.Program(name + (f"_qknorm{qk_norm_dim}" if qk_norm_dim else ""))
     z = p.acc * p.row("rstd")
     if with_bias:
@@ -90,21 +94,23 @@ def _forward_program(rotary_dim: int, with_bias: bool, qk_norm_dim: int = 0) -> 
         r = ep.rsqrt(ep.segment_sum(z * z, qk_norm_dim) * (1.0 / qk_norm_dim) + p.scalar("qk_eps"))
         normed = p.col_index() < p.scalar("n_normed")  # the q and k columns
         z = ep.where(normed, z * r * p.col("qk_weight"), z)
-    x1, x2 = ep.pairs(z, segment=rotary_dim)
+    segment = 2 if interleaved else rotary_dim  # which columns pair up: adjacent ones, or t and t + R/2
+    x1, x2 = ep.pairs(z, segment=segment)
     rotated = p.col("rotated", ep.HALF).ne(0)  # q and k pairs inside the rotary dims
     cos, sin = p.table("cos", rotary_dim // 2, ep.HALF), p.table("sin", rotary_dim // 2, ep.HALF)
     # the other pairs (v, columns past R) as they are: a rotation by 0 would turn an inf partner into NaN
     p.store("qkv", ep.join(ep.where(rotated, x1 * cos - x2 * sin, x1), ep.where(rotated, x2 * cos + x1 * sin, x2),
-                           segment=rotary_dim))
+                           segment=segment))
     return p
 
 
 @functools.lru_cache(maxsize=64)
-def _rotated_pairs(n_q: int, n_kv: int, head_dim: int, rotary_dim: int, device: torch.device) -> Tensor:
+def _rotated_pairs(n_q: int, n_kv: int, head_dim: int, rotary_dim: int, device: torch.device,
+                   interleaved: bool = False) -> Tensor:
     """1 for every column pair of qkv that RoPE rotates (q and k heads, first R columns), else 0; [N/2] fp32."""
-    half = rotary_dim // 2
+    half = 1 if interleaved else rotary_dim // 2  # half the width of the segments the pairs lie in
     pair = torch.arange((n_q + 2 * n_kv) * head_dim // 2, device=device)
-    col = (pair // half) * rotary_dim + pair % half  # the first column of each pair
+    col = (pair // half) * (2 * half) + pair % half  # the first column of each pair
     return ((col % head_dim < rotary_dim) & (col < (n_q + n_kv) * head_dim)).float()
 
 
@@ -193,22 +199,23 @@ def _q_k_v_widths(args) -> list[int]:
 @direct_op("codetta::rmsnorm_qkv_rope", split_first=_q_k_v_widths)
 def _qkv_rope_op(
     x: Tensor, norm_weight: Tensor, weights: list[Tensor], bias: Optional[Tensor], cos: Tensor, sin: Tensor,
-    n_q: int, n_kv: int, head_dim: int, rotary_dim: int, eps: float, u: Optional[Tensor], rstd: Optional[Tensor],
-    q_norm_weight: Optional[Tensor], k_norm_weight: Optional[Tensor], qk_norm_eps: float,
+    n_q: int, n_kv: int, head_dim: int, rotary_dim: int, interleaved: bool, eps: float, u: Optional[Tensor],
+    rstd: Optional[Tensor], q_norm_weight: Optional[Tensor], k_norm_weight: Optional[Tensor], qk_norm_eps: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(qkv, rstd, z): z is the pre-QK-norm projection [..., N] with QK-norm, else empty; cos and sin
     are the per-token tables [M, R/2] fp32 (:func:`rope_tables`). A call returns qkv as (q, k, v),
     whose gradients the backward takes as they are (``split_first``: no concatenation)."""
     x2 = rows(x)
     u, rstd, rstd_out = norm_operands(x2, norm_weight, eps, weights[0].dtype, u, rstd)
-    operands = dict(rstd=rstd, cos=cos, sin=sin, rotated=_rotated_pairs(n_q, n_kv, head_dim, rotary_dim, x.device))
+    rotated = _rotated_pairs(n_q, n_kv, head_dim, rotary_dim, x.device, interleaved)
+    operands = dict(rstd=rstd, cos=cos, sin=sin, rotated=rotated)
     if bias is not None:
         operands["bias"] = bias
     qk_norm = q_norm_weight is not None
     if qk_norm:
         operands.update(qk_eps=qk_norm_eps, n_normed=(n_q + n_kv) * head_dim,
                         qk_weight=_qk_weight_columns(q_norm_weight, k_norm_weight, n_q, n_kv))
-    program = _forward_program(rotary_dim, bias is not None, head_dim if qk_norm else 0)
+    program = _forward_program(rotary_dim, bias is not None, head_dim if qk_norm else 0, interleaved)
     out = gemm(u.reshape(x2.shape), _weight_t(weights), program, **operands)
     lead = x.shape[:-1]
     qkv = out["qkv"].reshape(*lead, out["qkv"].shape[-1])
@@ -217,15 +224,15 @@ def _qkv_rope_op(
 
 
 @_qkv_rope_op.register_fake
-def _(x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, rotary_dim, eps, u, rstd, q_norm_weight,
-      k_norm_weight, qk_norm_eps):
+def _(x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, rotary_dim, interleaved, eps, u, rstd,
+      q_norm_weight, k_norm_weight, qk_norm_eps):
     n, low = (n_q + 2 * n_kv) * head_dim, weights[0].dtype
     z = x.new_empty(*x.shape[:-1], n, dtype=low) if q_norm_weight is not None else x.new_empty(0)
     return x.new_empty(*x.shape[:-1], n, dtype=low), rstd_like(x, u, rstd), z
 
 
 def rmsnorm_qkv_rope_backward(dqkv, qkv, x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, rotary_dim,
-                              rstd, z, q_norm_weight, k_norm_weight, qk_norm_eps, dweights_into=()):
+                              interleaved, rstd, z, q_norm_weight, k_norm_weight, qk_norm_eps, dweights_into=()):
     """(dx, dnorm_weight, [dW_q, dW_k, dW_v], dbias, dq_norm_weight, dk_norm_weight) given dqkv, or
     [dq, dk, dv] (the module doc's backward). Without QK-norm it reads the output qkv; with
     QK-norm the pre-norm z instead (qkv unused)."""
@@ -234,7 +241,7 @@ def rmsnorm_qkv_rope_backward(dqkv, qkv, x, norm_weight, weights, bias, cos, sin
     # with a bias the stored outputs hold z + b, whose zdz would cancel: the norm's row term is then
     # taken from dL/dh (zdz None; see codetta.ops.rmsnorm)
     dz, zdz = rope_backward(dqkv2, None if qk_norm or bias is not None else rows(qkv), cos, sin,
-                            n_rotated=(n_q + n_kv) * head_dim, head_dim=head_dim)
+                            n_rotated=(n_q + n_kv) * head_dim, head_dim=head_dim, interleaved=interleaved)
     if qk_norm:  # dz above is dzn; QK-norm's backward in place gives dz and zdz from the pre-norm z
         dz, zdz, dqw, dkw = qk_norm_backward(dz, rows(z), q_norm_weight, k_norm_weight, n_q=n_q, n_kv=n_kv,
                                              eps=qk_norm_eps, out=dz)
@@ -249,16 +256,16 @@ def rmsnorm_qkv_rope_backward(dqkv, qkv, x, norm_weight, weights, bias, cos, sin
 @direct_op("codetta::rmsnorm_qkv_rope_backward")
 def _qkv_rope_backward_op(
     dqkv: Tensor, qkv: Optional[Tensor], x: Tensor, norm_weight: Tensor, weights: list[Tensor], bias: Optional[Tensor],
-    cos: Tensor, sin: Tensor, n_q: int, n_kv: int, head_dim: int, rotary_dim: int, rstd: Tensor, z: Optional[Tensor],
-    q_norm_weight: Optional[Tensor], k_norm_weight: Optional[Tensor], qk_norm_eps: float,
+    cos: Tensor, sin: Tensor, n_q: int, n_kv: int, head_dim: int, rotary_dim: int, interleaved: bool, rstd: Tensor,
+    z: Optional[Tensor], q_norm_weight: Optional[Tensor], k_norm_weight: Optional[Tensor], qk_norm_eps: float,
 ) -> tuple[Tensor, Tensor, list[Tensor], Tensor, Tensor, Tensor]:
     return rmsnorm_qkv_rope_backward(dqkv, qkv, x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, rotary_dim,
-                                     rstd, z, q_norm_weight, k_norm_weight, qk_norm_eps)
+                                     interleaved, rstd, z, q_norm_weight, k_norm_weight, qk_norm_eps)
 
 
 @_qkv_rope_backward_op.register_fake
-def _(dqkv, qkv, x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, rotary_dim, rstd, z, q_norm_weight,
-      k_norm_weight, qk_norm_eps):
+def _(dqkv, qkv, x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, rotary_dim, interleaved, rstd, z,
+      q_norm_weight, k_norm_weight, qk_norm_eps):
     def grad_like(t):
         return torch.empty_like(t) if t is not None else dqkv.new_empty(0, dtype=torch.float32)
 
@@ -268,11 +275,11 @@ def _(dqkv, qkv, x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, r
 
 def _setup(ctx, inputs, output):
     only_first_output_differentiable(ctx, output)
-    (x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, rotary_dim, eps, u, rstd, q_norm_weight,
+    (x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, rotary_dim, interleaved, eps, u, rstd, q_norm_weight,
      k_norm_weight, qk_norm_eps) = inputs
     qkv, rstd_out, z = output
     qk_norm = q_norm_weight is not None
-    ctx.meta = (n_q, n_kv, head_dim, rotary_dim, bias is not None, qk_norm, qk_norm_eps)
+    ctx.meta = (n_q, n_kv, head_dim, rotary_dim, interleaved, bias is not None, qk_norm, qk_norm_eps)
     empty = x.new_empty(0)
     ctx.save_for_backward(z if qk_norm else qkv, x, norm_weight, cos, sin, used_rstd(u, rstd, rstd_out),
                           bias if bias is not None else empty, q_norm_weight if qk_norm else empty,
@@ -281,14 +288,14 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dqkv, _drstd, _dz):
     saved, x, norm_weight, cos, sin, rstd, bias, q_norm_weight, k_norm_weight, *weights = ctx.saved_tensors
-    n_q, n_kv, head_dim, rotary_dim, has_bias, qk_norm, qk_norm_eps = ctx.meta
+    n_q, n_kv, head_dim, rotary_dim, interleaved, has_bias, qk_norm, qk_norm_eps = ctx.meta
     qk = (saved, q_norm_weight, k_norm_weight) if qk_norm else (None, None, None)
     dx, dg, dws, dbias, dqw, dkw = run_backward(
         ctx, weights, _qkv_rope_backward_op, rmsnorm_qkv_rope_backward,
         dqkv, None if qk_norm else saved, x, norm_weight, weights, bias if has_bias else None, cos, sin,
-        n_q, n_kv, head_dim, rotary_dim, rstd, *qk, qk_norm_eps)
-    none9 = (None,) * 9  # cos, sin, n_q, n_kv, head_dim, rotary_dim, eps, u, rstd
-    return (dx, dg, for_autograd(dws, weights), dbias if has_bias else None, *none9, dqw if qk_norm else None,
+        n_q, n_kv, head_dim, rotary_dim, interleaved, rstd, *qk, qk_norm_eps)
+    none10 = (None,) * 10  # cos, sin, n_q, n_kv, head_dim, rotary_dim, interleaved, eps, u, rstd
+    return (dx, dg, for_autograd(dws, weights), dbias if has_bias else None, *none10, dqw if qk_norm else None,
             dkw if qk_norm else None, None)
 
 
@@ -367,8 +374,8 @@ def _check_cos_sin(cos_sin, positions, inv_freq, rotary_dim, attention_scaling, 
 def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w_v: Tensor,
                      positions: Tensor | None = None, inv_freq: Tensor | None = None, *, head_dim: int,
                      rotary_dim: int | None = None, attention_scaling: float = 1.0, cos_sin: tuple | None = None,
-                     bias: tuple | None = None, eps: float = 1e-6, stats=None, q_norm_weight: Tensor | None = None,
-                     k_norm_weight: Tensor | None = None, qk_norm_eps: float = 1e-6):
+                     interleaved: bool = False, bias: tuple | None = None, eps: float = 1e-6, stats=None,
+                     q_norm_weight: Tensor | None = None, k_norm_weight: Tensor | None = None, qk_norm_eps: float = 1e-6):
     """q, k, v = RoPE(RMSNorm(x) W_q^T + b_q), RoPE(RMSNorm(x) W_k^T + b_k), RMSNorm(x) W_v^T + b_v, fused.
 
     With ``q_norm_weight`` and ``k_norm_weight`` (Qwen3's QK-norm), q and k are RMS-normalized
@@ -395,6 +402,9 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
             model's own angles, in their precision (fp32 products, or bf16 values in a bf16
             model); the model's position_embeddings, passed to every layer, make one pair of
             tables for all of them (reused while the same tensors come back unchanged).
+        interleaved: rotate adjacent columns (2t, 2t + 1) by angle t instead of rotate_half's
+            (t, t + R/2): the convention of Helium's and Ernie 4.5's ``apply_rotary_pos_emb``
+            (there cos_sin is still the rotary embedding's cat(freqs, freqs)).
         bias: optional (b_q, b_k, b_v) (Qwen2), each a tensor or None (0).
         stats: optional (u, rstd) from linear_residual.
         q_norm_weight, k_norm_weight: optional [D] each, both or neither (QK-norm, Qwen3; D a
@@ -417,6 +427,8 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
         raise ValueError("inv_freq or cos_sin requires grad: codetta's fused RoPE gives no gradient for the rotary "
                          "angles (it would be dropped); detach them, or apply RoPE unfused")
     rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
+    if not isinstance(interleaved, bool):
+        raise ValueError(f"interleaved must be a bool, got {interleaved!r}")
     nq, nk = (w_q.shape[0] // head_dim, w_q.shape[0] % head_dim), (w_k.shape[0] // head_dim, w_k.shape[0] % head_dim)
     if nq[1] or nk[1] or w_v.shape != w_k.shape:
         raise ValueError(f"q/k/v weights {[tuple(w.shape) for w in weights]} are not whole heads of {head_dim}")
@@ -441,15 +453,15 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
     else:
         cos, sin = tables_from_cos_sin(*cos_sin, x.shape[:-1])
     u, rstd = given_stats(x, stats, weights[0].dtype, norm_weight, eps)
-    return _qkv_rope_op(x, norm_weight, weights, b, cos, sin, nq[0], nk[0], head_dim, rotary_dim, float(eps), u, rstd,
-                        q_norm_weight, k_norm_weight, float(qk_norm_eps))[:3]
+    return _qkv_rope_op(x, norm_weight, weights, b, cos, sin, nq[0], nk[0], head_dim, rotary_dim, interleaved, float(eps),
+                        u, rstd, q_norm_weight, k_norm_weight, float(qk_norm_eps))[:3]
 
 
 def rmsnorm_qkv_rope_reference(x, norm_weight, w_q, w_k, w_v, positions, inv_freq, *, head_dim, rotary_dim=None,
-                               attention_scaling=1.0, bias=None, eps=1e-6, q_norm_weight=None, k_norm_weight=None,
-                               qk_norm_eps=1e-6):
+                               attention_scaling=1.0, interleaved=False, bias=None, eps=1e-6, q_norm_weight=None,
+                               k_norm_weight=None, qk_norm_eps=1e-6):
     """The same math unfused: F.rms_norm, F.linear, per-head F.rms_norm (QK-norm), and HF's
-    rotate_half RoPE with fp64 angles."""
+    rotate_half RoPE (or the interleaved one) with fp64 angles."""
     rms_norm = torch.nn.functional.rms_norm
     h = rms_norm(x, (x.shape[-1],), norm_weight, eps)
     bias = bias or (None, None, None)
@@ -465,8 +477,12 @@ def rmsnorm_qkv_rope_reference(x, norm_weight, w_q, w_k, w_v, positions, inv_fre
     def rope(t):
         heads = t.reshape(*t.shape[:-1], -1, head_dim)
         rot, rest = heads[..., :rotary_dim], heads[..., rotary_dim:]
-        x1, x2 = rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2:]
-        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        if interleaved:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            rotated = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+        else:
+            x1, x2 = rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2:]
+            rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
         return torch.cat([rotated, rest], dim=-1).reshape(t.shape)
 
     return rope(q), rope(k), v

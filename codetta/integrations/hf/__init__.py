@@ -71,7 +71,8 @@ class FusedForward:
 def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True, cross_entropy: bool = True):
     """Patch an already built transformers model in place; returns it.
 
-    Models: the Llama, Mistral, Qwen2 and Qwen3 families' causal LMs (``LlamaForCausalLM``, ...),
+    Models: the causal LMs of the families in :data:`.architectures.ARCHITECTURES` (Llama, Mistral,
+    Qwen2, Qwen3, Ministral, Ministral3, Cwm, SmolLM3, Helium, Ernie4_5: ``LlamaForCausalLM``, ...),
     their bare decoder stacks (``LlamaModel``, ...) and the other heads transformers puts on them
     (``...ForSequenceClassification``, ``...ForTokenClassification``, ``...ForQuestionAnswering``).
 

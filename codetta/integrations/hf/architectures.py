@@ -41,6 +41,18 @@ class Architecture:
     # None (it passes none: Llama), "config" (``config.sliding_window``: Mistral) or "module" (its
     # own ``sliding_window``, set per layer type: Qwen2, Qwen3).
     sliding_window: str | None = None
+    # RoPE's column pairs: rotate_half's (t, t + D/2), or adjacent ones (2t, 2t + 1: Helium, Ernie 4.5)
+    interleaved_rope: bool = False
+    # Whether the attention module's ``use_rope`` says if its layer applies RoPE (SmolLM3's NoPE layers)
+    rope_per_layer: bool = False
+    # Whether the attention scales q after RoPE by 1 + beta log(1 + floor(position / original max
+    # positions)) (Ministral 3, Llama 4's attention temperature; beta and the original maximum
+    # from ``config.rope_parameters``), through the modeling module's ``get_llama_4_attn_scale``
+    query_position_scale: bool = False
+
+    def applies_rope(self, attn) -> bool:
+        """Whether the layer of this attention module rotates q and k."""
+        return not self.rope_per_layer or bool(attn.use_rope)
 
     def attention_kwargs(self, attn) -> dict:
         """The arguments of the attention function that the model's attention module adds."""
@@ -57,6 +69,12 @@ ARCHITECTURES = {
     "Mistral": Architecture(sliding_window="config"),
     "Qwen2": Architecture(sliding_window="module"),
     "Qwen3": Architecture(qk_norm=True, sliding_window="module"),
+    "Ministral": Architecture(sliding_window="module"),
+    "Ministral3": Architecture(sliding_window="config", query_position_scale=True),
+    "Cwm": Architecture(sliding_window="module"),
+    "SmolLM3": Architecture(sliding_window="module", rope_per_layer=True),
+    "Helium": Architecture(interleaved_rope=True),
+    "Ernie4_5": Architecture(interleaved_rope=True),
 }
 # The classes of a family that codetta patches: the causal LM (its decoder layers, and its LM head +
 # loss), the bare decoder stack and the other task heads on it (their decoder layers).
@@ -274,6 +292,8 @@ def check_model(model, arch: Architecture, classes: ModelClasses):
             if any(n.weight.shape != (attn.head_dim,) for n in norms) or len({n.variance_epsilon for n in norms}) > 1:
                 raise UnsupportedModelError(f"{what}: q_norm and k_norm must be RMSNorms of head_dim "
                                             f"{attn.head_dim} with one epsilon. Nothing was patched.")
+        if arch.rope_per_layer:
+            _need(attn, "use_rope", what)
         if attn.q_proj.out_features % attn.head_dim:
             raise UnsupportedModelError(f"{what}: q_proj's {attn.q_proj.out_features} outputs are no whole number of "
                                         f"heads of {attn.head_dim}. Nothing was patched.")

@@ -212,13 +212,27 @@ def _halves_equal(cos, sin) -> bool:
     return equal
 
 
-def _qkv(layer, plan: LayerPlan, x, stats, position_ids, position_embeddings, kwargs):
-    """q, k, v as [..., heads * head_dim] each, RoPE applied (and QK-norm where the model has it)."""
+def _qkv(layer, plan: LayerPlan, x, stats, position_ids, position_embeddings):
+    """q, k, v as [..., heads * head_dim] each, RoPE applied where the layer applies it (and QK-norm
+    where the model has it), q scaled by position where the model scales it."""
+    attn = layer.self_attn
+    q, k, v = _rotated_qkv(layer, plan, x, stats, position_ids, position_embeddings)
+    if plan.arch.query_position_scale:  # after RoPE, in q's dtype, as the model's attention does
+        params = attn.config.rope_parameters
+        scale = plan.classes.modeling.get_llama_4_attn_scale(
+            position_ids, params.get("llama_4_scaling_beta"), params.get("original_max_position_embeddings"))
+        heads = (*q.shape[:-1], -1, attn.head_dim)  # scale: [B, 1, S, 1] for [B, heads, S, D]
+        q = (q.reshape(heads) * scale.transpose(1, 2).to(q.dtype)).flatten(-2)
+    return q, k, v
+
+
+def _rotated_qkv(layer, plan: LayerPlan, x, stats, position_ids, position_embeddings):
     attn, ln = layer.self_attn, layer.input_layernorm
     weights = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
     biases = (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)  # any of them may be None (0)
-    rope, why_not = (_rope_arguments(plan, x, attn.head_dim, position_ids, position_embeddings) if plan.fuse_rope
-                     else (None, None))
+    rotates = plan.arch.applies_rope(attn)
+    rope, why_not = (_rope_arguments(plan, x, attn.head_dim, position_ids, position_embeddings)
+                     if plan.fuse_rope and rotates else (None, None))
     if why_not is not None:
         warnings.warn(f"codetta: {why_not}; RoPE runs as the model's own code on its position_embeddings",
                       stacklevel=4)
@@ -228,16 +242,18 @@ def _qkv(layer, plan: LayerPlan, x, stats, position_ids, position_embeddings, kw
             qk_norm = dict(q_norm_weight=attn.q_norm.weight, k_norm_weight=attn.k_norm.weight,
                            qk_norm_eps=attn.q_norm.variance_epsilon)
         return rmsnorm_qkv_rope(x, ln.weight, *weights, head_dim=attn.head_dim, bias=biases,
-                                eps=ln.variance_epsilon, stats=stats, **qk_norm, **rope)
+                                interleaved=plan.arch.interleaved_rope, eps=ln.variance_epsilon, stats=stats,
+                                **qk_norm, **rope)
     qkv = rmsnorm_linear(x, ln.weight, list(weights), ln.variance_epsilon, stats=stats)
     q, k, v = (z if b is None else z + b for z, b in zip(torch.split(qkv, [w.shape[0] for w in weights], dim=-1),
                                                           biases))
     heads = (*x.shape[:-1], -1, attn.head_dim)
     if plan.arch.qk_norm:
         q, k = attn.q_norm(q.reshape(heads)), attn.k_norm(k.reshape(heads))
-    cos, sin = position_embeddings
-    q, k = plan.classes.modeling.apply_rotary_pos_emb(q.reshape(heads), k.reshape(heads), cos, sin, unsqueeze_dim=2)
-    return q.flatten(-2), k.flatten(-2), v
+    if rotates:
+        cos, sin = position_embeddings
+        q, k = plan.classes.modeling.apply_rotary_pos_emb(q.reshape(heads), k.reshape(heads), cos, sin, unsqueeze_dim=2)
+    return q.reshape(*heads[:-2], -1), k.reshape(*heads[:-2], -1), v
 
 
 _CACHE_NAMES = ("cache", "past_key_values")  # the KV cache's argument: transformers 5.24 renamed it
@@ -332,7 +348,7 @@ def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_id
     attn, mlp, ln2 = layer.self_attn, layer.mlp, layer.post_attention_layernorm
     g2 = ln2.weight  # read once: a parametrized weight is new at each read, and NormStats checks it is the same
     x = hidden_states
-    q, k, v = _qkv(layer, plan, x, plan.incoming.take(x), position_ids, position_embeddings, kwargs)
+    q, k, v = _qkv(layer, plan, x, plan.incoming.take(x), position_ids, position_embeddings)
     a = _attention(attn, plan, q, k, v, attention_mask, dict(position_ids=position_ids, use_cache=use_cache, **kwargs))
     x1, stats = linear_residual(a, attn.o_proj.weight, x, g2, ln2.variance_epsilon, bias=attn.o_proj.bias)
     next_layer = plan.next_layer.get() if plan.next_layer is not None else None
