@@ -51,7 +51,19 @@ MODELS = {
     "qwen3_qk_norm": ("Qwen3ForCausalLM", {}),
     "gqa8_head64": ("LlamaForCausalLM", dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=1, head_dim=64)),
     "llama_eager_attention": ("LlamaForCausalLM", dict(attn_implementation="eager")),
+    # the other families, each with what sets it apart from Llama
+    "ministral_sliding_layers": ("MinistralForCausalLM", dict(sliding_window=6,
+                                                              layer_types=["sliding_attention", "full_attention"])),
+    "ministral3_query_scale": ("Ministral3ForCausalLM", dict(sliding_window=6, rope_parameters=dict(
+        rope_type="default", rope_theta=10000.0, llama_4_scaling_beta=0.1, original_max_position_embeddings=4))),
+    "cwm_sliding_layers": ("CwmForCausalLM", dict(sliding_window=6, layer_types=["full_attention", "sliding_attention"])),
+    "smollm3_nope_layer": ("SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=6,
+                                                      pad_token_id=0,
+                                                      layer_types=["sliding_attention", "full_attention"])),
+    "helium_interleaved_rope": ("HeliumForCausalLM", {}),
+    "ernie4_5_interleaved_rope_biases": ("Ernie4_5ForCausalLM", dict(use_bias=True)),
 }
+NEW_FAMILIES = [key for key in MODELS if not key.startswith(("llama", "mistral", "qwen", "gqa"))]
 
 
 def loss_and_grads(model, **batch):
@@ -564,6 +576,24 @@ def test_logits_without_labels_and_generate():
         torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
         out_ref = ref.generate(ids, max_new_tokens=5, do_sample=False)
         out = model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(out, out_ref)
+
+
+@pytest.mark.parametrize("key", NEW_FAMILIES)
+def test_generate_in_the_other_families(key):
+    """Greedy generation with the KV cache, left-padded: the same tokens as the unpatched model
+    (NoPE layers, query scaling by position, interleaved RoPE and per-layer windows included)."""
+    name, overrides = MODELS[key]
+    ref = tiny(name, **overrides).eval()
+    model = codetta.patch(copy.deepcopy(ref))
+    ids = torch.randint(1, VOCAB, (2, 7), device=DEVICE)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits,
+                                   ref(input_ids=ids, attention_mask=mask).logits, rtol=1e-4, atol=1e-4)
+        out_ref = ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(out, out_ref)
 
 
