@@ -227,6 +227,8 @@ def _qkv(layer, plan: LayerPlan, x, stats, position_ids, position_embeddings):
 
 
 def _rotated_qkv(layer, plan: LayerPlan, x, stats, position_ids, position_embeddings):
+    """q, k, v of the norm-folded QKV GEMM, RoPE (and QK-norm) in its epilogue where it fuses,
+    else applied by the model's own code after it (none in a layer without RoPE)."""
     attn, ln = layer.self_attn, layer.input_layernorm
     weights = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
     biases = (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)  # any of them may be None (0)
@@ -235,7 +237,7 @@ def _rotated_qkv(layer, plan: LayerPlan, x, stats, position_ids, position_embedd
                      if plan.fuse_rope and rotates else (None, None))
     if why_not is not None:
         warnings.warn(f"codetta: {why_not}; RoPE runs as the model's own code on its position_embeddings",
-                      stacklevel=4)
+                      stacklevel=5)
     if rope is not None:
         qk_norm = {}
         if plan.arch.qk_norm:  # the modules' own weights: their gradients land there
