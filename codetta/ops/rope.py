@@ -80,6 +80,12 @@ from .weight_grads import for_autograd, run_backward, stacked_like
 from .shapes import check_biases, concat_biases, rows
 
 
+def _pair_segment(rotary_dim: int, interleaved: bool) -> int:
+    """The width of the column segments inside which RoPE pairs column t with t + segment/2:
+    R (rotate_half) or 2 (interleaved: adjacent columns)."""
+    return 2 if interleaved else rotary_dim
+
+
 @functools.lru_cache(maxsize=None)
 def _forward_program(rotary_dim: int, with_bias: bool, qk_norm_dim: int = 0, interleaved: bool = False) -> ep.Program:
     """The epilogue; ``qk_norm_dim`` = D turns QK-norm on (0: off, the program is unchanged);
@@ -94,7 +100,7 @@ def _forward_program(rotary_dim: int, with_bias: bool, qk_norm_dim: int = 0, int
         r = ep.rsqrt(ep.segment_sum(z * z, qk_norm_dim) * (1.0 / qk_norm_dim) + p.scalar("qk_eps"))
         normed = p.col_index() < p.scalar("n_normed")  # the q and k columns
         z = ep.where(normed, z * r * p.col("qk_weight"), z)
-    segment = 2 if interleaved else rotary_dim  # which columns pair up: adjacent ones, or t and t + R/2
+    segment = _pair_segment(rotary_dim, interleaved)
     x1, x2 = ep.pairs(z, segment=segment)
     rotated = p.col("rotated", ep.HALF).ne(0)  # q and k pairs inside the rotary dims
     cos, sin = p.table("cos", rotary_dim // 2, ep.HALF), p.table("sin", rotary_dim // 2, ep.HALF)
@@ -108,7 +114,7 @@ def _forward_program(rotary_dim: int, with_bias: bool, qk_norm_dim: int = 0, int
 def _rotated_pairs(n_q: int, n_kv: int, head_dim: int, rotary_dim: int, device: torch.device,
                    interleaved: bool = False) -> Tensor:
     """1 for every column pair of qkv that RoPE rotates (q and k heads, first R columns), else 0; [N/2] fp32."""
-    half = 1 if interleaved else rotary_dim // 2  # half the width of the segments the pairs lie in
+    half = _pair_segment(rotary_dim, interleaved) // 2
     pair = torch.arange((n_q + 2 * n_kv) * head_dim // 2, device=device)
     col = (pair // half) * (2 * half) + pair % half  # the first column of each pair
     return ((col % head_dim < rotary_dim) & (col < (n_q + n_kv) * head_dim)).float()
