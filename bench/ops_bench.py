@@ -100,6 +100,12 @@ def cases(m, s: Shape):
                        lambda x, g, wq, wk, wv: rope.rmsnorm_qkv_rope_reference(x, g, wq, wk, wv, pos, inv_freq,
                                                                                 head_dim=HD, eps=EPS),
                        [(m, (s.hq + 2 * s.hkv) * HD, s.d)]),
+        "g_qkv_rope_interleaved": (a_inputs,  # a with the interleaved RoPE (adjacent column pairs)
+                                   lambda x, g, wq, wk, wv: rmsnorm_qkv_rope(x, g, wq, wk, wv, pos, inv_freq,
+                                                                             head_dim=HD, eps=EPS, interleaved=True),
+                                   lambda x, g, wq, wk, wv: rope.rmsnorm_qkv_rope_reference(
+                                       x, g, wq, wk, wv, pos, inv_freq, head_dim=HD, eps=EPS, interleaved=True),
+                                   [(m, (s.hq + 2 * s.hkv) * HD, s.d)]),
         "b_oproj_residual_norm": (b_inputs,
                                   lambda a, w, r, g: linear_residual(a, w, r, g, EPS),
                                   lambda a, w, r, g: _residual_then_norm(a, w, r, g),
@@ -253,7 +259,7 @@ def table(rows):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--m", default="16384", help="tokens, comma-separated (the loss op uses half of them, as the peers' anchors)")
-    parser.add_argument("--ops", default="a,b,c,d,e", help="of a-f (f: c with biases, Llama's mlp_bias)")
+    parser.add_argument("--ops", default="a,b,c,d,e", help="of a-g (f: c with biases, Llama's mlp_bias; g: a with the interleaved RoPE)")
     parser.add_argument("--shapes", default="llama3-8b", help=f"comma-separated, of {sorted(SHAPES)}")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")

@@ -62,6 +62,10 @@ MODELS = {
                                                       layer_types=["sliding_attention", "full_attention"])),
     "helium_interleaved_rope": ("HeliumForCausalLM", {}),
     "ernie4_5_interleaved_rope_biases": ("Ernie4_5ForCausalLM", dict(use_bias=True)),
+    "phi3_fused_projections_partial_rope": ("Phi3ForCausalLM", dict(partial_rotary_factor=0.5, sliding_window=6,
+                                                                     pad_token_id=0, eos_token_id=2)),
+    "glm_fused_gate_up_partial_interleaved_rope": ("GlmForCausalLM", dict(attention_bias=True, pad_token_id=0,
+                                                                          eos_token_id=2)),
 }
 NEW_FAMILIES = [key for key in MODELS if not key.startswith(("llama", "mistral", "qwen", "gqa"))]
 
@@ -595,6 +599,33 @@ def test_generate_in_the_other_families(key):
         out_ref = ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
         out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(out, out_ref)
+
+
+def test_residual_dropout_in_training_runs_the_models_own_layer():
+    """Phi-3 drops out each sublayer's output before its residual add, which the fused residual
+    add does not: in training with p > 0 the layers run the model's own forward (warned; the
+    same dropout masks drawn), in eval mode or with p = 0 they run fused."""
+    ref = tiny("Phi3ForCausalLM", resid_pdrop=0.25, pad_token_id=0, eos_token_id=2)
+    model = codetta.patch(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
+    torch.manual_seed(1)
+    loss_ref, grads_ref = loss_and_grads(ref, input_ids=ids, labels=ids)
+    torch.manual_seed(1)
+    with pytest.warns(UserWarning, match="resid_attn_dropout drops out in training"):
+        loss, grads = loss_and_grads(model, input_ids=ids, labels=ids)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=0)
+    for name, g in grads_ref.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6)
+    torch.manual_seed(1)
+    assert loss_and_grads(ref, input_ids=ids, labels=ids)[0] != loss_and_grads(ref.eval(), input_ids=ids, labels=ids)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # fused from here on: no warning
+        with torch.no_grad():
+            torch.testing.assert_close(model.eval()(input_ids=ids).logits, ref(input_ids=ids).logits,
+                                       rtol=1e-4, atol=1e-4)
+        for layer in (*ref.model.layers, *model.model.layers):
+            layer.resid_attn_dropout.p = layer.resid_mlp_dropout.p = 0.0
+        assert_same_training_step(ref.train(), model.train(), input_ids=ids, labels=ids)
 
 
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])

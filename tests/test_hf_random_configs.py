@@ -8,7 +8,7 @@ The hand-picked configs of test_hf_patch.py cover each feature once; these draw 
 together, at sizes no multiple of any tile (hidden, intermediate and vocabulary sizes of
 any value, head_dim independent of hidden), and each family's own features drawn too
 (sliding windows per layer type, SmolLM3's layers without RoPE, Ministral 3's query scaling by
-position, Ernie 4.5's biases). CODETTA_HF_EXAMPLES sets how many are drawn per family (2 by
+position, Ernie 4.5's biases, Phi-3's and GLM's partial RoPE). CODETTA_HF_EXAMPLES sets how many are drawn per family (2 by
 default; with the first four families, 40 of each test passed on the CPU, and on the H200 80
 of the fp32 test and 40 of the bf16 one: bench/results/h200_hf_random_configs.log).
 """
@@ -49,19 +49,21 @@ def rope_parameters(draw):
 
 
 @st.composite
-def models(draw, family):
-    """(class name, config keyword arguments) of a model of the family."""
+def models(draw, family, min_hidden=1):
+    """(class name, config keyword arguments) of a model of the family, its hidden size at least
+    ``min_hidden`` (where the family's heads allow)."""
     kind = draw(st.sampled_from([k for k in MODEL_KINDS if hasattr(transformers, family + k)]))
     kv_heads, group = draw(st.integers(1, 3)), draw(st.integers(1, 3))
     head_dim = draw(st.sampled_from([8, 16, 32, 12, 24]))  # 12, 24: the model's own RoPE (not a power of two)
     layers = draw(st.integers(1, 3))
     # transformers wants a multiple of the heads, even with a head_dim of its own; Helium's o_proj
     # is [hidden, hidden]: its heads must fill the hidden size
-    hidden = kv_heads * group * (head_dim if family == "Helium" else draw(st.integers(1, 24)))
+    heads = kv_heads * group
+    hidden = heads * (head_dim if family == "Helium" else draw(st.integers(-(-min_hidden // heads), 24)))
     config = dict(
         vocab_size=draw(st.integers(3, 150)), hidden_size=hidden,
         intermediate_size=draw(st.integers(3, 90)), num_hidden_layers=layers,
-        num_attention_heads=kv_heads * group, num_key_value_heads=kv_heads, head_dim=head_dim,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         max_position_embeddings=64, rms_norm_eps=draw(st.sampled_from([1e-6, 1e-5])),
         tie_word_embeddings=draw(st.booleans()), rope_parameters=draw(rope_parameters()),
         attn_implementation=draw(st.sampled_from(["sdpa", "eager"])), pad_token_id=0, num_labels=NUM_LABELS,
@@ -85,7 +87,42 @@ def models(draw, family):
     if family == "Ministral3":  # q scaled by 1 + beta log(1 + floor(position / original max)), in the batch's span
         config["rope_parameters"]["llama_4_scaling_beta"] = draw(st.sampled_from([0.1, 0.5]))
         config["rope_parameters"].setdefault("original_max_position_embeddings", draw(st.integers(2, 8)))
+    if family in ("Phi3", "Glm"):  # RoPE on the first dims of each head (0.75: 6 of 8, 9 -> 10 of 12, ...)
+        config["rope_parameters"]["partial_rotary_factor"] = draw(st.sampled_from([0.25, 0.5, 0.75, 1.0]))
+    if family == "Phi3":
+        config["sliding_window"] = draw(st.sampled_from([None, 3, 8]))
+        config["rope_parameters"] = draw(phi3_rope_parameters(config))
+    if family == "Glm":
+        config["attention_bias"] = draw(st.booleans())
     return family + kind, config
+
+
+@st.composite
+def phi3_rope_parameters(draw, config):
+    """Phi-3's RoPE: the default one, or longrope (its long-context models: each frequency divided
+    by a factor of its own, short or long ones by whether the sequence outgrows the original
+    maximum, and cos and sin scaled), on the drawn partial share of head_dim."""
+    params = config["rope_parameters"]
+    share = params["partial_rotary_factor"]
+    if not draw(st.booleans()):
+        return dict(rope_type="default", rope_theta=params["rope_theta"], partial_rotary_factor=share)
+    head_dim = config["head_dim"]
+    config["hidden_size"] = config["num_attention_heads"] * head_dim  # the config counts factors from hidden_size
+    share = share if int(head_dim * share) % 2 == 0 else 1.0  # whole pairs: the config's count is the model's
+    factors = st.lists(st.floats(1.0, 8.0), min_size=int(head_dim * share) // 2, max_size=int(head_dim * share) // 2)
+    return dict(rope_type="longrope", rope_theta=params["rope_theta"], partial_rotary_factor=share,
+                original_max_position_embeddings=draw(st.integers(4, 16)), short_factor=draw(factors),
+                long_factor=draw(factors))
+
+
+def rope_fuses(config) -> bool:
+    """Whether the RoPE of a model of this config runs in the QKV epilogue: its R rotary dims
+    (head_dim, or a partial rotary share of it rounded up to whole pairs, as the model's rotary
+    frequencies have) a power of two dividing head_dim."""
+    head_dim = config["head_dim"]
+    rotated = int(head_dim * config["rope_parameters"].get("partial_rotary_factor", 1.0))
+    rotated += rotated % 2
+    return rotated & (rotated - 1) == 0 and head_dim % rotated == 0
 
 
 @st.composite
@@ -180,7 +217,7 @@ def test_random_config_matches_unpatched(family, data):
     messages = [str(w.message) for w in seen if "codetta" in str(w.message)]
     note(f"warnings: {messages}")
     layers = decoder_of(patched).layers
-    if config["head_dim"] & (config["head_dim"] - 1) == 0:
+    if rope_fuses(config):
         assert not messages
         assert all(layer._codetta_plan.unfusable is None for layer in layers)
     else:
@@ -252,7 +289,11 @@ def test_random_bf16_config_within_twice_the_unpatched_error(family, data):
     model are within 2x the unpatched bf16 model's (the worse of two equally valid roundings:
     :func:`unfused_errors`; plus a floor of a quarter of bf16's epsilon, for values the
     unpatched model happens to hit closely)."""
-    name, config = data.draw(models(family))
+    # bf16 errors of a vector of a few elements (the norms' weights when hidden_size is 3) are
+    # a few roundings, not statistics: measured on the CPU (bare 1-layer Llama, 30 draws),
+    # patched/unpatched errors of the final norm's weight spread 0.28-4.5x at hidden size 3
+    # (the patched model's input to that norm the more accurate), 0.61-2.0x at 12, 0.62-1.3x at 48
+    name, config = data.draw(models(family, min_hidden=16))
     ids, mask, labels, seed = data.draw(batches(config["vocab_size"]))
     note(f"{name} {config}; batch {tuple(ids.shape)} seed {seed}")
     ref = build(name, config)

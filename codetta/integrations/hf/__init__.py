@@ -12,7 +12,7 @@ import inspect
 import warnings
 
 from .architectures import (ARCHITECTURES, MODEL_KINDS, UnsupportedModelError, architecture_of, check_model,
-                            decoder_of, is_causal_lm, model_classes, rope_fusable)
+                            decoder_of, is_causal_lm, model_classes, why_rope_unfusable)
 from .layer import LayerPlan, WeakModule, fused_decoder_forward
 from .loss import fused_causal_lm_forward
 
@@ -72,14 +72,15 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
     """Patch an already built transformers model in place; returns it.
 
     Models: the causal LMs of the families in :data:`.architectures.ARCHITECTURES` (Llama, Mistral,
-    Qwen2, Qwen3, Ministral, Ministral3, Cwm, SmolLM3, Helium, Ernie4_5: ``LlamaForCausalLM``, ...),
+    Qwen2, Qwen3, Ministral, Ministral3, Cwm, SmolLM3, Helium, Ernie4_5, Phi3, Glm: ``LlamaForCausalLM``, ...),
     their bare decoder stacks (``LlamaModel``, ...) and the other heads transformers puts on them
     (``...ForSequenceClassification``, ``...ForTokenClassification``, ``...ForQuestionAnswering``).
 
     rms_norm: fold every RMSNorm into the GEMM after it (and its statistics into the GEMM
         before it); rope: RoPE in the QKV GEMM's epilogue (with Qwen3's QK-norm before it,
-        in the same epilogue; a model whose head_dim is no power of two keeps the model's own
-        RoPE, after the norm-folded QKV GEMM, with a warning); swiglu: SwiGLU in the gate/up
+        in the same epilogue; a model whose head_dim, or whose rotary dims with a partial RoPE,
+        are no power of two dividing head_dim keeps the model's own RoPE, after the norm-folded
+        QKV GEMM, with a warning); swiglu: SwiGLU in the gate/up
         GEMM's epilogue;
         cross_entropy: LM head + loss fused when labels are given in training mode (``logits`` is
             then None; in eval mode the model's own head and loss run and return the logits).
@@ -102,10 +103,11 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
     decoder = decoder_of(model)
     if rms_norm:
         layers = list(decoder.layers)
-        if rope and not all(map(rope_fusable, layers)):
+        why_not = why_rope_unfusable(model, arch) if rope else None
+        if why_not is not None:
             rope = False
-            warnings.warn(f"codetta.patch: head_dim {layers[0].self_attn.head_dim} is not a power of two; RoPE runs "
-                          "as the model's own code after the norm-folded QKV GEMM", stacklevel=2)
+            warnings.warn(f"codetta.patch: {why_not}; RoPE runs as the model's own code after the norm-folded QKV "
+                          "GEMM", stacklevel=2)
         plans = [LayerPlan(arch, classes, WeakModule(decoder), rope, swiglu) for _ in layers]
         for i, (layer, plan) in enumerate(zip(layers, plans)):
             if i + 1 < len(layers):  # this layer's last GEMM makes the next layer's norm statistics

@@ -2,9 +2,10 @@
 
 A supported decoder layer is Llama-shaped: ``input_layernorm`` and
 ``post_attention_layernorm`` (RMSNorm: ``weight``, ``variance_epsilon``), ``self_attn``
-with ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (optionally ``q_norm``, ``k_norm``:
-QK-norm, RMSNorms over ``head_dim`` with one epsilon) and ``mlp`` with ``gate_proj``,
-``up_proj``, ``down_proj`` and SiLU. A new family of that shape is one more entry in :data:`ARCHITECTURES`.
+with ``q_proj``, ``k_proj``, ``v_proj`` (or one ``qkv_proj``: Phi-3), ``o_proj`` (optionally
+``q_norm``, ``k_norm``: QK-norm, RMSNorms over ``head_dim`` with one epsilon) and ``mlp``
+with ``gate_proj``, ``up_proj`` (or one ``gate_up_proj``: Phi-3, GLM), ``down_proj`` and SiLU.
+A new family of that shape is one more entry in :data:`ARCHITECTURES`.
 
 The fused forward reads the projections' ``weight`` and ``bias`` and the norms' ``weight``
 and ``variance_epsilon`` directly, and replaces the forwards of the layer, its attention
@@ -49,6 +50,48 @@ class Architecture:
     # positions)) (Ministral 3, Llama 4's attention temperature; beta and the original maximum
     # from ``config.rope_parameters``), through the modeling module's ``get_llama_4_attn_scale``
     query_position_scale: bool = False
+    # Whether the attention projects q, k and v with one ``qkv_proj`` (its rows: the q heads, the k
+    # heads, the v heads: Phi-3) rather than ``q_proj``, ``k_proj``, ``v_proj``
+    fused_qkv: bool = False
+    # Whether the MLP projects gate and up with one ``gate_up_proj`` (its rows: gate, then up) and
+    # names its activation ``activation_fn`` (Phi-3, GLM), rather than ``gate_proj``, ``up_proj``, ``act_fn``
+    fused_gate_up: bool = False
+    # Whether the model's RoPE rotates only the first dims of each head, as many as its cos and sin
+    # have (a config's ``partial_rotary_factor``: Phi-3, GLM); Llama's needs them to cover head_dim
+    partial_rotary: bool = False
+    # Whether the layer drops out each sublayer's output before the residual add (Phi-3's
+    # ``resid_attn_dropout``, ``resid_mlp_dropout``): fused only while that dropout does nothing
+    residual_dropout: bool = False
+
+    @property
+    def projections(self) -> tuple:
+        """The paths of the layer's projections (``nn.Linear``), in the layer's order."""
+        qkv = ("self_attn.qkv_proj",) if self.fused_qkv else ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        gate_up = ("mlp.gate_up_proj",) if self.fused_gate_up else ("mlp.gate_proj", "mlp.up_proj")
+        return (*qkv, "self_attn.o_proj", *gate_up, "mlp.down_proj")
+
+    @property
+    def activation(self) -> str:
+        """The path of the MLP's activation module."""
+        return "mlp.activation_fn" if self.fused_gate_up else "mlp.act_fn"
+
+    def qkv_weights(self, attn) -> tuple[tuple, tuple]:
+        """((W_q, W_k, W_v), (b_q, b_k, b_v)) of the attention module, each bias possibly None;
+        row blocks (views) of ``qkv_proj``'s weight and bias where the model fuses them."""
+        if not self.fused_qkv:
+            projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+            return tuple(p.weight for p in projections), tuple(p.bias for p in projections)
+        qkv, widths = attn.qkv_proj, qkv_widths(attn)
+        bias = qkv.bias
+        return tuple(qkv.weight.split(widths)), (None,) * 3 if bias is None else tuple(bias.split(widths))
+
+    def gate_up_weights(self, mlp) -> tuple[tuple, tuple]:
+        """((W_gate, W_up), (b_gate, b_up)) of the MLP module, each bias possibly None; halves
+        (views) of ``gate_up_proj``'s weight and bias where the model fuses them."""
+        if not self.fused_gate_up:
+            return (mlp.gate_proj.weight, mlp.up_proj.weight), (mlp.gate_proj.bias, mlp.up_proj.bias)
+        bias = mlp.gate_up_proj.bias
+        return tuple(mlp.gate_up_proj.weight.chunk(2)), (None, None) if bias is None else tuple(bias.chunk(2))
 
     def applies_rope(self, attn) -> bool:
         """Whether the layer of this attention module rotates q and k."""
@@ -60,6 +103,13 @@ class Architecture:
             return {}
         owner = attn.config if self.sliding_window == "config" else attn
         return {"sliding_window": getattr(owner, "sliding_window", None)}
+
+
+def qkv_widths(attn) -> list[int]:
+    """The q, k and v widths of a fused ``qkv_proj``: the config's heads of head_dim."""
+    config = attn.config
+    return [n * attn.head_dim for n in (config.num_attention_heads, config.num_key_value_heads,
+                                        config.num_key_value_heads)]
 
 
 # The model families, by their transformers class prefix; each is patched in any of the
@@ -75,6 +125,9 @@ ARCHITECTURES = {
     "SmolLM3": Architecture(sliding_window="module", rope_per_layer=True),
     "Helium": Architecture(interleaved_rope=True),
     "Ernie4_5": Architecture(interleaved_rope=True),
+    "Phi3": Architecture(sliding_window="config", fused_qkv=True, fused_gate_up=True, partial_rotary=True,
+                         residual_dropout=True),
+    "Glm": Architecture(interleaved_rope=True, fused_gate_up=True, partial_rotary=True),
 }
 # The classes of a family that codetta patches: the causal LM (its decoder layers, and its LM head +
 # loss), the bare decoder stack and the other task heads on it (their decoder layers).
@@ -131,15 +184,16 @@ def model_classes(model) -> ModelClasses:
     return ModelClasses(*found.values())
 
 
-_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                "mlp.up_proj", "mlp.down_proj")
 _NORMS = ("input_layernorm", "post_attention_layernorm")
 _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
-_REPLACED = ("self_attn", "mlp", "mlp.act_fn")  # modules whose forward the fused forward computes itself
+RESIDUAL_DROPOUTS = ("resid_attn_dropout", "resid_mlp_dropout")
 
 
 def _fused_paths(arch: Architecture) -> tuple:
-    return (*_REPLACED, *_PROJECTIONS, *_NORMS, *(_QK_NORMS if arch.qk_norm else ()))
+    """The modules whose forward the fused forward computes itself (the attention, the MLP and its
+    activation), the projections and norms whose parameters it reads, the dropouts it skips."""
+    return ("self_attn", "mlp", arch.activation, *arch.projections, *_NORMS, *(_QK_NORMS if arch.qk_norm else ()),
+            *(RESIDUAL_DROPOUTS if arch.residual_dropout else ()))
 
 
 def fused_modules(layer, arch: Architecture) -> tuple:
@@ -213,12 +267,15 @@ def why_unfusable(modules: tuple, arch: Architecture, classes: ModelClasses):
     """None when the fused forward computes what these :func:`fused_modules` compute, else why not."""
     own = {"self_attn": classes.attention, "mlp": classes.mlp}
     for path, module in zip(_fused_paths(arch), modules):
-        if path in _PROJECTIONS:
+        if path in arch.projections:
             if not is_plain_linear(module):
                 return f"{path} is a {class_name(module)}, not a plain torch.nn.Linear"
-        elif path == "mlp.act_fn":
+        elif path == arch.activation:
             if not isinstance(module, _SILU):
                 return f"{path} is a {type(module).__name__}, not SiLU"
+        elif path in RESIDUAL_DROPOUTS:
+            if type(module).forward is not torch.nn.Dropout.forward:
+                return f"{path} is a {type(module).__name__}, not torch.nn.Dropout"
         else:
             cls = own.get(path, classes.rms_norm)
             if type(module).forward is not cls.forward:
@@ -280,9 +337,8 @@ def check_model(model, arch: Architecture, classes: ModelClasses):
                                         "fused forward would replace; a wrapper of the layer (activation checkpointing, "
                                         "FSDP) is added after patching. Nothing was patched.")
         for path in ("input_layernorm.weight", "input_layernorm.variance_epsilon", "post_attention_layernorm.weight",
-                     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                     "self_attn.head_dim", "self_attn.scaling", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-                     "mlp.act_fn"):
+                     "self_attn.head_dim", "self_attn.scaling", *arch.projections, arch.activation,
+                     *(RESIDUAL_DROPOUTS if arch.residual_dropout else ())):
             _need(layer, path, what)
         attn = layer.self_attn
         if arch.qk_norm:
@@ -294,9 +350,16 @@ def check_model(model, arch: Architecture, classes: ModelClasses):
                                             f"{attn.head_dim} with one epsilon. Nothing was patched.")
         if arch.rope_per_layer:
             _need(attn, "use_rope", what)
-        if attn.q_proj.out_features % attn.head_dim:
+        if arch.fused_qkv:
+            if sum(qkv_widths(attn)) != attn.qkv_proj.out_features:
+                raise UnsupportedModelError(f"{what}: qkv_proj's {attn.qkv_proj.out_features} outputs are not the "
+                                            f"config's q, k and v heads of {attn.head_dim}. Nothing was patched.")
+        elif attn.q_proj.out_features % attn.head_dim:
             raise UnsupportedModelError(f"{what}: q_proj's {attn.q_proj.out_features} outputs are no whole number of "
                                         f"heads of {attn.head_dim}. Nothing was patched.")
+        if arch.fused_gate_up and layer.mlp.gate_up_proj.out_features % 2:
+            raise UnsupportedModelError(f"{what}: gate_up_proj's {layer.mlp.gate_up_proj.out_features} outputs are no "
+                                        "gate and up halves. Nothing was patched.")
 
 
 def why_rotary_unfusable(rotary, classes: ModelClasses):
@@ -309,8 +372,16 @@ def why_rotary_unfusable(rotary, classes: ModelClasses):
     return None
 
 
-def rope_fusable(layer) -> bool:
-    """Whether RoPE can run in this layer's QKV epilogue: its head_dim a power of two (the
-    epilogue rotates within power-of-two column segments)."""
-    head_dim = layer.self_attn.head_dim
-    return head_dim & (head_dim - 1) == 0
+def why_rope_unfusable(model, arch: Architecture):
+    """None when RoPE can run in the layers' QKV epilogues, else why not: it rotates within
+    column segments of R columns, R (the rotary dims: head_dim, or as many as the rotary
+    frequencies give angles for where the family's RoPE is partial) a power of two dividing head_dim."""
+    decoder = decoder_of(model)
+    for layer in decoder.layers:
+        head_dim = layer.self_attn.head_dim
+        rotated = 2 * decoder.rotary_emb.inv_freq.shape[-1] if arch.partial_rotary else head_dim
+        if rotated & (rotated - 1) or head_dim % rotated:
+            if rotated == head_dim:
+                return f"head_dim {head_dim} is not a power of two"
+            return f"the rotary dims {rotated} of head_dim {head_dim} are not a power of two dividing it"
+    return None

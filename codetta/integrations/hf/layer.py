@@ -35,8 +35,8 @@ from torch.nn.utils import parametrize
 from ...ops import linear_residual, rmsnorm_linear, rmsnorm_qkv_rope, swiglu_mlp
 from ...ops.rmsnorm import NormStats, stream_fits
 from ...ops.rope import angles_need_grad
-from .architectures import (Architecture, ModelClasses, fused_modules, hooked_module, hooks_between, is_hooked,
-                            stored_weight, why_rotary_unfusable, why_unfusable)
+from .architectures import (RESIDUAL_DROPOUTS, Architecture, ModelClasses, fused_modules, hooked_module, hooks_between,
+                            is_hooked, stored_weight, why_rotary_unfusable, why_unfusable)
 
 try:  # transformers' collector of recorded outputs (output_attentions=True, output_hidden_states=True)
     from transformers.utils.output_capturing import _active_collector
@@ -167,7 +167,8 @@ def _rope_arguments(plan: LayerPlan, x, head_dim: int, position_ids, position_em
     one host synchronization per new pair). A layer called with position_ids alone takes
     positions and the model's rotary_emb (its inv_freq and attention_scaling, as they are now).
     Angles for fewer dims than head_dim (a config's partial_rotary_factor, which these models'
-    own RoPE does not take) leave RoPE to the model's code, which fails as the model does."""
+    own RoPE does not take) leave RoPE to the model's code, which fails as the model does; in a
+    family whose RoPE is partial (Phi-3, GLM) they are the rotary dims."""
     base = plan.base_model.get()  # None for a layer copied by itself: its model's copy is gone
     rotary = base.rotary_emb if base is not None else None
     if position_embeddings is not None:
@@ -187,7 +188,9 @@ def _rope_arguments(plan: LayerPlan, x, head_dim: int, position_ids, position_em
         rope = dict(positions=position_ids.expand(x.shape[:-1]), inv_freq=rotary.inv_freq,
                     attention_scaling=rotary.attention_scaling)
         rotated = 2 * rotary.inv_freq.shape[-1]
-    if rotated != head_dim:
+    if plan.arch.partial_rotary and rotated < head_dim:
+        rope["rotary_dim"] = rotated  # a power of two dividing head_dim: patch checked the model's
+    elif rotated != head_dim:
         return None, f"the rotary angles cover {rotated} of head_dim {head_dim} dims (partial rotary)"
     if angles_need_grad(rope.get("inv_freq"), rope.get("cos_sin")):
         return None, "the rotary angles require grad (the fused RoPE gives them no gradient)"
@@ -230,8 +233,7 @@ def _rotated_qkv(layer, plan: LayerPlan, x, stats, position_ids, position_embedd
     """q, k, v of the norm-folded QKV GEMM, RoPE (and QK-norm) in its epilogue where it fuses,
     else applied by the model's own code after it (none in a layer without RoPE)."""
     attn, ln = layer.self_attn, layer.input_layernorm
-    weights = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
-    biases = (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)  # any of them may be None (0)
+    weights, biases = plan.arch.qkv_weights(attn)  # any bias may be None (0)
     rotates = plan.arch.applies_rope(attn)
     rope, why_not = (_rope_arguments(plan, x, attn.head_dim, position_ids, position_embeddings)
                      if plan.fuse_rope and rotates else (None, None))
@@ -325,12 +327,17 @@ def _fusable(layer, plan: LayerPlan, hidden_states) -> bool:
         return False
     # a stream the kernels cannot take with these weights (bf16 inputs_embeds given to an fp32 model):
     # the model's own layer upcasts it (its norm and residual add make an fp32 stream for the next layer)
-    operand, device_type = stored_weight(attn.q_proj).dtype, hidden_states.device.type
+    operand, device_type = stored_weight(layer.get_submodule(plan.arch.projections[0])).dtype, hidden_states.device.type
     if torch.is_autocast_enabled(device_type):
         operand = torch.get_autocast_dtype(device_type)
     if not stream_fits(hidden_states.dtype, operand):
         warn_unfused(f"its input is {hidden_states.dtype} and its GEMMs run in {operand}")
         return False
+    if plan.arch.residual_dropout and layer.training:
+        dropping = [path for path in RESIDUAL_DROPOUTS if layer.get_submodule(path).p > 0]
+        if dropping:
+            warn_unfused(f"{dropping[0]} drops out in training (the fused residual add has no dropout)")
+            return False
     hooked = hooked_module(modules, plan.arch)
     if hooked is not None and hooked != plan.hooked:
         warn_unfused(f"{hooked} has hooks or its own forward, which the fused forward would skip")
@@ -368,15 +375,15 @@ def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_id
         and type(ln_next.weight) in (torch.Tensor, torch.nn.Parameter)
     )
     next_norm = dict(next_norm_weight=ln_next.weight, next_eps=ln_next.variance_epsilon) if hand_on else {}
-    biases = (mlp.gate_proj.bias, mlp.up_proj.bias, mlp.down_proj.bias)  # Llama's mlp_bias
+    (w_gate, w_up), (b_gate, b_up) = plan.arch.gate_up_weights(mlp)  # biases: Llama's mlp_bias
     if plan.fuse_swiglu:
-        out = swiglu_mlp(x1, g2, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
-                         ln2.variance_epsilon, stats=stats, bias=biases, **next_norm)
+        out = swiglu_mlp(x1, g2, w_gate, w_up, mlp.down_proj.weight, ln2.variance_epsilon, stats=stats,
+                         bias=(b_gate, b_up, mlp.down_proj.bias), **next_norm)
     else:
-        gate, up = torch.chunk(rmsnorm_linear(x1, g2, [mlp.gate_proj.weight, mlp.up_proj.weight],
-                                              ln2.variance_epsilon, stats=stats), 2, dim=-1)
-        gate, up = (z if b is None else z + b for z, b in ((gate, biases[0]), (up, biases[1])))
-        out = linear_residual(mlp.act_fn(gate) * up, mlp.down_proj.weight, x1, *next_norm.values(), bias=biases[2])
+        gate, up = torch.chunk(rmsnorm_linear(x1, g2, [w_gate, w_up], ln2.variance_epsilon, stats=stats), 2, dim=-1)
+        gate, up = (z if b is None else z + b for z, b in ((gate, b_gate), (up, b_up)))
+        act = layer.get_submodule(plan.arch.activation)
+        out = linear_residual(act(gate) * up, mlp.down_proj.weight, x1, *next_norm.values(), bias=mlp.down_proj.bias)
     if not hand_on:
         return out
     x2, stats2 = out
