@@ -24,7 +24,10 @@ write of all of dqkv).
 
 The kernel works in the space of column pairs: pair p sits at columns
 (p // (R/2)) R + p % (R/2) and R/2 further on (interleaved: 2p and 2p + 1), its angle's
-frequency is p % (R/2). Its grid is (row blocks, pair blocks); each
+frequency is p % (R/2). Its grid is (row blocks, pair blocks); a block of pairs is whole
+segments of contiguous columns, read and written as they lie (coalesced; the interleaved
+pairs, read as two stride-2 halves, made the backward 10% slower on the H200) and split into
+pairs in registers. Each
 program writes its partial row sums of zdz to an fp32 [M, pair blocks] buffer, summed after
 (deterministic, no atomics). Without qkv (``qkv=None``: QK-norm, whose backward takes the
 norm's zdz from the pre-norm z instead) the kernel neither reads qkv nor writes zdz.
@@ -52,6 +55,23 @@ INTERPRET_BLOCK = (16, 32, 4)
 
 
 @triton.jit
+def _pair_halves(t, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, HALF_SEGMENT: tl.constexpr):
+    """A row block's 2 BLOCK_P contiguous columns, whole segments of 2 HALF_SEGMENT, as the
+    first and the second columns of its BLOCK_P pairs, each [BLOCK_M, BLOCK_P] in pair order."""
+    t = tl.reshape(t, (BLOCK_M, BLOCK_P // HALF_SEGMENT, 2, HALF_SEGMENT))
+    first, second = tl.split(tl.permute(t, (0, 1, 3, 2)))
+    return tl.reshape(first, (BLOCK_M, BLOCK_P)), tl.reshape(second, (BLOCK_M, BLOCK_P))
+
+
+@triton.jit
+def _pairs_joined(first, second, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, HALF_SEGMENT: tl.constexpr):
+    """The inverse of :func:`_pair_halves`: the pairs' columns back in column order."""
+    t = tl.join(tl.reshape(first, (BLOCK_M, BLOCK_P // HALF_SEGMENT, HALF_SEGMENT)),
+                tl.reshape(second, (BLOCK_M, BLOCK_P // HALF_SEGMENT, HALF_SEGMENT)))
+    return tl.reshape(tl.permute(t, (0, 1, 3, 2)), (BLOCK_M, 2 * BLOCK_P))
+
+
+@triton.jit
 def _rope_backward_kernel(
     dqkv0, dqkv1, dqkv2, qkv, cos, sin, dz, zdz_part,
     M, N, n_rotated, head_dim, end0, end1,
@@ -60,37 +80,36 @@ def _rope_backward_kernel(
     WITH_ZDZ: tl.constexpr, EMULATE_RNE: tl.constexpr,
 ):
     """dqkv in three parts: columns [0, end0), [end0, end1), [end1, N). A pair's columns lie
-    HALF_SEGMENT apart inside segments of 2 HALF_SEGMENT columns (R/2: rotate_half; 1: interleaved)."""
+    HALF_SEGMENT apart inside segments of 2 HALF_SEGMENT columns (R/2: rotate_half; 1: interleaved);
+    a program reads and writes 2 BLOCK_P contiguous columns (BLOCK_P a multiple of HALF_SEGMENT:
+    whole segments), and splits them into pairs in registers."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * 2 * BLOCK_P + tl.arange(0, 2 * BLOCK_P)
     pairs = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     rows64 = rows.to(tl.int64)[:, None]
-    first = (pairs // HALF_SEGMENT) * (2 * HALF_SEGMENT) + pairs % HALF_SEGMENT
-    second = first + HALF_SEGMENT
+    first = (pairs // HALF_SEGMENT) * (2 * HALF_SEGMENT) + pairs % HALF_SEGMENT  # each pair's first column
     freq = pairs % HALF_R
-    ok = (rows < M)[:, None] & (pairs < N // 2)[None, :]
+    ok = (rows < M)[:, None] & (cols < N)[None, :]
+    pair_ok = (rows < M)[:, None] & (pairs < N // 2)[None, :]
     rotated = ((first % head_dim < 2 * HALF_R) & (first < n_rotated))[None, :]
 
-    # a pair's two columns lie in one head, so in one part: where its row starts, shifted so
-    # that adding the pair's column in qkv gives the element
-    col = first[None, :]
+    # each column from its part: where its row starts, shifted so that adding the column in qkv gives the element
+    col = cols[None, :]
     row_start = tl.where(col < end0, dqkv0 + rows64 * s_dqkv0,
                          tl.where(col < end1, dqkv1 + rows64 * s_dqkv1 - end0, dqkv2 + rows64 * s_dqkv2 - end1))
-    d1 = tl.load(row_start + col, mask=ok, other=0.0).to(tl.float32)
-    d2 = tl.load(row_start + second[None, :], mask=ok, other=0.0).to(tl.float32)
-    c = tl.load(cos + rows64 * s_table + freq[None, :], mask=ok & rotated, other=1.0)
-    s = tl.load(sin + rows64 * s_table + freq[None, :], mask=ok & rotated, other=0.0)
+    d = tl.load(row_start + col, mask=ok, other=0.0).to(tl.float32)
+    d1, d2 = _pair_halves(d, BLOCK_M, BLOCK_P, HALF_SEGMENT)
+    c = tl.load(cos + rows64 * s_table + freq[None, :], mask=pair_ok & rotated, other=1.0)
+    s = tl.load(sin + rows64 * s_table + freq[None, :], mask=pair_ok & rotated, other=0.0)
 
-    out_ty = dz.dtype.element_ty
     # unrotated pairs pass through as they are (a rotation by 0 would turn an inf partner into NaN)
     dz1 = tl.where(rotated, c * d1 + s * d2, d1)
     dz2 = tl.where(rotated, c * d2 - s * d1, d2)
-    tl.store(dz + rows64 * s_dz + first[None, :], cast(dz1, out_ty, EMULATE_RNE), mask=ok)
-    tl.store(dz + rows64 * s_dz + second[None, :], cast(dz2, out_ty, EMULATE_RNE), mask=ok)
+    out = _pairs_joined(dz1, dz2, BLOCK_M, BLOCK_P, HALF_SEGMENT)
+    tl.store(dz + rows64 * s_dz + col, cast(out, dz.dtype.element_ty, EMULATE_RNE), mask=ok)
     if WITH_ZDZ:
-        q1 = tl.load(qkv + rows64 * s_qkv + first[None, :], mask=ok, other=0.0).to(tl.float32)
-        q2 = tl.load(qkv + rows64 * s_qkv + second[None, :], mask=ok, other=0.0).to(tl.float32)
-        partial = tl.sum(q1 * d1 + q2 * d2, axis=1)
-        tl.store(zdz_part + rows.to(tl.int64) * s_part + tl.program_id(1), partial, mask=rows < M)
+        q = tl.load(qkv + rows64 * s_qkv + col, mask=ok, other=0.0).to(tl.float32)
+        tl.store(zdz_part + rows.to(tl.int64) * s_part + tl.program_id(1), tl.sum(q * d, axis=1), mask=rows < M)
 
 
 def rope_backward(dqkv: torch.Tensor | list[torch.Tensor], qkv: Optional[torch.Tensor], cos: torch.Tensor,
@@ -111,7 +130,9 @@ def rope_backward(dqkv: torch.Tensor | list[torch.Tensor], qkv: Optional[torch.T
     qkv = (qkv if qkv.stride(1) == 1 else qkv.contiguous()) if with_zdz else parts[0]
     m, n = parts[0].shape[0], ends[-1]
     half_r = cos.shape[1]
+    half_segment = 1 if interleaved else half_r
     block_m, block_p, warps = INTERPRET_BLOCK if interpreting() else GPU_BLOCK
+    block_p = max(block_p, half_segment)  # whole segments (both powers of two)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n // 2, block_p))
     dz = torch.empty(m, n, device=parts[0].device, dtype=parts[0].dtype)
     part = torch.empty(m, grid[1], device=dz.device, dtype=torch.float32) if with_zdz else cos  # cos: unused
@@ -119,7 +140,7 @@ def rope_backward(dqkv: torch.Tensor | list[torch.Tensor], qkv: Optional[torch.T
         launch(_rope_backward_kernel, grid,
             *parts, qkv, cos, sin, dz, part, m, n, n_rotated, head_dim, ends[0], ends[1],
             *(t.stride(0) for t in parts), qkv.stride(0), cos.stride(0), dz.stride(0), part.stride(0),
-            HALF_R=half_r, HALF_SEGMENT=1 if interleaved else half_r, BLOCK_M=block_m, BLOCK_P=block_p,
+            HALF_R=half_r, HALF_SEGMENT=half_segment, BLOCK_M=block_m, BLOCK_P=block_p,
             WITH_ZDZ=with_zdz, EMULATE_RNE=interpreting(), num_warps=warps,
         )
     return dz, part.sum(dim=1) if with_zdz else None
