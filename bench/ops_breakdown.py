@@ -55,7 +55,7 @@ def pieces():
     lse = torch.logsumexp(logits.float(), -1)
     target = torch.randint(0, VOCAB, (CE_ROWS,), device="cuda")
     scale = torch.full((CE_ROWS,), 1.0 / CE_ROWS, device="cuda")
-    rope_prog, swiglu_prog = rope._forward_program(HD, False), swiglu._forward_program()
+    rope_prog, swiglu_prog = rope._forward_program(HD, False), swiglu._forward_program(False)
     norm_bwd = rmsnorm._consumer_backward()
     z_out = torch.empty(M, 2 * F, device="cuda", dtype=torch.bfloat16)
 
@@ -94,6 +94,9 @@ def pieces():
         "rope tables (fp64 angles)": (lambda: rope.rope_tables(pos, inv_freq, 1.0), None, 2 * M * HD // 2 * 4),
         "rope backward kernel": (lambda: rope_backward(dqkv, qkv, cos, sin, n_rotated=(HQ + HKV) * HD, head_dim=HD),
                                  None, 3 * M * qkv_n * 2),
+        "rope backward kernel, interleaved pairs": (
+            lambda: rope_backward(dqkv, qkv, cos, sin, n_rotated=(HQ + HKV) * HD, head_dim=HD, interleaved=True),
+            None, 3 * M * qkv_n * 2),
         "gate/up: weight interleave copy": (lambda: torch.stack((wg, wu), 1).reshape(2 * F, D), None, 4 * F * D * 2),
         "gate/up: SwiGLU epilogue GEMM, stacked B": (
             lambda: codetta.gemm(u, wgu.t(), swiglu_prog, rstd=rstd, out={"z_gate": z_out[:, :F], "z_up": z_out[:, F:]}),
