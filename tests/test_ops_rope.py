@@ -420,3 +420,34 @@ def test_traces_with_dynamic_shapes():
         tensors, _, pos, inv_freq = make(m, d, 16, 4, 2, 16, False, 100)
         for got, want in zip(compiled(*tensors, pos, inv_freq), qkv(*tensors, pos, inv_freq)):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("head_dim, rotary_dim, interleaved", [(8, 8, False), (64, 32, False), (64, 64, False),
+                                                               (16, 8, True), (128, 128, True)])
+def test_rope_backward_kernel_is_the_transposed_rotation(head_dim, rotary_dim, interleaved):
+    """The backward kernel by itself (fp32): dq, dk, dv as three parts with row strides of their
+    own, an odd row count; rotate_half's halves of 16 columns and more are read as they lie,
+    narrower ones (and interleaved pairs) as one block split in registers: both must give the
+    transposed rotation of dqkv, applied here pair by pair in fp64, and zdz = sum_k qkv_ik dqkv_ik."""
+    from codetta.kernels.rope import rope_backward
+
+    m, n_q, n_kv = 37, 2, 1
+    g = torch.Generator().manual_seed(head_dim + rotary_dim + interleaved)
+    widths = [n_q * head_dim, n_kv * head_dim, n_kv * head_dim]
+    parts = [torch.randn(m, w + 8, generator=g)[:, 3:3 + w].to(DEVICE) for w in widths]  # strides of their own
+    qkv = torch.randn(m, sum(widths), generator=g).to(DEVICE)
+    angles = torch.rand(m, rotary_dim // 2, generator=g, dtype=torch.float64) * 6.3
+    cos, sin = (0.9 * f(angles) for f in (torch.cos, torch.sin))  # an attention scaling of 0.9
+    dz, zdz = rope_backward(parts, qkv, cos.float().to(DEVICE), sin.float().to(DEVICE),
+                            n_rotated=(n_q + n_kv) * head_dim, head_dim=head_dim, interleaved=interleaved)
+
+    d = torch.cat(parts, dim=1).double().cpu()
+    want = d.clone()
+    t = torch.arange(rotary_dim // 2)
+    first, second = (2 * t, 2 * t + 1) if interleaved else (t, t + rotary_dim // 2)
+    for head in range(n_q + n_kv):  # the q and k heads; v passes through
+        a, b = d[:, head * head_dim + first], d[:, head * head_dim + second]
+        want[:, head * head_dim + first] = cos * a + sin * b
+        want[:, head * head_dim + second] = cos * b - sin * a
+    assert rel(dz.cpu(), want) < 1e-6
+    assert rel(zdz.cpu(), (qkv.double().cpu() * d).sum(1)) < 1e-6

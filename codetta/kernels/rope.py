@@ -25,9 +25,10 @@ write of all of dqkv).
 The kernel works in the space of column pairs: pair p sits at columns
 (p // (R/2)) R + p % (R/2) and R/2 further on (interleaved: 2p and 2p + 1), its angle's
 frequency is p % (R/2). Its grid is (row blocks, pair blocks); a block of pairs is whole
-segments of contiguous columns, read and written as they lie (coalesced; the interleaved
-pairs, read as two stride-2 halves, made the backward 10% slower on the H200) and split into
-pairs in registers. Each
+segments of contiguous columns. The interleaved pairs are read as that block and split in
+registers (read as two stride-2 halves, they made the kernel 0.2 of the op's 1.25x of its
+GEMM on the H200); rotate_half's halves, runs of R/2 columns, as they lie (the block split in
+registers took 7% longer there: 0.182 against 0.170 ms, ops_breakdown). Each
 program writes its partial row sums of zdz to an fp32 [M, pair blocks] buffer, summed after
 (deterministic, no atomics). Without qkv (``qkv=None``: QK-norm, whose backward takes the
 norm's zdz from the pre-norm z instead) the kernel neither reads qkv nor writes zdz.
@@ -72,6 +73,14 @@ def _pairs_joined(first, second, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, H
 
 
 @triton.jit
+def _dqkv_at(cols, rows64, dqkv0, dqkv1, dqkv2, end0, end1, s_dqkv0, s_dqkv1, s_dqkv2):
+    """Pointers to dqkv's elements at these columns of qkv [1, C], each in its part."""
+    return tl.where(cols < end0, dqkv0 + rows64 * s_dqkv0 + cols,
+                    tl.where(cols < end1, dqkv1 + rows64 * s_dqkv1 + (cols - end0),
+                             dqkv2 + rows64 * s_dqkv2 + (cols - end1)))
+
+
+@triton.jit
 def _rope_backward_kernel(
     dqkv0, dqkv1, dqkv2, qkv, cos, sin, dz, zdz_part,
     M, N, n_rotated, head_dim, end0, end1,
@@ -80,36 +89,53 @@ def _rope_backward_kernel(
     WITH_ZDZ: tl.constexpr, EMULATE_RNE: tl.constexpr,
 ):
     """dqkv in three parts: columns [0, end0), [end0, end1), [end1, N). A pair's columns lie
-    HALF_SEGMENT apart inside segments of 2 HALF_SEGMENT columns (R/2: rotate_half; 1: interleaved);
-    a program reads and writes 2 BLOCK_P contiguous columns (BLOCK_P a multiple of HALF_SEGMENT:
-    whole segments), and splits them into pairs in registers."""
+    HALF_SEGMENT apart inside segments of 2 HALF_SEGMENT columns (R/2: rotate_half; 1: interleaved).
+    Where they lie in runs of fewer than 16 columns (32 bytes of bf16, a memory sector), a program
+    reads and writes its 2 BLOCK_P columns as one contiguous block (BLOCK_P a multiple of
+    HALF_SEGMENT: whole segments) and splits it into pairs in registers; otherwise each half of
+    its pairs is read as it lies, in runs of whole sectors."""
+    SPLIT: tl.constexpr = HALF_SEGMENT < 16
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * 2 * BLOCK_P + tl.arange(0, 2 * BLOCK_P)
     pairs = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     rows64 = rows.to(tl.int64)[:, None]
-    first = (pairs // HALF_SEGMENT) * (2 * HALF_SEGMENT) + pairs % HALF_SEGMENT  # each pair's first column
+    first = ((pairs // HALF_SEGMENT) * (2 * HALF_SEGMENT) + pairs % HALF_SEGMENT)[None, :]  # each pair's first column
+    second = first + HALF_SEGMENT
+    cols = (tl.program_id(1) * 2 * BLOCK_P + tl.arange(0, 2 * BLOCK_P))[None, :]  # the block's columns, in order
     freq = pairs % HALF_R
-    ok = (rows < M)[:, None] & (cols < N)[None, :]
+    ok = (rows < M)[:, None] & (cols < N)
     pair_ok = (rows < M)[:, None] & (pairs < N // 2)[None, :]
-    rotated = ((first % head_dim < 2 * HALF_R) & (first < n_rotated))[None, :]
+    rotated = (first % head_dim < 2 * HALF_R) & (first < n_rotated)
+    parts = (dqkv0, dqkv1, dqkv2, end0, end1, s_dqkv0, s_dqkv1, s_dqkv2)
 
-    # each column from its part: where its row starts, shifted so that adding the column in qkv gives the element
-    col = cols[None, :]
-    row_start = tl.where(col < end0, dqkv0 + rows64 * s_dqkv0,
-                         tl.where(col < end1, dqkv1 + rows64 * s_dqkv1 - end0, dqkv2 + rows64 * s_dqkv2 - end1))
-    d = tl.load(row_start + col, mask=ok, other=0.0).to(tl.float32)
-    d1, d2 = _pair_halves(d, BLOCK_M, BLOCK_P, HALF_SEGMENT)
+    if SPLIT:
+        d = tl.load(_dqkv_at(cols, rows64, *parts), mask=ok, other=0.0).to(tl.float32)
+        d1, d2 = _pair_halves(d, BLOCK_M, BLOCK_P, HALF_SEGMENT)
+    else:
+        d1 = tl.load(_dqkv_at(first, rows64, *parts), mask=pair_ok, other=0.0).to(tl.float32)
+        d2 = tl.load(_dqkv_at(second, rows64, *parts), mask=pair_ok, other=0.0).to(tl.float32)
     c = tl.load(cos + rows64 * s_table + freq[None, :], mask=pair_ok & rotated, other=1.0)
     s = tl.load(sin + rows64 * s_table + freq[None, :], mask=pair_ok & rotated, other=0.0)
 
     # unrotated pairs pass through as they are (a rotation by 0 would turn an inf partner into NaN)
     dz1 = tl.where(rotated, c * d1 + s * d2, d1)
     dz2 = tl.where(rotated, c * d2 - s * d1, d2)
-    out = _pairs_joined(dz1, dz2, BLOCK_M, BLOCK_P, HALF_SEGMENT)
-    tl.store(dz + rows64 * s_dz + col, cast(out, dz.dtype.element_ty, EMULATE_RNE), mask=ok)
+    out_ty = dz.dtype.element_ty
+    dz_rows = dz + rows64 * s_dz
+    if SPLIT:
+        tl.store(dz_rows + cols, cast(_pairs_joined(dz1, dz2, BLOCK_M, BLOCK_P, HALF_SEGMENT), out_ty, EMULATE_RNE),
+                 mask=ok)
+    else:
+        tl.store(dz_rows + first, cast(dz1, out_ty, EMULATE_RNE), mask=pair_ok)
+        tl.store(dz_rows + second, cast(dz2, out_ty, EMULATE_RNE), mask=pair_ok)
     if WITH_ZDZ:
-        q = tl.load(qkv + rows64 * s_qkv + col, mask=ok, other=0.0).to(tl.float32)
-        tl.store(zdz_part + rows.to(tl.int64) * s_part + tl.program_id(1), tl.sum(q * d, axis=1), mask=rows < M)
+        qkv_rows = qkv + rows64 * s_qkv
+        if SPLIT:
+            partial = tl.sum(tl.load(qkv_rows + cols, mask=ok, other=0.0).to(tl.float32) * d, axis=1)
+        else:
+            q1 = tl.load(qkv_rows + first, mask=pair_ok, other=0.0).to(tl.float32)
+            q2 = tl.load(qkv_rows + second, mask=pair_ok, other=0.0).to(tl.float32)
+            partial = tl.sum(q1 * d1 + q2 * d2, axis=1)
+        tl.store(zdz_part + rows.to(tl.int64) * s_part + tl.program_id(1), partial, mask=rows < M)
 
 
 def rope_backward(dqkv: torch.Tensor | list[torch.Tensor], qkv: Optional[torch.Tensor], cos: torch.Tensor,
