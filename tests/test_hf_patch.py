@@ -66,6 +66,9 @@ MODELS = {
                                                                      pad_token_id=0, eos_token_id=2)),
     "glm_fused_gate_up_partial_interleaved_rope": ("GlmForCausalLM", dict(attention_bias=True, pad_token_id=0,
                                                                           eos_token_id=2)),
+    "seed_oss_biases_no_dropout": ("SeedOssForCausalLM", dict(attention_bias=True, attention_out_bias=True,
+                                                              residual_dropout=0.0, attention_dropout=0.0,
+                                                              pad_token_id=0, eos_token_id=2)),
 }
 NEW_FAMILIES = [key for key in MODELS if not key.startswith(("llama", "mistral", "qwen", "gqa"))]
 
@@ -601,21 +604,30 @@ def test_generate_in_the_other_families(key):
     assert torch.equal(out, out_ref)
 
 
-def test_residual_dropout_in_training_runs_the_models_own_layer():
-    """Phi-3 drops out each sublayer's output before its residual add, which the fused residual
-    add does not: in training with p > 0 the layers run the model's own forward (warned; the
-    same dropout masks drawn), in eval mode or with p = 0 they run fused."""
-    ref = tiny("Phi3ForCausalLM", resid_pdrop=0.25, pad_token_id=0, eos_token_id=2)
+def _no_residual_dropout(layer):
+    if hasattr(layer, "resid_attn_dropout"):  # Phi-3's modules
+        layer.resid_attn_dropout.p = layer.resid_mlp_dropout.p = 0.0
+    else:  # Seed-OSS's rates
+        layer.self_attn.residual_dropout = layer.mlp.residual_dropout = 0.0
+
+
+@pytest.mark.parametrize("name, dropout", [("Phi3ForCausalLM", dict(resid_pdrop=0.25)),
+                                           ("SeedOssForCausalLM", dict(residual_dropout=0.25, attention_dropout=0.0))])
+def test_residual_dropout_in_training_runs_the_models_own_layer(name, dropout):
+    """Phi-3 and Seed-OSS drop out each sublayer's output before its residual add, which the
+    fused residual add does not: in training with p > 0 the layers run the model's own forward
+    (warned; the same dropout masks drawn), in eval mode or with p = 0 they run fused."""
+    ref = tiny(name, pad_token_id=0, eos_token_id=2, **dropout)
     model = codetta.patch(copy.deepcopy(ref))
     ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
     torch.manual_seed(1)
     loss_ref, grads_ref = loss_and_grads(ref, input_ids=ids, labels=ids)
     torch.manual_seed(1)
-    with pytest.warns(UserWarning, match="resid_attn_dropout drops out in training"):
+    with pytest.warns(UserWarning, match=r"residual dropout \(p = 0.25\) is on in training"):
         loss, grads = loss_and_grads(model, input_ids=ids, labels=ids)
     torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=0)
-    for name, g in grads_ref.items():
-        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6)
+    for param, g in grads_ref.items():
+        torch.testing.assert_close(grads[param], g, rtol=1e-4, atol=1e-6)
     torch.manual_seed(1)
     assert loss_and_grads(ref, input_ids=ids, labels=ids)[0] != loss_and_grads(ref.eval(), input_ids=ids, labels=ids)[0]
     with warnings.catch_warnings():
@@ -624,7 +636,7 @@ def test_residual_dropout_in_training_runs_the_models_own_layer():
             torch.testing.assert_close(model.eval()(input_ids=ids).logits, ref(input_ids=ids).logits,
                                        rtol=1e-4, atol=1e-4)
         for layer in (*ref.model.layers, *model.model.layers):
-            layer.resid_attn_dropout.p = layer.resid_mlp_dropout.p = 0.0
+            _no_residual_dropout(layer)
         assert_same_training_step(ref.train(), model.train(), input_ids=ids, labels=ids)
 
 

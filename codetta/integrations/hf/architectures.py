@@ -59,9 +59,11 @@ class Architecture:
     # Whether the model's RoPE rotates only the first dims of each head, as many as its cos and sin
     # have (a config's ``partial_rotary_factor``: Phi-3, GLM); Llama's needs them to cover head_dim
     partial_rotary: bool = False
-    # Whether the layer drops out each sublayer's output before the residual add (Phi-3's
-    # ``resid_attn_dropout``, ``resid_mlp_dropout``): fused only while that dropout does nothing
-    residual_dropout: bool = False
+    # Where the layer drops out each sublayer's output before the residual add, which the fused
+    # residual add does not (fused only while that dropout does nothing): None (nowhere), "modules"
+    # (the layer's ``resid_attn_dropout``, ``resid_mlp_dropout``: Phi-3) or "rates" (a float
+    # ``residual_dropout`` of the attention and of the MLP, applied in their forwards: Seed-OSS)
+    residual_dropout: str | None = None
 
     @property
     def projections(self) -> tuple:
@@ -92,6 +94,14 @@ class Architecture:
             return (mlp.gate_proj.weight, mlp.up_proj.weight), (mlp.gate_proj.bias, mlp.up_proj.bias)
         bias = mlp.gate_up_proj.bias
         return tuple(mlp.gate_up_proj.weight.chunk(2)), (None, None) if bias is None else tuple(bias.chunk(2))
+
+    def residual_dropout_rates(self, layer) -> tuple:
+        """The dropout probabilities of the layer's sublayer outputs (none: empty)."""
+        if self.residual_dropout == "modules":
+            return tuple(layer.get_submodule(path).p for path in RESIDUAL_DROPOUTS)
+        if self.residual_dropout == "rates":
+            return layer.self_attn.residual_dropout, layer.mlp.residual_dropout
+        return ()
 
     def applies_rope(self, attn) -> bool:
         """Whether the layer of this attention module rotates q and k."""
@@ -126,7 +136,8 @@ ARCHITECTURES = {
     "Helium": Architecture(interleaved_rope=True),
     "Ernie4_5": Architecture(interleaved_rope=True),
     "Phi3": Architecture(sliding_window="config", fused_qkv=True, fused_gate_up=True, partial_rotary=True,
-                         residual_dropout=True),
+                         residual_dropout="modules"),
+    "SeedOss": Architecture(residual_dropout="rates"),
     "Glm": Architecture(interleaved_rope=True, fused_gate_up=True, partial_rotary=True),
 }
 # The classes of a family that codetta patches: the causal LM (its decoder layers, and its LM head +
@@ -193,7 +204,7 @@ def _fused_paths(arch: Architecture) -> tuple:
     """The modules whose forward the fused forward computes itself (the attention, the MLP and its
     activation), the projections and norms whose parameters it reads, the dropouts it skips."""
     return ("self_attn", "mlp", arch.activation, *arch.projections, *_NORMS, *(_QK_NORMS if arch.qk_norm else ()),
-            *(RESIDUAL_DROPOUTS if arch.residual_dropout else ()))
+            *(RESIDUAL_DROPOUTS if arch.residual_dropout == "modules" else ()))
 
 
 def fused_modules(layer, arch: Architecture) -> tuple:
@@ -338,7 +349,8 @@ def check_model(model, arch: Architecture, classes: ModelClasses):
                                         "FSDP) is added after patching. Nothing was patched.")
         for path in ("input_layernorm.weight", "input_layernorm.variance_epsilon", "post_attention_layernorm.weight",
                      "self_attn.head_dim", "self_attn.scaling", *arch.projections, arch.activation,
-                     *(RESIDUAL_DROPOUTS if arch.residual_dropout else ())):
+                     *(RESIDUAL_DROPOUTS if arch.residual_dropout == "modules" else ()),
+                     *(("self_attn.residual_dropout", "mlp.residual_dropout") if arch.residual_dropout == "rates" else ())):
             _need(layer, path, what)
         attn = layer.self_attn
         if arch.qk_norm:

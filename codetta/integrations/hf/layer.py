@@ -35,8 +35,8 @@ from torch.nn.utils import parametrize
 from ...ops import linear_residual, rmsnorm_linear, rmsnorm_qkv_rope, swiglu_mlp
 from ...ops.rmsnorm import NormStats, stream_fits
 from ...ops.rope import angles_need_grad
-from .architectures import (RESIDUAL_DROPOUTS, Architecture, ModelClasses, fused_modules, hooked_module, hooks_between,
-                            is_hooked, stored_weight, why_rotary_unfusable, why_unfusable)
+from .architectures import (Architecture, ModelClasses, fused_modules, hooked_module, hooks_between, is_hooked,
+                            stored_weight, why_rotary_unfusable, why_unfusable)
 
 try:  # transformers' collector of recorded outputs (output_attentions=True, output_hidden_states=True)
     from transformers.utils.output_capturing import _active_collector
@@ -333,11 +333,10 @@ def _fusable(layer, plan: LayerPlan, hidden_states) -> bool:
     if not stream_fits(hidden_states.dtype, operand):
         warn_unfused(f"its input is {hidden_states.dtype} and its GEMMs run in {operand}")
         return False
-    if plan.arch.residual_dropout and layer.training:
-        dropping = [path for path in RESIDUAL_DROPOUTS if layer.get_submodule(path).p > 0]
-        if dropping:
-            warn_unfused(f"{dropping[0]} drops out in training (the fused residual add has no dropout)")
-            return False
+    rate = max(plan.arch.residual_dropout_rates(layer), default=0.0)
+    if layer.training and rate > 0:
+        warn_unfused(f"its residual dropout (p = {rate}) is on in training (the fused residual add has no dropout)")
+        return False
     hooked = hooked_module(modules, plan.arch)
     if hooked is not None and hooked != plan.hooked:
         warn_unfused(f"{hooked} has hooks or its own forward, which the fused forward would skip")
