@@ -857,6 +857,11 @@ def test_unsupported_models_and_options_are_refused_untouched():
     remote.__class__ = type("LlamaForCausalLM", (transformers.LlamaForCausalLM,), {"__module__": "remote_llama"})
     with pytest.raises(UnsupportedModelError, match="got LlamaForCausalLM from remote_llama, not transformers' own"):
         codetta.patch(remote)
+    resized = tiny("Phi3ForCausalLM", pad_token_id=0, eos_token_id=2)  # a fused projection the config does not describe
+    resized.model.layers[1].self_attn.qkv_proj = torch.nn.Linear(64, 80, bias=False, device=DEVICE)
+    with pytest.raises(UnsupportedModelError, match="layer 1.*qkv_proj's 80 outputs are not the config's q, k and v"):
+        codetta.patch(resized)
+    assert all("forward" not in layer.__dict__ for layer in resized.model.layers)
 
 
 class LoraLike(torch.nn.Module):
