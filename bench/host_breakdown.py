@@ -57,7 +57,7 @@ def rows_of(name, m):
         dx = torch.randn_like(r)
         codetta.gemm(a, w.t())  # tuned before it is timed
         codetta.gemm(dx.t(), a)
-        rows += [("custom op impl (no autograd)", lambda: rmsnorm_ops._linear_residual_op.impl(a, [w], r, None, g, 1e-6)),
+        rows += [("custom op impl (no autograd)", lambda: rmsnorm_ops._linear_residual_op.impl(a, [w], r, None, g, 1e-6, 1.0)),
                  ("backward math (dgrad + wgrad GEMMs)", lambda: rmsnorm_ops.linear_residual_backward(dx, a, [w])),
                  ("backward op, direct route", lambda: rmsnorm_ops._linear_residual_backward_op(dx, a, [w])),
                  ("codetta.gemm plain [M, d] x [d, d]", lambda: codetta.gemm(a, w.t())),

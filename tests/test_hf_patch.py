@@ -66,6 +66,9 @@ MODELS = {
                                                                      pad_token_id=0, eos_token_id=2)),
     "glm_fused_gate_up_partial_interleaved_rope": ("GlmForCausalLM", dict(attention_bias=True, pad_token_id=0,
                                                                           eos_token_id=2)),
+    "granite_multipliers": ("GraniteForCausalLM", dict(residual_multiplier=0.3, logits_scaling=4.0,
+                                                       embedding_multiplier=3.0, attention_multiplier=0.2,
+                                                       attention_bias=True, mlp_bias=True)),
     "seed_oss_biases_no_dropout": ("SeedOssForCausalLM", dict(attention_bias=True, attention_out_bias=True,
                                                               residual_dropout=0.0, attention_dropout=0.0,
                                                               pad_token_id=0, eos_token_id=2)),
@@ -602,6 +605,22 @@ def test_generate_in_the_other_families(key):
         out_ref = ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
         out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(out, out_ref)
+
+
+def test_granite_logits_scaling_with_a_head_bias():
+    """Granite's loss is on (h W^T + b) / logits_scaling: with a bias on the head too (Granite's
+    has none, a fine-tuned one might), the fused loss and every gradient as the model's own."""
+    ref = tiny("GraniteForCausalLM", logits_scaling=4.0, residual_multiplier=0.5)
+    head = ref.lm_head
+    ref.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=True, device=DEVICE)
+    with torch.no_grad():
+        ref.lm_head.weight.copy_(head.weight)
+        ref.lm_head.bias.uniform_(-2, 2)
+    model = codetta.patch(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (2, 11), device=DEVICE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # fused: no warning
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
 
 
 def _no_residual_dropout(layer):

@@ -8,7 +8,8 @@ The hand-picked configs of test_hf_patch.py cover each feature once; these draw 
 together, at sizes no multiple of any tile (hidden, intermediate and vocabulary sizes of
 any value, head_dim independent of hidden), and each family's own features drawn too
 (sliding windows per layer type, SmolLM3's layers without RoPE, Ministral 3's query scaling by
-position, Ernie 4.5's biases, Phi-3's and GLM's partial RoPE, Seed-OSS's biases). CODETTA_HF_EXAMPLES sets how many are drawn per family (2 by
+position, Ernie 4.5's biases, Phi-3's and GLM's partial RoPE, Seed-OSS's biases, Granite's
+multipliers). CODETTA_HF_EXAMPLES sets how many are drawn per family (2 by
 default; with the first four families, 40 of each test passed on the CPU, and on the H200 80
 of the fp32 test and 40 of the bf16 one: bench/results/h200_hf_random_configs.log).
 """
@@ -94,6 +95,11 @@ def models(draw, family, min_hidden=1):
         config["rope_parameters"] = draw(phi3_rope_parameters(config))
     if family == "Glm":
         config["attention_bias"] = draw(st.booleans())
+    if family == "Granite":  # its multipliers: of each sublayer's output, the logits, the embeddings, the attention
+        config.update(residual_multiplier=draw(st.sampled_from([0.22, 1.0, 2.5])),
+                      logits_scaling=draw(st.sampled_from([1.0, 8.0])), embedding_multiplier=draw(st.sampled_from([1.0, 12.0])),
+                      attention_multiplier=draw(st.sampled_from([0.0078125, 0.3])), attention_bias=draw(st.booleans()),
+                      mlp_bias=draw(st.booleans()))
     if family == "SeedOss":  # its dropouts (0.1 by default) off: they draw masks (and the residual one runs unfused)
         config.update(attention_bias=draw(st.booleans()), attention_out_bias=draw(st.booleans()),
                       mlp_bias=draw(st.booleans()), residual_dropout=0.0, attention_dropout=0.0)

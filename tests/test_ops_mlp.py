@@ -83,6 +83,21 @@ def test_biases_forward_backward_fp32(biased):
     assert rel(fused.stats[1], torch.rsqrt(x2.square().mean(-1) + 1e-6)) < 1e-6
 
 
+def test_branch_scale_forward_backward_fp32():
+    """x2 = x + s (SwiGLU(RMSNorm(x)) W_d^T + b_d) (Granite's residual multiplier s): the output
+    and every gradient against fp64; x's gradient takes the residual's dx2 unscaled."""
+    shape, f, s = (2, 9, 32), 44, 0.22
+    tensors = inputs(shape, f) + biases(shape, f)
+    dy = torch.randn(*shape, device=DEVICE)
+    ours = run(lambda x, g, wg, wu, wd, *b: swiglu_mlp(x, g, wg, wu, wd, EPS, bias=b, branch_scale=s),
+               tensors, dy, torch.float32)
+    ref = run(lambda x, g, wg, wu, wd, *b: x + s * (unfused(x, g, wg, wu, wd, *b) - x), tensors, dy, torch.float64)
+    for name, a, b in zip(NAMES + ("db_gate", "db_up", "db_down"), ours, ref):
+        assert rel(a, b) < 2e-5, name
+    with pytest.raises(ValueError, match="branch_scale must be a finite real number"):
+        swiglu_mlp(*tensors[:5], EPS, branch_scale=float("nan"))
+
+
 def test_backward_epilogues(monkeypatch):
     """The down projection's dgrad is a plain GEMM followed by one SwiGLU-backward kernel, and
     the residual gradient is added in the norm-backward epilogue (no separate sum)."""
@@ -176,15 +191,15 @@ def test_bad_inputs():
 def test_custom_ops_pass_opcheck(next_norm):
     x, g, wg, wu, wd = (t.requires_grad_() for t in inputs((6, 16), 8))
     b_up, b_down = torch.randn(8, device=DEVICE, requires_grad=True), torch.randn(16, device=DEVICE, requires_grad=True)
-    for b in ((None, None, None), (None, b_up, b_down)):
-        args = (x, g, wg, wu, wd, EPS, None, None, g.detach() if next_norm else None, 1e-6, *b)
+    for b, scale in (((None, None, None), 1.0), ((None, b_up, b_down), 0.5)):
+        args = (x, g, wg, wu, wd, EPS, None, None, g.detach() if next_norm else None, 1e-6, *b, scale)
         torch.library.opcheck(torch.ops.codetta.swiglu_mlp.default, args,
                               test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
         z = torch.randn(6, 16, device=DEVICE)
         zz = torch.randn(6, 16, device=DEVICE)
         torch.library.opcheck(torch.ops.codetta.swiglu_mlp_backward.default,
                               (z, x.detach(), g.detach(), wg.detach(), wu.detach(), wd.detach(), zz,
-                               torch.rand(6, device=DEVICE) + 0.5, None, None if b[1] is None else b[1].detach()),
+                               torch.rand(6, device=DEVICE) + 0.5, None, None if b[1] is None else b[1].detach(), scale),
                               test_utils=("test_schema", "test_faketensor"))
 
 

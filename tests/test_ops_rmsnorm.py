@@ -166,6 +166,34 @@ def test_producer_with_bias_gradients():
         assert rel(a.grad, b.grad) < 1e-5
 
 
+@pytest.mark.parametrize("with_norm", [False, True], ids=["plain", "next_norm"])
+def test_producer_with_branch_scale(with_norm):
+    """x = residual + s (a W^T + b) (Granite's residual multiplier s): output, the next norm's
+    statistics of x and the gradients of a, W, b (all scaled by s) and residual (not) against fp64."""
+    s = 0.22
+    tensors = [torch.randn(2, 9, 16, device=DEVICE), torch.randn(24, 16, device=DEVICE), torch.randn(24, device=DEVICE),
+               torch.randn(2, 9, 24, device=DEVICE)]
+    g = 1 + 0.2 * torch.randn(24, device=DEVICE)
+    dx = torch.randn(2, 9, 24, device=DEVICE)
+    ours = [leaf(t) for t in tensors]
+    ref = [leaf(t, torch.float64) for t in tensors]
+    out = linear_residual(ours[0], ours[1], ours[3], g if with_norm else None, EPS, bias=ours[2], branch_scale=s)
+    x = out[0] if with_norm else out
+    (x * dx).sum().backward()
+    xr = ref[3] + s * F.linear(*ref[:3])
+    xr.mul(dx.double()).sum().backward()
+    assert rel(x, xr) < 1e-6
+    for a, b in zip(ours, ref):
+        assert rel(a.grad, b.grad) < 1e-5
+    if with_norm:
+        u, rstd = out[1]
+        assert rel(rstd, torch.rsqrt(xr.detach().square().mean(-1) + EPS).reshape(-1)) < 1e-6
+        assert rel(u, (xr.detach() * g.double()).reshape(-1, 24)) < 1e-6
+    for bad in (float("nan"), float("inf"), True, "0.5", torch.tensor(0.5)):
+        with pytest.raises(ValueError, match="branch_scale must be a finite real number"):
+            linear_residual(*tensors[:2], tensors[3], branch_scale=bad)
+
+
 def test_bf16_within_twice_eager_error():
     """bf16 in and out: errors vs fp64 no more than twice eager PyTorch's bf16 errors.
 
@@ -279,8 +307,9 @@ def test_custom_ops_pass_opcheck():
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     a, res = torch.randn(6, 8, device=DEVICE, requires_grad=True), torch.randn(6, 16, device=DEVICE, requires_grad=True)
     w = torch.randn(16, 8, device=DEVICE, requires_grad=True)
-    torch.library.opcheck(torch.ops.codetta.linear_residual.default, (a, [w], res, None, g, EPS),
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    for scale in (1.0, 0.5):
+        torch.library.opcheck(torch.ops.codetta.linear_residual.default, (a, [w], res, None, g, EPS, scale),
+                              test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
 def test_traces_without_graph_break():

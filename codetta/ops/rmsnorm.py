@@ -57,6 +57,7 @@ eager calls with plain tensors skip the dispatcher (:mod:`codetta.ops.autograd`)
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 from typing import Optional
 
@@ -82,12 +83,16 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _producer(dtype: torch.dtype, with_norm: bool, with_bias: bool, wide: bool = False) -> ep.Program:
+def _producer(dtype: torch.dtype, with_norm: bool, with_bias: bool, wide: bool = False,
+              scaled: bool = False) -> ep.Program:
     """x = acc (+ bias) + residual stored in ``dtype``, the residual's; ``wide``: fp32 x from 16-bit
-    operands (u is stored in the operands' dtype either way)."""
-    name = "linear_residual" + ("_bias" if with_bias else "") + ("_rmsnorm" if with_norm else "")
+    operands (u is stored in the operands' dtype either way); ``scaled``: the branch acc (+ bias)
+    times the scalar ``branch_scale``."""
+    name = "linear_residual" + ("_bias" if with_bias else "") + ("_scaled" if scaled else "") \
+        + ("_rmsnorm" if with_norm else "")
     p = ep.Program(f"{name}_{_dtype_name(dtype)}" + ("_wide" if wide else ""))
-    x = (p.acc + p.col("bias") if with_bias else p.acc) + p.aux("residual")
+    branch = p.acc + p.col("bias") if with_bias else p.acc
+    x = (branch * p.scalar("branch_scale") if scaled else branch) + p.aux("residual")
     p.store("x", x, dtype=dtype if wide else None)
     if with_norm:
         stored = ep.round_to(x, dtype) if dtype != torch.float32 else x
@@ -407,13 +412,17 @@ def rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight, eps: float = 1e-6, *,
 
 @direct_op("codetta::linear_residual")
 def _linear_residual_op(
-    a: Tensor, weights: list[Tensor], residual: Tensor, bias: Optional[Tensor], norm_weight: Optional[Tensor], eps: float
+    a: Tensor, weights: list[Tensor], residual: Tensor, bias: Optional[Tensor], norm_weight: Optional[Tensor], eps: float,
+    branch_scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     a2 = rows(a)
     operands = {"residual": rows(residual)}
     if bias is not None:
         operands["bias"] = bias
-    program = _producer(residual.dtype, norm_weight is not None, bias is not None, residual.dtype != a.dtype)
+    if branch_scale != 1.0:
+        operands["branch_scale"] = branch_scale
+    program = _producer(residual.dtype, norm_weight is not None, bias is not None, residual.dtype != a.dtype,
+                        branch_scale != 1.0)
     if norm_weight is None:
         x = gemm(a2, _weight_t(weights), program, **operands)["x"]
         return x.reshape(residual.shape), x.new_empty(0), x.new_empty(0, dtype=torch.float32)
@@ -424,7 +433,7 @@ def _linear_residual_op(
 
 
 @_linear_residual_op.register_fake
-def _(a, weights, residual, bias, norm_weight, eps):
+def _(a, weights, residual, bias, norm_weight, eps, branch_scale):
     m = residual.numel() // residual.shape[-1]
     if norm_weight is None:
         return torch.empty_like(residual), residual.new_empty(0), residual.new_empty(0, dtype=torch.float32)
@@ -453,16 +462,18 @@ def _(dx, a, weights):
 
 def _linear_residual_setup(ctx, inputs, output):
     only_first_output_differentiable(ctx, output)
-    a, weights, residual, bias, norm_weight, eps = inputs
-    ctx.has_bias = bias is not None
+    a, weights, residual, bias, norm_weight, eps, branch_scale = inputs
+    ctx.has_bias, ctx.branch_scale = bias is not None, branch_scale
     ctx.save_for_backward(a, *weights)
 
 
 def _linear_residual_backward(ctx, dx, _du, _drstd):
     a, *weights = ctx.saved_tensors
-    da, dws = run_backward(ctx, weights, _linear_residual_backward_op, linear_residual_backward, dx, a, weights)
-    dbias = rows(dx).sum(0) if ctx.has_bias else None
-    return da, for_autograd(dws, weights), dx, dbias, None, None
+    branch_grad = scaled(dx, ctx.branch_scale)  # the branch's gradient: the residual's is dx itself
+    da, dws = run_backward(ctx, weights, _linear_residual_backward_op, linear_residual_backward, branch_grad, a,
+                           weights)
+    dbias = rows(branch_grad).sum(0) if ctx.has_bias else None
+    return da, for_autograd(dws, weights), dx, dbias, None, None, None
 
 
 _linear_residual_op.register_autograd(_linear_residual_backward, setup_context=_linear_residual_setup)
@@ -470,8 +481,9 @@ _linear_residual_op.register_autograd(_linear_residual_backward, setup_context=_
 
 @casts_under_autocast("a", "weight", "bias", streams=("residual",))
 def linear_residual(a: Tensor, weight, residual: Tensor, norm_weight: Tensor | None = None, eps: float = 1e-6, *,
-                    bias: Tensor | None = None):
-    """x = a W^T (+ bias) + residual in one GEMM; with ``norm_weight`` also the next RMSNorm's (u, rstd).
+                    bias: Tensor | None = None, branch_scale: float = 1.0):
+    """x = s (a W^T (+ bias)) + residual in one GEMM (s = ``branch_scale``: 1, or Granite's
+    residual multiplier); with ``norm_weight`` also the next RMSNorm's (u, rstd).
 
     Args:
         a: [..., K]; weight: [d, K] (or a list of [d_i, K] read as one); residual: [..., d]; bias: [d].
@@ -495,8 +507,20 @@ def linear_residual(a: Tensor, weight, residual: Tensor, norm_weight: Tensor | N
         if vec is not None and (vec.shape != (residual.shape[-1],) or not vec.is_floating_point()):
             raise ValueError(f"{name} must be floating point [{residual.shape[-1]}], got {tuple(vec.shape)} {vec.dtype}")
     check_eps(eps=eps)
-    x, u, rstd = _linear_residual_op(a, weights, residual, bias, norm_weight, float(eps))
+    x, u, rstd = _linear_residual_op(a, weights, residual, bias, norm_weight, float(eps), check_branch_scale(branch_scale))
     return x if norm_weight is None else (x, NormStats.of(u, rstd, x, norm_weight, eps))
+
+
+def check_branch_scale(branch_scale) -> float:
+    """The branch scale as a float, or a clear error for anything but a finite real number."""
+    if isinstance(branch_scale, bool) or not isinstance(branch_scale, numbers.Real) or not math.isfinite(branch_scale):
+        raise ValueError(f"branch_scale must be a finite real number, got {branch_scale!r}")
+    return float(branch_scale)
+
+
+def scaled(grad: Tensor, branch_scale: float) -> Tensor:
+    """A residual sum's gradient as its scaled branch receives it: s dx (dx itself for s = 1)."""
+    return grad if branch_scale == 1.0 else grad * branch_scale
 
 
 # ---------------------------------------------------------------------------------------
@@ -508,6 +532,6 @@ def rmsnorm_linear_reference(x, norm_weight, weight, eps=1e-6):
     return torch.nn.functional.linear(torch.nn.functional.rms_norm(x, (x.shape[-1],), norm_weight, eps), w)
 
 
-def linear_residual_reference(a, weight, residual, bias=None):
+def linear_residual_reference(a, weight, residual, bias=None, branch_scale=1.0):
     w = torch.cat(_as_list(weight)) if isinstance(weight, (list, tuple)) else weight
-    return torch.nn.functional.linear(a, w, bias) + residual
+    return branch_scale * torch.nn.functional.linear(a, w, bias) + residual

@@ -64,6 +64,10 @@ class Architecture:
     # (the layer's ``resid_attn_dropout``, ``resid_mlp_dropout``: Phi-3) or "rates" (a float
     # ``residual_dropout`` of the attention and of the MLP, applied in their forwards: Seed-OSS)
     residual_dropout: str | None = None
+    # Whether the layer scales each sublayer's output by its ``residual_multiplier`` before the
+    # residual add, and the causal LM divides its logits by ``config.logits_scaling`` (Granite;
+    # its attention's ``scaling`` and embedding multiplier are the model's own code's)
+    multipliers: bool = False
 
     @property
     def projections(self) -> tuple:
@@ -103,6 +107,10 @@ class Architecture:
             return layer.self_attn.residual_dropout, layer.mlp.residual_dropout
         return ()
 
+    def branch_scale(self, layer) -> float:
+        """What the layer multiplies each sublayer's output by before the residual add."""
+        return float(layer.residual_multiplier) if self.multipliers else 1.0
+
     def applies_rope(self, attn) -> bool:
         """Whether the layer of this attention module rotates q and k."""
         return not self.rope_per_layer or bool(attn.use_rope)
@@ -138,6 +146,7 @@ ARCHITECTURES = {
     "Phi3": Architecture(sliding_window="config", fused_qkv=True, fused_gate_up=True, partial_rotary=True,
                          residual_dropout="modules"),
     "SeedOss": Architecture(residual_dropout="rates"),
+    "Granite": Architecture(multipliers=True),
     "Glm": Architecture(interleaved_rope=True, fused_gate_up=True, partial_rotary=True),
 }
 # The classes of a family that codetta patches: the causal LM (its decoder layers, and its LM head +
@@ -350,7 +359,8 @@ def check_model(model, arch: Architecture, classes: ModelClasses):
         for path in ("input_layernorm.weight", "input_layernorm.variance_epsilon", "post_attention_layernorm.weight",
                      "self_attn.head_dim", "self_attn.scaling", *arch.projections, arch.activation,
                      *(RESIDUAL_DROPOUTS if arch.residual_dropout == "modules" else ()),
-                     *(("self_attn.residual_dropout", "mlp.residual_dropout") if arch.residual_dropout == "rates" else ())):
+                     *(("self_attn.residual_dropout", "mlp.residual_dropout") if arch.residual_dropout == "rates" else ()),
+                     *(("residual_multiplier",) if arch.multipliers else ())):
             _need(layer, path, what)
         attn = layer.self_attn
         if arch.qk_norm:

@@ -3,7 +3,9 @@
     q, k, v = RoPE(RMSNorm(x) W_qkv^T)                 rmsnorm_qkv_rope (norm folded, RoPE in the epilogue;
                                                        Qwen3's QK-norm too, before RoPE)
     a       = attention(q, k, v)                       the model's own attention function (sdpa, flash, eager)
-    x1, s   = a W_o^T + x, with RMSNorm stats of x1    linear_residual (the next norm's producer)
+    x1, s   = a W_o^T + x, with RMSNorm stats of x1    linear_residual (the next norm's producer; Granite
+                                                       scales a W_o^T by its residual multiplier, likewise
+                                                       the MLP's output)
     x2, s'  = x1 + (silu(RMSNorm(x1) W_g^T)            swiglu_mlp: rmsnorm_swiglu (norm folded, gate/up side
               * (... W_u^T)) W_d^T, with the next       by side), then linear_residual (the next layer's norm
               layer's input-norm stats of x2            producer); x1's two gradients summed in an epilogue
@@ -358,7 +360,9 @@ def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_id
     x = hidden_states
     q, k, v = _qkv(layer, plan, x, plan.incoming.take(x), position_ids, position_embeddings)
     a = _attention(attn, plan, q, k, v, attention_mask, dict(position_ids=position_ids, use_cache=use_cache, **kwargs))
-    x1, stats = linear_residual(a, attn.o_proj.weight, x, g2, ln2.variance_epsilon, bias=attn.o_proj.bias)
+    branch_scale = plan.arch.branch_scale(layer)  # Granite's residual multiplier, else 1
+    x1, stats = linear_residual(a, attn.o_proj.weight, x, g2, ln2.variance_epsilon, bias=attn.o_proj.bias,
+                                branch_scale=branch_scale)
     next_layer = plan.next_layer.get() if plan.next_layer is not None else None
     ln_next = next_layer.input_layernorm if next_layer is not None else None
     hand_on = (
@@ -377,12 +381,13 @@ def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_id
     (w_gate, w_up), (b_gate, b_up) = plan.arch.gate_up_weights(mlp)  # biases: Llama's mlp_bias
     if plan.fuse_swiglu:
         out = swiglu_mlp(x1, g2, w_gate, w_up, mlp.down_proj.weight, ln2.variance_epsilon, stats=stats,
-                         bias=(b_gate, b_up, mlp.down_proj.bias), **next_norm)
+                         bias=(b_gate, b_up, mlp.down_proj.bias), branch_scale=branch_scale, **next_norm)
     else:
         gate, up = torch.chunk(rmsnorm_linear(x1, g2, [w_gate, w_up], ln2.variance_epsilon, stats=stats), 2, dim=-1)
         gate, up = (z if b is None else z + b for z, b in ((gate, b_gate), (up, b_up)))
         act = layer.get_submodule(plan.arch.activation)
-        out = linear_residual(act(gate) * up, mlp.down_proj.weight, x1, *next_norm.values(), bias=mlp.down_proj.bias)
+        out = linear_residual(act(gate) * up, mlp.down_proj.weight, x1, *next_norm.values(), bias=mlp.down_proj.bias,
+                              branch_scale=branch_scale)
     if not hand_on:
         return out
     x2, stats2 = out

@@ -6,7 +6,8 @@ tokens, or the sum divided by ``num_items_in_batch`` when the trainer passes it;
 positions ``logits_to_keep`` selects. A model with another ``loss_function`` runs its own. In
 training mode with labels, the output's ``logits`` is None: not materializing them is the
 point. Without labels, or in eval mode (an evaluation loop reads the logits, and has no
-backward to keep memory for), the model's own forward runs.
+backward to keep memory for), the model's own forward runs. Granite divides its logits by
+``config.logits_scaling``: the loss takes h / s and b / s, which give the same logits.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ...ops import linear_cross_entropy
-from .architectures import class_name, is_hooked, is_plain_linear, stored_weight
+from .architectures import architecture_of, class_name, is_hooked, is_plain_linear, stored_weight
 
 try:
     from transformers.loss.loss_utils import ForCausalLMLoss
@@ -69,8 +70,11 @@ def fused_causal_lm_forward(model, input_ids=None, attention_mask=None, position
     kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
     head = model.lm_head
     weight = head.weight  # read once, as the model's head reads it (a parametrization runs at each read)
-    loss = linear_cross_entropy(outputs.last_hidden_state[:, kept, :], weight, shift_labels.to(weight.device),
-                                bias=head.bias, ignore_index=ignore_index,
+    hidden, bias = outputs.last_hidden_state[:, kept, :], head.bias
+    if architecture_of(model).multipliers:  # Granite's logits (h W^T + b) / s, as (h / s) W^T + b / s
+        scale = model.config.logits_scaling
+        hidden, bias = hidden / scale, None if bias is None else bias / scale
+    loss = linear_cross_entropy(hidden, weight, shift_labels.to(weight.device), bias=bias, ignore_index=ignore_index,
                                 reduction="mean" if num_items is None else "sum")
     if num_items is not None:
         loss = loss / num_items
