@@ -117,8 +117,9 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
             layer.forward = FusedForward(fused_decoder_forward, layer, "_codetta_plan")
     if cross_entropy:
         model.forward = FusedForward(fused_causal_lm_forward, model, "_codetta_patched")
-    model._codetta_patched = dict(rms_norm=rms_norm, rope=rope and rms_norm,
-                                  swiglu=swiglu and rms_norm, cross_entropy=cross_entropy)
+    # what the fused loss needs of the family, taken now: a wrapper (FSDP2) swaps the model's class later
+    model._codetta_patched = dict(rms_norm=rms_norm, rope=rope and rms_norm, swiglu=swiglu and rms_norm,
+                                  cross_entropy=cross_entropy, logits_scaling=arch.multipliers)
     return model
 
 

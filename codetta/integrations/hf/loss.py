@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ...ops import linear_cross_entropy
-from .architectures import architecture_of, class_name, is_hooked, is_plain_linear, stored_weight
+from .architectures import class_name, is_hooked, is_plain_linear, stored_weight
 
 try:
     from transformers.loss.loss_utils import ForCausalLMLoss
@@ -71,7 +71,7 @@ def fused_causal_lm_forward(model, input_ids=None, attention_mask=None, position
     head = model.lm_head
     weight = head.weight  # read once, as the model's head reads it (a parametrization runs at each read)
     hidden, bias = outputs.last_hidden_state[:, kept, :], head.bias
-    if architecture_of(model).multipliers:  # Granite's logits (h W^T + b) / s, as (h / s) W^T + b / s
+    if model._codetta_patched["logits_scaling"]:  # Granite's logits (h W^T + b) / s, as (h / s) W^T + b / s
         scale = model.config.logits_scaling
         hidden, bias = hidden / scale, None if bias is None else bias / scale
     loss = linear_cross_entropy(hidden, weight, shift_labels.to(weight.device), bias=bias, ignore_index=ignore_index,
