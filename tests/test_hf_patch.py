@@ -292,8 +292,13 @@ def test_head_dim_not_a_power_of_two_keeps_the_models_rope(name):
 
 @pytest.mark.parametrize("flags", [dict(rope=False), dict(swiglu=False), dict(cross_entropy=False),
                                    dict(rms_norm=False, rope=False, swiglu=False)], ids=str)
-def test_partial_patches_match(flags):
-    ref = tiny("Qwen2ForCausalLM")
+@pytest.mark.parametrize("key", ["qwen2_bias", "granite_multipliers", "phi3_fused_projections_partial_rope"])
+def test_partial_patches_match(key, flags):
+    """Each part left to the model's own code (its RoPE, partial included, after the norm-folded
+    QKV GEMM; its activation between the gate/up and the down GEMMs, Granite's multiplier
+    in the latter's epilogue; its loss; the whole layer), the rest fused: parity."""
+    name, overrides = MODELS[key]
+    ref = tiny(name, **overrides)
     model = codetta.patch(copy.deepcopy(ref), **flags)
     ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
     assert_same_training_step(ref, model, input_ids=ids, labels=ids)
