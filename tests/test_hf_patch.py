@@ -612,6 +612,22 @@ def test_generate_in_the_other_families(key):
     assert torch.equal(out, out_ref)
 
 
+def test_partial_rotary_angles_the_epilogue_cannot_take():
+    """A Phi-3 layer handed cos and sin for 12 of its 16 dims (a caller's, not the model's 8):
+    segments of 12 columns do not fit the epilogue, so the model's own RoPE runs after the
+    norm-folded GEMM (warned), and the layer's output is the unpatched layer's."""
+    ref = tiny("Phi3ForCausalLM", partial_rotary_factor=0.5, pad_token_id=0, eos_token_id=2)
+    model = codetta.patch(copy.deepcopy(ref))
+    x = torch.randn(2, 5, 64, device=DEVICE)
+    positions = torch.arange(5, device=DEVICE)[None].expand(2, -1)
+    angles = positions[..., None].float() * torch.rand(6, device=DEVICE)
+    cos_sin = (torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin())
+    with pytest.warns(UserWarning, match="the rotary dims 12 of head_dim 16 are not a power of two dividing it"):
+        out = model.model.layers[0](x, position_ids=positions, position_embeddings=cos_sin)
+    torch.testing.assert_close(out, ref.model.layers[0](x, position_ids=positions, position_embeddings=cos_sin),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_granite_logits_scaling_with_a_head_bias():
     """Granite's loss is on (h W^T + b) / logits_scaling: with a bias on the head too (Granite's
     has none, a fine-tuned one might), the fused loss and every gradient as the model's own."""

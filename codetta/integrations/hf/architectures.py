@@ -394,6 +394,12 @@ def why_rotary_unfusable(rotary, classes: ModelClasses):
     return None
 
 
+def rotary_dims_fit(rotated: int, head_dim: int) -> bool:
+    """Whether RoPE on the first ``rotated`` dims of each head can run in the QKV epilogue: it
+    rotates within column segments of that many columns, a power of two dividing head_dim."""
+    return rotated > 0 and rotated & (rotated - 1) == 0 and head_dim % rotated == 0
+
+
 def why_rope_unfusable(model, arch: Architecture):
     """None when RoPE can run in the layers' QKV epilogues, else why not: it rotates within
     column segments of R columns, R (the rotary dims: head_dim, or as many as the rotary
@@ -402,7 +408,7 @@ def why_rope_unfusable(model, arch: Architecture):
     for layer in decoder.layers:
         head_dim = layer.self_attn.head_dim
         rotated = 2 * decoder.rotary_emb.inv_freq.shape[-1] if arch.partial_rotary else head_dim
-        if rotated & (rotated - 1) or head_dim % rotated:
+        if not rotary_dims_fit(rotated, head_dim):
             if rotated == head_dim:
                 return f"head_dim {head_dim} is not a power of two"
             return f"the rotary dims {rotated} of head_dim {head_dim} are not a power of two dividing it"
