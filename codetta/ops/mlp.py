@@ -4,7 +4,8 @@ With h = RMSNorm(x) (:mod:`codetta.ops.rmsnorm`) and W_g, W_u [F, d], W_d [d, F]
 
     z = [z_g | z_u] = h [W_g; W_u]^T (+ [b_g | b_u]),   y = silu(z_g) * z_u,   x2 = y W_d^T (+ b_d) + x
 
-(the biases where the projections have them: Llama's ``mlp_bias``).
+(the biases where the projections have them: Llama's ``mlp_bias``; with a branch scale s,
+x2 = s (y W_d^T + b_d) + x, and the backward below starts from s dx2 for the branch).
 
 Forward: the SwiGLU GEMM of :func:`codetta.ops.rmsnorm_swiglu`, then the producer GEMM of
 :func:`codetta.ops.linear_residual` (which also gives the next norm's statistics of x2).

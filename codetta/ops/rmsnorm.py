@@ -10,7 +10,9 @@ the per-row sums of squares of x, from which r is finished (a [M] vector):
     x = a W_o^T + residual;  u = x ⊙col g;  ss_i = sum_j x_ij^2;  r = rsqrt(ss / d + eps)
 
 The statistics are taken from x *after* its rounding to the stored dtype: exactly what
-eager PyTorch would see when it normalizes the stored x.
+eager PyTorch would see when it normalizes the stored x. With a branch scale s (Granite's
+residual multiplier) the producer makes x = s (a W_o^T) + residual, the product in fp32
+before the one rounding; its backward hands the branch s dx and the residual dx.
 
 Consumer (:func:`rmsnorm_linear`): a row scale commutes with a right matrix product, so
 
