@@ -121,7 +121,7 @@ def _backward(ctx, dx2, *_unused):
     grads = run_backward(ctx, [w_gate, w_up, w_down], _mlp_backward_op, swiglu_mlp_backward,
                          dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, b_gate, b_up, ctx.branch_scale)
     dx, dg, dws_gate_up, dw_down, dbias = grads
-    db_down = rows(scaled(dx2, ctx.branch_scale)).sum(0) if ctx.has_down_bias else None
+    db_down = rows(dx2).sum(0) * ctx.branch_scale if ctx.has_down_bias else None
     return (dx, dg, *for_autograd(dws_gate_up, [w_gate, w_up]), *for_autograd([dw_down], [w_down]), *(None,) * 5,
             *bias_grads(dbias, b_gate, b_up), db_down, None)
 

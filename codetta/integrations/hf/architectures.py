@@ -394,10 +394,15 @@ def why_rotary_unfusable(rotary, classes: ModelClasses):
     return None
 
 
-def rotary_dims_fit(rotated: int, head_dim: int) -> bool:
-    """Whether RoPE on the first ``rotated`` dims of each head can run in the QKV epilogue: it
-    rotates within column segments of that many columns, a power of two dividing head_dim."""
-    return rotated > 0 and rotated & (rotated - 1) == 0 and head_dim % rotated == 0
+def why_rotary_dims_unfit(rotated: int, head_dim: int):
+    """None when RoPE on the first ``rotated`` dims of each head can run in the QKV epilogue (it
+    rotates within column segments of that many columns, a power of two dividing head_dim),
+    else why not."""
+    if rotated > 0 and rotated & (rotated - 1) == 0 and head_dim % rotated == 0:
+        return None
+    if rotated == head_dim:
+        return f"head_dim {head_dim} is not a power of two"
+    return f"the rotary dims {rotated} of head_dim {head_dim} are not a power of two dividing it"
 
 
 def why_rope_unfusable(model, arch: Architecture):
@@ -408,8 +413,7 @@ def why_rope_unfusable(model, arch: Architecture):
     for layer in decoder.layers:
         head_dim = layer.self_attn.head_dim
         rotated = 2 * decoder.rotary_emb.inv_freq.shape[-1] if arch.partial_rotary else head_dim
-        if not rotary_dims_fit(rotated, head_dim):
-            if rotated == head_dim:
-                return f"head_dim {head_dim} is not a power of two"
-            return f"the rotary dims {rotated} of head_dim {head_dim} are not a power of two dividing it"
+        why_not = why_rotary_dims_unfit(rotated, head_dim)
+        if why_not is not None:
+            return why_not
     return None

@@ -38,7 +38,7 @@ from ...ops import linear_residual, rmsnorm_linear, rmsnorm_qkv_rope, swiglu_mlp
 from ...ops.rmsnorm import NormStats, stream_fits
 from ...ops.rope import angles_need_grad
 from .architectures import (Architecture, ModelClasses, fused_modules, hooked_module, hooks_between, is_hooked,
-                            rotary_dims_fit, stored_weight, why_rotary_unfusable, why_unfusable)
+                            stored_weight, why_rotary_dims_unfit, why_rotary_unfusable, why_unfusable)
 
 try:  # transformers' collector of recorded outputs (output_attentions=True, output_hidden_states=True)
     from transformers.utils.output_capturing import _active_collector
@@ -191,8 +191,9 @@ def _rope_arguments(plan: LayerPlan, x, head_dim: int, position_ids, position_em
                     attention_scaling=rotary.attention_scaling)
         rotated = 2 * rotary.inv_freq.shape[-1]
     if plan.arch.partial_rotary and rotated < head_dim:
-        if not rotary_dims_fit(rotated, head_dim):  # patch checked the model's own; these may be a caller's
-            return None, f"the rotary dims {rotated} of head_dim {head_dim} are not a power of two dividing it"
+        why_not = why_rotary_dims_unfit(rotated, head_dim)  # patch checked the model's own; these may be a caller's
+        if why_not is not None:
+            return None, why_not
         rope["rotary_dim"] = rotated
     elif rotated != head_dim:
         return None, f"the rotary angles cover {rotated} of head_dim {head_dim} dims (partial rotary)"
