@@ -114,6 +114,11 @@ def cases(m, s: Shape):
                             lambda x, g, wg, wu: rmsnorm_swiglu(x, g, wg, wu, EPS),
                             lambda x, g, wg, wu: swiglu.rmsnorm_swiglu_reference(x, g, wg, wu, EPS),
                             [(m, 2 * s.ffn, s.d)]),
+        "h_gateup_geglu_tanh": (c_inputs,  # c gated by GELU's tanh form (Gemma's GeGLU)
+                                lambda x, g, wg, wu: rmsnorm_swiglu(x, g, wg, wu, EPS, activation="gelu_tanh"),
+                                lambda x, g, wg, wu: swiglu.rmsnorm_swiglu_reference(x, g, wg, wu, EPS,
+                                                                                     activation="gelu_tanh"),
+                                [(m, 2 * s.ffn, s.d)]),
         "f_gateup_swiglu_bias": (f_inputs,
                                  lambda x, g, wg, wu, bg, bu: rmsnorm_swiglu(x, g, wg, wu, EPS, bias=(bg, bu)),
                                  lambda x, g, wg, wu, bg, bu: swiglu.rmsnorm_swiglu_reference(x, g, wg, wu, EPS,
@@ -131,7 +136,7 @@ def cases(m, s: Shape):
 
 
 def liger_variants(m, s: Shape):
-    """Liger-Kernel versions of the ops it has (rope, rms_norm, fused add+rms_norm, swiglu,
+    """Liger-Kernel versions of the ops it has (rope, rms_norm, fused add+rms_norm, swiglu, geglu,
     fused linear cross-entropy), written the way its Llama patch composes them; {} without it."""
     try:
         from liger_kernel.transformers import functional as lk
@@ -159,10 +164,15 @@ def liger_variants(m, s: Shape):
         h = lk.liger_rms_norm(x, g, EPS, in_place=False)
         return lk.liger_swiglu(linear(h, wg), linear(h, wu))
 
+    def h(x, g, wg, wu):
+        normed = lk.liger_rms_norm(x, g, EPS, in_place=False)
+        return lk.liger_geglu(linear(normed, wg), linear(normed, wu))
+
     def e(x, w, t, g):
         return lk.liger_fused_linear_cross_entropy(lk.liger_rms_norm(x, g, EPS, in_place=False), w, t)
 
-    return {"a_qkv_rope": a, "b_oproj_residual_norm": b, "c_gateup_swiglu": c, "e_lm_head_ce": e}
+    return {"a_qkv_rope": a, "b_oproj_residual_norm": b, "c_gateup_swiglu": c, "h_gateup_geglu_tanh": h,
+            "e_lm_head_ce": e}
 
 
 def _residual_then_norm(a, w, r, g):
@@ -259,7 +269,8 @@ def table(rows):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--m", default="16384", help="tokens, comma-separated (the loss op uses half of them, as the peers' anchors)")
-    parser.add_argument("--ops", default="a,b,c,d,e", help="of a-g (f: c with biases, Llama's mlp_bias; g: a with the interleaved RoPE)")
+    parser.add_argument("--ops", default="a,b,c,d,e", help="of a-h (f: c with biases, Llama's mlp_bias; g: a with the interleaved RoPE; "
+                        "h: c with GELU's tanh form, Gemma's GeGLU)")
     parser.add_argument("--shapes", default="llama3-8b", help=f"comma-separated, of {sorted(SHAPES)}")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")

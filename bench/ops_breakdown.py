@@ -55,7 +55,7 @@ def pieces():
     lse = torch.logsumexp(logits.float(), -1)
     target = torch.randint(0, VOCAB, (CE_ROWS,), device="cuda")
     scale = torch.full((CE_ROWS,), 1.0 / CE_ROWS, device="cuda")
-    rope_prog, swiglu_prog = rope._forward_program(HD, False), swiglu._forward_program(False)
+    rope_prog, swiglu_prog = rope._forward_program(HD, False), swiglu._forward_program(False, "silu")
     norm_bwd = rmsnorm._consumer_backward()
     z_out = torch.empty(M, 2 * F, device="cuda", dtype=torch.bfloat16)
 

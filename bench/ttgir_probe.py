@@ -109,7 +109,7 @@ def main():
     programs = {
         "plain GEMM": (plain, 1), "RMSNorm + QKV + RoPE (3 parts)": (rope._forward_program(128, False, 0), 3),
         "RMSNorm + QKV + interleaved RoPE (3 parts)": (rope._forward_program(128, False, 0, True), 3),
-        "RMSNorm + gate/up + SwiGLU": (swiglu._forward_program(), 1),
+        "RMSNorm + gate/up + SwiGLU": (swiglu._forward_program(False, "silu"), 1),
         "residual + norm statistics": (rmsnorm._producer(torch.bfloat16, True, False), 1),
         "norm backward": (rmsnorm._consumer_backward(), 1),
         "cross-entropy loss": (cross_entropy._loss_program(False), 1),

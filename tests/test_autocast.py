@@ -232,8 +232,9 @@ def test_fp32_stream_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.codetta.linear_residual.default,
                           (t(m, f, dtype=BF16), [t(d, f, dtype=BF16)], x, None, g, EPS, 1.0), test_utils=utils)
     torch.library.opcheck(torch.ops.codetta.rmsnorm_swiglu.default,
-                          (x, g, t(f, d, dtype=BF16), t(f, d, dtype=BF16), EPS, None, None, t(f, dtype=BF16), None),
+                          (x, g, t(f, d, dtype=BF16), t(f, d, dtype=BF16), EPS, None, None, t(f, dtype=BF16), None,
+                           "silu"),
                           test_utils=utils)
     torch.library.opcheck(torch.ops.codetta.swiglu_mlp.default,
                           (x, g, t(f, d, dtype=BF16), t(f, d, dtype=BF16), t(d, f, dtype=BF16), EPS, None, None,
-                           g.detach(), EPS, None, None, t(d, dtype=BF16), 1.0), test_utils=utils)
+                           g.detach(), EPS, None, None, t(d, dtype=BF16), 1.0, "gelu_tanh"), test_utils=utils)

@@ -22,9 +22,14 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def unfused(x, g, wg, wu, wd, bg=None, bu=None, bd=None):
+# each gate activation as torch computes it (the independent math)
+TORCH_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
+                     "relu": F.relu}
+
+
+def unfused(x, g, wg, wu, wd, bg=None, bu=None, bd=None, activation="silu"):
     h = F.rms_norm(x, (x.shape[-1],), g, EPS)
-    return x + F.linear(F.silu(F.linear(h, wg, bg)) * F.linear(h, wu, bu), wd, bd)
+    return x + F.linear(TORCH_ACTIVATIONS[activation](F.linear(h, wg, bg)) * F.linear(h, wu, bu), wd, bd)
 
 
 def biases(shape, f):
@@ -98,6 +103,20 @@ def test_branch_scale_forward_backward_fp32():
         swiglu_mlp(*tensors[:5], EPS, branch_scale=float("nan"))
 
 
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
+def test_other_activations_forward_backward_fp32(activation):
+    """GeGLU (both GELUs) and ReGLU MLPs with biases and a branch scale: the output and every
+    gradient against torch's own activation in fp64."""
+    shape, f, s = (2, 9, 32), 44, 0.5
+    tensors = inputs(shape, f) + biases(shape, f)
+    dy = torch.randn(*shape, device=DEVICE)
+    ours = run(lambda x, g, wg, wu, wd, *b: swiglu_mlp(x, g, wg, wu, wd, EPS, bias=b, branch_scale=s,
+                                                       activation=activation), tensors, dy, torch.float32)
+    ref = run(lambda x, *t: x + s * (unfused(x, *t, activation=activation) - x), tensors, dy, torch.float64)
+    for name, a, b in zip(NAMES + ("db_gate", "db_up", "db_down"), ours, ref):
+        assert rel(a, b) < 2e-5, name
+
+
 def test_backward_epilogues(monkeypatch):
     """The down projection's dgrad is a plain GEMM followed by one SwiGLU-backward kernel, and
     the residual gradient is added in the norm-backward epilogue (no separate sum)."""
@@ -158,15 +177,16 @@ def test_next_norm_statistics_and_producer_stats():
     assert rel(rstd2, torch.rsqrt(x2.square().mean(-1) + 1e-6)) < 1e-6
 
 
-@pytest.mark.parametrize("bias_std", [0, 1, 100], ids=["plain", "bias", "bias_std_100"])
-def test_bf16_within_twice_eager_error(bias_std):
+@pytest.mark.parametrize("bias_std,activation", [(0, "silu"), (1, "silu"), (100, "silu"), (0, "gelu_tanh"),
+                                                 (1, "gelu"), (0, "relu")])
+def test_bf16_within_twice_eager_error(bias_std, activation):
     shape, f = ((64, 48), 40) if INTERPRET else ((2048, 1024), 2816)
     tensors = inputs(shape, f) + (tuple(bias_std * b for b in biases(shape, f)) if bias_std else ())
     dy = torch.randn(*shape, device=DEVICE)
-    ours = run(lambda x, g, wg, wu, wd, *b: swiglu_mlp(x, g, wg, wu, wd, eps=EPS, bias=b or None), tensors, dy,
-               torch.bfloat16)
-    eager = run(unfused, tensors, dy, torch.bfloat16)
-    ref = run(unfused, tensors, dy, torch.float64)
+    ours = run(lambda x, g, wg, wu, wd, *b: swiglu_mlp(x, g, wg, wu, wd, eps=EPS, bias=b or None, activation=activation),
+               tensors, dy, torch.bfloat16)
+    eager = run(lambda *t: unfused(*t, activation=activation), tensors, dy, torch.bfloat16)
+    ref = run(lambda *t: unfused(*t, activation=activation), tensors, dy, torch.float64)
     for name, a, e, r in zip(NAMES + ("db_gate", "db_up", "db_down"), ours, eager, ref):
         assert rel(a, r) <= 2 * rel(e, r) + 1e-4, name
 
@@ -185,21 +205,24 @@ def test_bad_inputs():
         swiglu_mlp(x, g, wg, wu, wd, bias=(None, None))
     with pytest.raises(ValueError, match=r"b_down must be a floating point \[8\]"):
         swiglu_mlp(x, g, wg, wu, wd, bias=(None, None, torch.zeros(6, device=DEVICE)))
+    with pytest.raises(ValueError, match="activation must be one of"):
+        swiglu_mlp(x, g, wg, wu, wd, activation="swish")
 
 
 @pytest.mark.parametrize("next_norm", [False, True])
 def test_custom_ops_pass_opcheck(next_norm):
     x, g, wg, wu, wd = (t.requires_grad_() for t in inputs((6, 16), 8))
     b_up, b_down = torch.randn(8, device=DEVICE, requires_grad=True), torch.randn(16, device=DEVICE, requires_grad=True)
-    for b, scale in (((None, None, None), 1.0), ((None, b_up, b_down), 0.5)):
-        args = (x, g, wg, wu, wd, EPS, None, None, g.detach() if next_norm else None, 1e-6, *b, scale)
+    for b, scale, act in (((None, None, None), 1.0, "silu"), ((None, b_up, b_down), 0.5, "gelu")):
+        args = (x, g, wg, wu, wd, EPS, None, None, g.detach() if next_norm else None, 1e-6, *b, scale, act)
         torch.library.opcheck(torch.ops.codetta.swiglu_mlp.default, args,
                               test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
         z = torch.randn(6, 16, device=DEVICE)
         zz = torch.randn(6, 16, device=DEVICE)
         torch.library.opcheck(torch.ops.codetta.swiglu_mlp_backward.default,
                               (z, x.detach(), g.detach(), wg.detach(), wu.detach(), wd.detach(), zz,
-                               torch.rand(6, device=DEVICE) + 0.5, None, None if b[1] is None else b[1].detach(), scale),
+                               torch.rand(6, device=DEVICE) + 0.5, None, None if b[1] is None else b[1].detach(), scale,
+                               act),
                               test_utils=("test_schema", "test_faketensor"))
 
 

@@ -1,11 +1,19 @@
-"""SwiGLU backward in one memory-bound kernel, with the row dot product the norm backward needs.
+"""Gated-MLP backward in one memory-bound kernel, with the row dot product the norm backward needs.
 
 With z = [z_g | z_u] ([M, 2F]: gate block then up block, as the forward of
-:func:`codetta.ops.rmsnorm_swiglu` stores it), y = silu(z_g) * z_u and dy [M, F],
-s = sigmoid(z_g), everything in fp32:
+:func:`codetta.ops.rmsnorm_swiglu` stores it), y = act(z_g) * z_u and dy [M, F], everything
+in fp32:
 
-    dz_g = dy * z_u * s * (1 + z_g (1 - s)),   dz_u = dy * silu(z_g) = dy * z_g * s
+    dz_g = dy * z_u * act'(z_g),   dz_u = dy * act(z_g)
     zdz_i = sum_k z_ik dz_ik  over the 2F columns (fp32)
+
+for the activations of :mod:`codetta.ops.activations` (s = sigmoid(.), Phi = the normal CDF):
+
+    silu       act = g s(g)                     act' = s (1 + g (1 - s))
+    gelu_tanh  act = g s(2a), a = sqrt(2/pi) (g + 0.044715 g^3)      [= 0.5 g (1 + tanh a)]
+               act' = s + g s (1 - s) 2 sqrt(2/pi) (1 + 3 * 0.044715 g^2)
+    gelu       act = g Phi(g)                   act' = Phi(g) + g exp(-g^2 / 2) / sqrt(2 pi)
+    relu       act = max(g, 0)                  act' = 1 where g > 0, else 0 (as torch)
 
 dz is stored in z's dtype, rounded to nearest even. zdz is taken from dz *after* that
 rounding (each stored value read back as fp32): it is then exactly the row dot product of
@@ -18,7 +26,7 @@ writes those of dz_g and dz_u and one fp32 partial row sum per row into a [M, T]
 (deterministic, no atomics). Offsets are int64 (M * 2F may exceed 2^31); rows may have
 any stride, columns must be contiguous.
 
-Optionally the same pass also writes y = silu(z_g) * z_u (rounded to z's dtype) from the
+Optionally the same pass also writes y = act(z_g) * z_u (rounded to z's dtype) from the
 tiles it has read: one [M, F] write that lets a caller recompute the activation instead of
 keeping it from the forward (:func:`codetta.ops.swiglu_mlp` needs y only for dW_down, in
 this same backward). Computed from the stored z, it is the y eager PyTorch computes from
@@ -36,6 +44,7 @@ from torch import Tensor
 
 from ..interpreter import interpreting
 from ..matmul.mainloop import cast
+from ..ops.activations import check_activation
 from .finish import row_sum
 from .launch import launch
 
@@ -49,10 +58,28 @@ INTERPRET_BLOCK = (16, 64, 1)
 
 
 @triton.jit
+def _activation_and_slope(g, ACTIVATION: tl.constexpr):
+    """(act(g), act'(g)) in fp32 (the module doc's table)."""
+    if ACTIVATION == "silu":
+        s = tl.sigmoid(g)
+        return g * s, s * (1.0 + g * (1.0 - s))
+    elif ACTIVATION == "gelu_tanh":
+        s = tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))  # 2 sqrt(2/pi) = 1.5957...
+        return g * s, s + g * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * g * g)
+    elif ACTIVATION == "gelu":
+        cdf = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))
+        return g * cdf, cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327  # 1 / sqrt(2 pi)
+    else:
+        tl.static_assert(ACTIVATION == "relu")
+        positive = g > 0.0
+        return tl.where(positive, g, 0.0), tl.where(positive, 1.0, 0.0)
+
+
+@triton.jit
 def _swiglu_backward_kernel(
     dy_ptr, z_ptr, dz_ptr, part_ptr, y_ptr, M, F,
     dy_s0, z_s0, dz_s0, part_s0, y_s0,
-    BM: tl.constexpr, BF: tl.constexpr, STORE_Y: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    BM: tl.constexpr, BF: tl.constexpr, ACTIVATION: tl.constexpr, STORE_Y: tl.constexpr, EMULATE_RNE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_f = tl.program_id(1)
@@ -68,9 +95,9 @@ def _swiglu_backward_kernel(
     g = tl.load(z_row + cols64, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(z_row + F + cols64, mask=mask, other=0.0).to(tl.float32)
 
-    s = tl.sigmoid(g)
-    dg = dy * u * s * (1.0 + g * (1.0 - s))
-    du = dy * (g * s)
+    act, slope = _activation_and_slope(g, ACTIVATION)
+    dg = dy * u * slope
+    du = dy * act
 
     dg_st = cast(dg, dz_ptr.dtype.element_ty, EMULATE_RNE)
     du_st = cast(du, dz_ptr.dtype.element_ty, EMULATE_RNE)
@@ -78,7 +105,7 @@ def _swiglu_backward_kernel(
     tl.store(dz_row + cols64, dg_st, mask=mask)
     tl.store(dz_row + F + cols64, du_st, mask=mask)
     if STORE_Y:
-        y = cast(g * s * u, y_ptr.dtype.element_ty, EMULATE_RNE)
+        y = cast(act * u, y_ptr.dtype.element_ty, EMULATE_RNE)
         tl.store(y_ptr + rows64[:, None] * y_s0 + cols64, y, mask=mask)
 
     # masked lanes hold g = u = 0, so they add nothing
@@ -90,16 +117,17 @@ def _rows_contiguous(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def swiglu_backward(dy: Tensor, z: Tensor, *, out: Optional[Tensor] = None, y_out: Optional[Tensor] = None,
-                    block: Optional[tuple[int, int, int]] = None) -> tuple[Tensor, Tensor]:
-    """(dz, zdz) of y = silu(z_g) * z_u given dy; see the module doc for the math.
+def swiglu_backward(dy: Tensor, z: Tensor, *, activation: str = "silu", out: Optional[Tensor] = None,
+                    y_out: Optional[Tensor] = None, block: Optional[tuple[int, int, int]] = None) -> tuple[Tensor, Tensor]:
+    """(dz, zdz) of y = act(z_g) * z_u given dy; see the module doc for the math.
 
     Args:
         dy: [M, F]; z: [M, 2F] = [z_g | z_u] in the same dtype as dy. Any row strides.
+        activation: act, one of :data:`codetta.ops.activations.GATE_ACTIVATIONS` (SiLU: SwiGLU).
         out: optional [M, 2F] tensor of z's dtype with contiguous columns to write dz into
             (it may be a view of a larger tensor: nothing outside it is written).
         y_out: optional [M, F] tensor of z's dtype with contiguous columns: the pass also
-            writes y = silu(z_g) * z_u into it.
+            writes y = act(z_g) * z_u into it.
         block: optional (rows, columns, num_warps) per program; by default one that suits
             a GPU, or a small one under Triton's interpreter.
     Returns:
@@ -124,6 +152,6 @@ def swiglu_backward(dy: Tensor, z: Tensor, *, out: Optional[Tensor] = None, y_ou
     y = out if y_out is None else y_out  # not written without y_out
     launch(_swiglu_backward_kernel, grid,
         dy, z, out, part, y, m, f, dy.stride(0), z.stride(0), out.stride(0), part.stride(0), y.stride(0),
-        BM=bm, BF=bf, STORE_Y=y_out is not None, EMULATE_RNE=interpreting(), num_warps=warps,
+        BM=bm, BF=bf, ACTIVATION=check_activation(activation), STORE_Y=y_out is not None, EMULATE_RNE=interpreting(), num_warps=warps,
     )
     return out, row_sum(part)

@@ -2,9 +2,10 @@
 
 With h = RMSNorm(x) (:mod:`codetta.ops.rmsnorm`) and W_g, W_u [F, d], W_d [d, F]:
 
-    z = [z_g | z_u] = h [W_g; W_u]^T (+ [b_g | b_u]),   y = silu(z_g) * z_u,   x2 = y W_d^T (+ b_d) + x
+    z = [z_g | z_u] = h [W_g; W_u]^T (+ [b_g | b_u]),   y = act(z_g) * z_u,   x2 = y W_d^T (+ b_d) + x
 
-(the biases where the projections have them: Llama's ``mlp_bias``; with a branch scale s,
+(act SiLU, or another of :mod:`codetta.ops.activations`: GELU for GeGLU; the biases where the
+projections have them: Llama's ``mlp_bias``; with a branch scale s,
 x2 = s (y W_d^T + b_d) + x, and the backward below starts from s dx2 for the branch).
 
 Forward: the SwiGLU GEMM of :func:`codetta.ops.rmsnorm_swiglu`, then the producer GEMM of
@@ -14,7 +15,7 @@ Backward, given dx2, in three GEMMs and their weight gradients:
 
 1. dy = dx2 W_d (a plain GEMM), then dz = [dz_g | dz_u] and zdz_i = sum_k z_ik dz_ik from
    the SwiGLU-backward kernel of :mod:`codetta.kernels.swiglu`, which also recomputes
-   y = silu(z_g) * z_u from the z it reads; dW_d = dx2^T y; db_d = sum over rows of dx2,
+   y = act(z_g) * z_u from the z it reads; dW_d = dx2^T y; db_d = sum over rows of dx2,
    [db_g | db_u] = sum over rows of dz.
    Running the SwiGLU backward in the dgrad's epilogue instead (z_g, z_u read as aux tiles,
    dz stored from the tile) saves one [M, F] write and read of dy, but on the H200 it was
@@ -43,6 +44,7 @@ from torch import Tensor
 
 from ..kernels.swiglu import swiglu_backward
 from ..matmul import gemm
+from .activations import check_activation
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .rmsnorm import (NormStats, _check_norm_inputs, _linear_residual_op, _weight_k, check_branch_scale, check_eps,
@@ -56,18 +58,18 @@ from .shapes import check_biases, rows
 def _mlp_op(
     x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, eps: float, u: Optional[Tensor],
     rstd: Optional[Tensor], next_norm_weight: Optional[Tensor], next_eps: float, b_gate: Optional[Tensor],
-    b_up: Optional[Tensor], b_down: Optional[Tensor], branch_scale: float,
+    b_up: Optional[Tensor], b_down: Optional[Tensor], branch_scale: float, activation: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(x2, u2, rstd2, z, rstd): x2 and its next norm's statistics (empty without
     next_norm_weight), then what the backward keeps."""
-    y, z, rstd_out = _rmsnorm_swiglu_op.impl(x, norm_weight, w_gate, w_up, eps, u, rstd, b_gate, b_up)
+    y, z, rstd_out = _rmsnorm_swiglu_op.impl(x, norm_weight, w_gate, w_up, eps, u, rstd, b_gate, b_up, activation)
     x2, u2, rstd2 = _linear_residual_op.impl(y, [w_down], x, b_down, next_norm_weight, next_eps, branch_scale)
     return x2, u2, rstd2, z, rstd_out
 
 
 @_mlp_op.register_fake
 def _(x, norm_weight, w_gate, w_up, w_down, eps, u, rstd, next_norm_weight, next_eps, b_gate, b_up, b_down,
-      branch_scale):
+      branch_scale, activation):
     m, f, low = x.numel() // x.shape[-1], w_gate.shape[0], w_gate.dtype
     stats = (x.new_empty(m, x.shape[-1], dtype=low), x.new_empty(m, dtype=torch.float32)) if next_norm_weight is not None \
         else (x.new_empty(0), x.new_empty(0, dtype=torch.float32))
@@ -75,7 +77,7 @@ def _(x, norm_weight, w_gate, w_up, w_down, eps, u, rstd, next_norm_weight, next
 
 
 def swiglu_mlp_backward(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, b_gate=None, b_up=None, branch_scale=1.0,
-                        dweights_into=()):
+                        activation="silu", dweights_into=()):
     """(dx, dnorm_weight, the weight gradients of W_gate and W_up as
     :func:`codetta.ops.weight_grads.weight_grads` gives them, dW_down, the gate and up biases'
     gradient sums of :func:`codetta.ops.swiglu.bias_grad_sums`) given dx2 (the module doc's backward;
@@ -84,7 +86,7 @@ def swiglu_mlp_backward(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, b_ga
     f, d = w_gate.shape
     dx2_2 = rows(scaled(dx2, branch_scale)).to(w_down.dtype).contiguous()  # the branch's gradient as the GEMMs' operand
     y = z.new_empty(z.shape[0], f)
-    dz, zdz = swiglu_backward(gemm(dx2_2, _weight_k([w_down])), z, y_out=y)
+    dz, zdz = swiglu_backward(gemm(dx2_2, _weight_k([w_down])), z, activation=activation, y_out=y)
     dw_down = weight_grad(dx2_2, y, into[2])
     if b_gate is not None or b_up is not None:
         zdz = None  # z holds z + b: the row term from dL/dh (codetta.ops.rmsnorm)
@@ -96,13 +98,14 @@ def swiglu_mlp_backward(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, b_ga
 @direct_op("codetta::swiglu_mlp_backward")
 def _mlp_backward_op(
     dx2: Tensor, x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, z: Tensor, rstd: Tensor,
-    b_gate: Optional[Tensor], b_up: Optional[Tensor], branch_scale: float,
+    b_gate: Optional[Tensor], b_up: Optional[Tensor], branch_scale: float, activation: str,
 ) -> tuple[Tensor, Tensor, list[Tensor], Tensor, Tensor]:
-    return swiglu_mlp_backward(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, b_gate, b_up, branch_scale)
+    return swiglu_mlp_backward(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, b_gate, b_up, branch_scale,
+                               activation)
 
 
 @_mlp_backward_op.register_fake
-def _(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, b_gate, b_up, branch_scale):
+def _(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, b_gate, b_up, branch_scale, activation):
     has_bias = b_gate is not None or b_up is not None
     return (torch.empty_like(x), torch.empty_like(norm_weight), stacked_like([w_gate, w_up]), torch.empty_like(w_down),
             x.new_empty(z.shape[1] if has_bias else 0, dtype=torch.float32))
@@ -110,20 +113,21 @@ def _(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, b_gate, b_up, branch_s
 
 def _setup(ctx, inputs, output):
     only_first_output_differentiable(ctx, output)
-    x, norm_weight, w_gate, w_up, w_down, _, u, rstd, _, _, b_gate, b_up, b_down, branch_scale = inputs
+    x, norm_weight, w_gate, w_up, w_down, _, u, rstd, _, _, b_gate, b_up, b_down, branch_scale, activation = inputs
     *_, z, rstd_out = output
-    ctx.has_down_bias, ctx.branch_scale = b_down is not None, branch_scale
+    ctx.has_down_bias, ctx.branch_scale, ctx.activation = b_down is not None, branch_scale, activation
     ctx.save_for_backward(x, norm_weight, w_gate, w_up, w_down, z, used_rstd(u, rstd, rstd_out), b_gate, b_up)
 
 
 def _backward(ctx, dx2, *_unused):
     x, norm_weight, w_gate, w_up, w_down, z, rstd, b_gate, b_up = ctx.saved_tensors
     grads = run_backward(ctx, [w_gate, w_up, w_down], _mlp_backward_op, swiglu_mlp_backward,
-                         dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, b_gate, b_up, ctx.branch_scale)
+                         dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, b_gate, b_up, ctx.branch_scale,
+                         ctx.activation)
     dx, dg, dws_gate_up, dw_down, dbias = grads
     db_down = rows(dx2).sum(0) * ctx.branch_scale if ctx.has_down_bias else None
     return (dx, dg, *for_autograd(dws_gate_up, [w_gate, w_up]), *for_autograd([dw_down], [w_down]), *(None,) * 5,
-            *bias_grads(dbias, b_gate, b_up), db_down, None)
+            *bias_grads(dbias, b_gate, b_up), db_down, None, None)
 
 
 _mlp_op.register_autograd(_backward, setup_context=_setup)
@@ -132,9 +136,11 @@ _mlp_op.register_autograd(_backward, setup_context=_setup)
 @casts_under_autocast("w_gate", "w_up", "w_down", "stats", "bias", streams=("x",))
 def swiglu_mlp(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, eps: float = 1e-6, *,
                stats=None, next_norm_weight: Tensor | None = None, next_eps: float = 1e-6, bias: tuple | None = None,
-               branch_scale: float = 1.0):
-    """``x + s ((silu(h W_g^T + b_g) * (h W_u^T + b_u)) W_d^T + b_d)`` with h = ``F.rms_norm(x, (d,),
-    norm_weight, eps)`` and s = ``branch_scale`` (1, or Granite's residual multiplier).
+               branch_scale: float = 1.0, activation: str = "silu"):
+    """``x + s ((act(h W_g^T + b_g) * (h W_u^T + b_u)) W_d^T + b_d)`` with h = ``F.rms_norm(x, (d,),
+    norm_weight, eps)``, s = ``branch_scale`` (1, or Granite's residual multiplier) and act =
+    ``activation``: ``"silu"`` (SwiGLU), ``"gelu"`` (erf), ``"gelu_tanh"`` or ``"relu"``
+    (:mod:`codetta.ops.activations`).
 
     Args:
         x: [..., d]; norm_weight: [d]; w_gate, w_up: [F, d]; w_down: [d, F], as nn.Linear stores them.
@@ -160,11 +166,12 @@ def swiglu_mlp(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_d
     biases = check_biases(bias, ("b_gate", "b_up", "b_down"), (f, f, d), x.device)
     u, rstd = given_stats(x, stats, w_gate.dtype, norm_weight, eps)
     x2, u2, rstd2, *_ = _mlp_op(x, norm_weight, w_gate, w_up, w_down, float(eps), u, rstd, next_norm_weight,
-                                float(next_eps), *biases, check_branch_scale(branch_scale))
+                                float(next_eps), *biases, check_branch_scale(branch_scale), check_activation(activation))
     return x2 if next_norm_weight is None else (x2, NormStats.of(u2, rstd2, x2, next_norm_weight, next_eps))
 
 
-def swiglu_mlp_reference(x, norm_weight, w_gate, w_up, w_down, eps=1e-6, bias=None, branch_scale=1.0):
+def swiglu_mlp_reference(x, norm_weight, w_gate, w_up, w_down, eps=1e-6, bias=None, branch_scale=1.0,
+                         activation="silu"):
     b_gate, b_up, b_down = bias if bias is not None else (None, None, None)
-    return x + branch_scale * torch.nn.functional.linear(rmsnorm_swiglu_reference(x, norm_weight, w_gate, w_up, eps, (b_gate, b_up)),
-                                          w_down, b_down)
+    y = rmsnorm_swiglu_reference(x, norm_weight, w_gate, w_up, eps, (b_gate, b_up), activation)
+    return x + branch_scale * torch.nn.functional.linear(y, w_down, b_down)

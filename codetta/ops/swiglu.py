@@ -1,8 +1,10 @@
-"""RMSNorm -> gate/up projection -> SwiGLU in one GEMM, and its backward.
+"""RMSNorm -> gate/up projection -> SwiGLU (or another gated activation) in one GEMM, and its backward.
 
 With h = RMSNorm(x) (see :mod:`codetta.ops.rmsnorm`), W_g, W_u [F, d]:
 
-    z_g = h W_g^T (+ b_g),  z_u = h W_u^T (+ b_u),  y = silu(z_g) * z_u
+    z_g = h W_g^T (+ b_g),  z_u = h W_u^T (+ b_u),  y = act(z_g) * z_u
+
+act is SiLU (SwiGLU) by default, or another of :mod:`codetta.ops.activations` (GELU: GeGLU).
 
 Forward: one GEMM reads u = x g against W_gu = [W_g; W_u] *row-interleaved* (row 2j is
 W_g's row j, row 2j + 1 W_u's), so that each (gate, up) pair sits in adjacent columns of a
@@ -15,9 +17,9 @@ GEMM at d = 4096): ``codetta.interleave`` reads the two weights without a copy, 
 dots of half width per tile, which read each A tile from shared memory twice; on an H200
 that made the whole op 1.22x its GEMM time (an earlier ops_bench run).
 
-Backward, given dy [M, F] (s = sigmoid(z_g), fp32 math):
+Backward, given dy [M, F] (fp32 math; act' as :mod:`codetta.kernels.swiglu` lists it):
 
-    dz_g = dy * z_u * s * (1 + z_g (1 - s)),   dz_u = dy * silu(z_g)
+    dz_g = dy * z_u * act'(z_g),   dz_u = dy * act(z_g)
     zdz_i = sum_k z_ik dz_ik   (over the 2F columns: the row dot product of the norm backward)
 
 1. one memory-bound kernel (:func:`codetta.kernels.swiglu.swiglu_backward`) reads dy and
@@ -45,6 +47,7 @@ from .. import epilogue as ep
 from ..matmul import gemm
 from ..kernels.swiglu import swiglu_backward
 from .rmsnorm import _check_norm_inputs, given_stats, norm_operands, rmsnorm_linear_backward, rstd_like, used_rstd
+from .activations import check_activation, eager_activation, epilogue_activation
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .weight_grads import for_autograd, run_backward, stacked_like
@@ -52,13 +55,13 @@ from .shapes import check_biases, concat_biases, rows
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_program(with_bias: bool) -> ep.Program:
-    p = ep.Program("rmsnorm_swiglu" + ("_bias" if with_bias else ""))
+def _forward_program(with_bias: bool, activation: str) -> ep.Program:
+    p = ep.Program(f"rmsnorm_{activation}_glu" + ("_bias" if with_bias else ""))
     z = p.acc * p.row("rstd")
     gate, up = ep.pairs(z + p.col("bias") if with_bias else z)
     p.store("z_gate", gate)
     p.store("z_up", up)
-    p.store("y", ep.silu(gate) * up)
+    p.store("y", epilogue_activation(activation)(gate) * up)
     return p
 
 
@@ -83,14 +86,14 @@ def bias_grads(sums: Tensor, b_gate: Optional[Tensor], b_up: Optional[Tensor]) -
 
 
 def swiglu_forward(x2: Tensor, u: Tensor, rstd: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor],
-                   b_up: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+                   b_up: Optional[Tensor], activation: str) -> tuple[Tensor, Tensor]:
     """(y [M, F], z [M, 2F]) of the rows x2 given their norm operands u and rstd (the module doc's forward)."""
     d, f = x2.shape[-1], w_gate.shape[0]
     z = x2.new_empty(x2.shape[0], 2 * f, dtype=w_gate.dtype)
     w_gate_up = torch.stack((w_gate, w_up), dim=1).reshape(2 * f, d)  # rows g0, u0, g1, u1, ...
     biases = concat_biases((b_gate, b_up), (f, f))  # [b_g | b_u], z's column order
     operands = dict(rstd=rstd) if biases is None else dict(rstd=rstd, bias=_interleaved(biases))
-    out = gemm(u.reshape(x2.shape), w_gate_up.t(), _forward_program(biases is not None),
+    out = gemm(u.reshape(x2.shape), w_gate_up.t(), _forward_program(biases is not None, activation),
                out={"z_gate": z[:, :f], "z_up": z[:, f:]}, **operands)
     return out["y"], z
 
@@ -98,25 +101,26 @@ def swiglu_forward(x2: Tensor, u: Tensor, rstd: Tensor, w_gate: Tensor, w_up: Te
 @direct_op("codetta::rmsnorm_swiglu")
 def _rmsnorm_swiglu_op(
     x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, eps: float, u: Optional[Tensor], rstd: Optional[Tensor],
-    b_gate: Optional[Tensor], b_up: Optional[Tensor],
+    b_gate: Optional[Tensor], b_up: Optional[Tensor], activation: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     x2 = rows(x)
     u, rstd, rstd_out = norm_operands(x2, norm_weight, eps, w_gate.dtype, u, rstd)
-    y, z = swiglu_forward(x2, u, rstd, w_gate, w_up, b_gate, b_up)
+    y, z = swiglu_forward(x2, u, rstd, w_gate, w_up, b_gate, b_up, activation)
     return y.reshape(*x.shape[:-1], y.shape[-1]), z, rstd_out
 
 
 @_rmsnorm_swiglu_op.register_fake
-def _(x, norm_weight, w_gate, w_up, eps, u, rstd, b_gate, b_up):
+def _(x, norm_weight, w_gate, w_up, eps, u, rstd, b_gate, b_up, activation):
     m, f = x.numel() // x.shape[-1], w_gate.shape[0]
     return (x.new_empty(*x.shape[:-1], f, dtype=w_gate.dtype), x.new_empty(m, 2 * f, dtype=w_gate.dtype),
             rstd_like(x, u, rstd))
 
 
-def rmsnorm_swiglu_backward(dy, z, x, norm_weight, w_gate, w_up, rstd, b_gate=None, b_up=None, dweights_into=()):
+def rmsnorm_swiglu_backward(dy, z, x, norm_weight, w_gate, w_up, rstd, b_gate=None, b_up=None, activation="silu",
+                            dweights_into=()):
     """(dx, dnorm_weight, the weight gradients of W_gate and W_up as :func:`codetta.ops.weight_grads.weight_grads`
     gives them, the biases' gradient sums of :func:`bias_grad_sums`) given dy (the module doc's steps 1 and 2)."""
-    dz, zdz = swiglu_backward(dy.reshape(z.shape[0], z.shape[1] // 2).to(z.dtype), z)
+    dz, zdz = swiglu_backward(dy.reshape(z.shape[0], z.shape[1] // 2).to(z.dtype), z, activation=activation)
     if b_gate is not None or b_up is not None:
         zdz = None  # z holds z + b: the row term from dL/dh (codetta.ops.rmsnorm)
     return (*rmsnorm_linear_backward(dz, zdz, x, norm_weight, [w_gate, w_up], rstd, dweights_into),
@@ -126,13 +130,13 @@ def rmsnorm_swiglu_backward(dy, z, x, norm_weight, w_gate, w_up, rstd, b_gate=No
 @direct_op("codetta::rmsnorm_swiglu_backward")
 def _rmsnorm_swiglu_backward_op(
     dy: Tensor, z: Tensor, x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, rstd: Tensor,
-    b_gate: Optional[Tensor], b_up: Optional[Tensor],
+    b_gate: Optional[Tensor], b_up: Optional[Tensor], activation: str,
 ) -> tuple[Tensor, Tensor, list[Tensor], Tensor]:
-    return rmsnorm_swiglu_backward(dy, z, x, norm_weight, w_gate, w_up, rstd, b_gate, b_up)
+    return rmsnorm_swiglu_backward(dy, z, x, norm_weight, w_gate, w_up, rstd, b_gate, b_up, activation)
 
 
 @_rmsnorm_swiglu_backward_op.register_fake
-def _(dy, z, x, norm_weight, w_gate, w_up, rstd, b_gate, b_up):
+def _(dy, z, x, norm_weight, w_gate, w_up, rstd, b_gate, b_up, activation):
     has_bias = b_gate is not None or b_up is not None
     return (torch.empty_like(x), torch.empty_like(norm_weight), stacked_like([w_gate, w_up]),
             x.new_empty(z.shape[1] if has_bias else 0, dtype=torch.float32))
@@ -140,16 +144,17 @@ def _(dy, z, x, norm_weight, w_gate, w_up, rstd, b_gate, b_up):
 
 def _setup(ctx, inputs, output):
     only_first_output_differentiable(ctx, output)
-    x, norm_weight, w_gate, w_up, eps, u, rstd, b_gate, b_up = inputs
+    x, norm_weight, w_gate, w_up, eps, u, rstd, b_gate, b_up, activation = inputs
     _, z, rstd_out = output
+    ctx.activation = activation
     ctx.save_for_backward(z, x, norm_weight, w_gate, w_up, used_rstd(u, rstd, rstd_out), b_gate, b_up)
 
 
 def _backward(ctx, dy, _dz, _drstd):
     z, x, norm_weight, w_gate, w_up, rstd, b_gate, b_up = ctx.saved_tensors
     dx, dg, dws, dbias = run_backward(ctx, [w_gate, w_up], _rmsnorm_swiglu_backward_op, rmsnorm_swiglu_backward,
-                                      dy, z, x, norm_weight, w_gate, w_up, rstd, b_gate, b_up)
-    return dx, dg, *for_autograd(dws, [w_gate, w_up]), None, None, None, *bias_grads(dbias, b_gate, b_up)
+                                      dy, z, x, norm_weight, w_gate, w_up, rstd, b_gate, b_up, ctx.activation)
+    return dx, dg, *for_autograd(dws, [w_gate, w_up]), None, None, None, *bias_grads(dbias, b_gate, b_up), None
 
 
 _rmsnorm_swiglu_op.register_autograd(_backward, setup_context=_setup)
@@ -157,13 +162,15 @@ _rmsnorm_swiglu_op.register_autograd(_backward, setup_context=_setup)
 
 @casts_under_autocast("w_gate", "w_up", "stats", "bias", streams=("x",))
 def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, eps: float = 1e-6, *, stats=None,
-                   bias: tuple | None = None):
-    """``silu(h W_g^T + b_g) * (h W_u^T + b_u)`` with h = ``F.rms_norm(x, (d,), norm_weight, eps)``, fused.
+                   bias: tuple | None = None, activation: str = "silu"):
+    """``act(h W_g^T + b_g) * (h W_u^T + b_u)`` with h = ``F.rms_norm(x, (d,), norm_weight, eps)``, fused.
 
     Args:
         x: [..., d]; norm_weight: [d]; w_gate, w_up: [F, d] as nn.Linear stores them.
         stats: optional (u, rstd) from :func:`codetta.ops.linear_residual`.
         bias: optional (b_gate, b_up), each [F] or None (Llama's ``mlp_bias``).
+        activation: act: ``"silu"`` (SwiGLU), ``"gelu"`` (erf), ``"gelu_tanh"`` or ``"relu"``
+            (:mod:`codetta.ops.activations`).
         x may be fp32 with 16-bit weights (a wider residual stream, :mod:`codetta.ops.rmsnorm`).
     Returns:
         y [..., F] in the weights' dtype.
@@ -174,10 +181,11 @@ def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor,
     f = w_gate.shape[0]
     b_gate, b_up = check_biases(bias, ("b_gate", "b_up"), (f, f), x.device)
     u, rstd = given_stats(x, stats, w_gate.dtype, norm_weight, eps)
-    return _rmsnorm_swiglu_op(x, norm_weight, w_gate, w_up, float(eps), u, rstd, b_gate, b_up)[0]
+    return _rmsnorm_swiglu_op(x, norm_weight, w_gate, w_up, float(eps), u, rstd, b_gate, b_up,
+                              check_activation(activation))[0]
 
 
-def rmsnorm_swiglu_reference(x, norm_weight, w_gate, w_up, eps=1e-6, bias=None):
+def rmsnorm_swiglu_reference(x, norm_weight, w_gate, w_up, eps=1e-6, bias=None, activation="silu"):
     b_gate, b_up = bias if bias is not None else (None, None)
     h = F.rms_norm(x, (x.shape[-1],), norm_weight, eps)
-    return F.silu(F.linear(h, w_gate, b_gate)) * F.linear(h, w_up, b_up)
+    return eager_activation(activation)(F.linear(h, w_gate, b_gate)) * F.linear(h, w_up, b_up)

@@ -73,7 +73,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
 
     Models: the causal LMs of the families in :data:`.architectures.ARCHITECTURES` (Llama, Mistral,
     Qwen2, Qwen3, Ministral, Ministral3, Cwm, SmolLM3, Helium, Ernie4_5, Phi3, Glm, SeedOss,
-    Granite: ``LlamaForCausalLM``, ...),
+    Granite, Gemma: ``LlamaForCausalLM``, ...),
     their bare decoder stacks (``LlamaModel``, ...) and the other heads transformers puts on them
     (``...ForSequenceClassification``, ``...ForTokenClassification``, ``...ForQuestionAnswering``).
 
@@ -81,8 +81,9 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
         before it); rope: RoPE in the QKV GEMM's epilogue (with Qwen3's QK-norm before it,
         in the same epilogue; a model whose head_dim, or whose rotary dims with a partial RoPE,
         are no power of two dividing head_dim keeps the model's own RoPE, after the norm-folded
-        QKV GEMM, with a warning); swiglu: SwiGLU in the gate/up
-        GEMM's epilogue;
+        QKV GEMM, with a warning); swiglu: the gated MLP's activation in the gate/up
+        GEMM's epilogue (SwiGLU; GELU and ReLU gates too, see :func:`.architectures.gate_activation`;
+        any other activation module runs as itself after that GEMM, with a warning);
         cross_entropy: LM head + loss fused when labels are given in training mode (``logits`` is
             then None; in eval mode the model's own head and loss run and return the logits).
             A causal LM's only: the other models have no LM loss, and their heads and losses run

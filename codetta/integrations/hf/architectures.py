@@ -1,22 +1,25 @@
 """Which Hugging Face models codetta patches, and the checks that refuse anything else.
 
 A supported decoder layer is Llama-shaped: ``input_layernorm`` and
-``post_attention_layernorm`` (RMSNorm: ``weight``, ``variance_epsilon``), ``self_attn``
-with ``q_proj``, ``k_proj``, ``v_proj`` (or one ``qkv_proj``: Phi-3), ``o_proj`` (optionally
-``q_norm``, ``k_norm``: QK-norm, RMSNorms over ``head_dim`` with one epsilon) and ``mlp``
-with ``gate_proj``, ``up_proj`` (or one ``gate_up_proj``: Phi-3, GLM), ``down_proj`` and SiLU.
-A new family of that shape is one more entry in :data:`ARCHITECTURES`.
+``post_attention_layernorm`` (RMSNorm: ``weight``, ``variance_epsilon``; Gemma's: 1 + ``weight``,
+``eps``), ``self_attn`` with ``q_proj``, ``k_proj``, ``v_proj`` (or one ``qkv_proj``: Phi-3),
+``o_proj`` (optionally ``q_norm``, ``k_norm``: QK-norm, RMSNorms over ``head_dim`` with one
+epsilon) and a gated ``mlp``: ``gate_proj``, ``up_proj`` (or one ``gate_up_proj``: Phi-3,
+GLM), ``down_proj`` and an activation of the gate. A new family of that shape is one more
+entry in :data:`ARCHITECTURES`.
 
 The fused forward reads the projections' ``weight`` and ``bias`` and the norms' ``weight``
-and ``variance_epsilon`` directly, and replaces the forwards of the layer, its attention
-and its MLP. That computes what the modules compute only when each projection is a plain
-``nn.Linear`` (a subclass is fine if it keeps ``nn.Linear.forward``, as FSDP2's do), not a
-wrapper whose forward adds something (PEFT's LoRA layers) or computes otherwise (quantized
-layers), when the attention, the MLP and each norm run the forward of the model's own
-class (:class:`ModelClasses`), and the MLP's activation is SiLU. :func:`why_unfusable` says
-when a layer's modules are not so; such a layer runs the model's own forward instead (see
-:mod:`codetta.integrations.hf.layer`). A decoder layer whose class has a forward of its
-own is refused at patch time: the fused forward would replace it.
+and epsilon directly, and replaces the forwards of the layer, its attention and its MLP.
+That computes what the modules compute only when each projection is a plain ``nn.Linear``
+(a subclass is fine if it keeps ``nn.Linear.forward``, as FSDP2's do), not a wrapper whose
+forward adds something (PEFT's LoRA layers) or computes otherwise (quantized layers), and
+when the attention, the MLP and each norm run the forward of the model's own class
+(:class:`ModelClasses`). :func:`why_unfusable` says when a layer's modules are not so; such
+a layer runs the model's own forward instead (see :mod:`codetta.integrations.hf.layer`). A
+decoder layer whose class has a forward of its own is refused at patch time: the fused
+forward would replace it. The MLP's activation runs in the gate/up GEMM's epilogue where
+:func:`gate_activation` names it (SiLU, both GELUs, ReLU), else as the module it is, between
+that GEMM and the down projection.
 """
 
 from __future__ import annotations
@@ -68,6 +71,10 @@ class Architecture:
     # residual add, and the causal LM divides its logits by ``config.logits_scaling`` (Granite;
     # its attention's ``scaling`` and embedding multiplier are the model's own code's)
     multipliers: bool = False
+    # What the RMSNorms multiply the normalized input by: ``weight`` + this offset (Gemma's
+    # 1 + weight, computed in fp32 as its norm does), and the name of their epsilon attribute
+    norm_weight_offset: float = 0.0
+    norm_eps: str = "variance_epsilon"
 
     @property
     def projections(self) -> tuple:
@@ -106,6 +113,17 @@ class Architecture:
         if self.residual_dropout == "rates":
             return layer.self_attn.residual_dropout, layer.mlp.residual_dropout
         return ()
+
+    def norm_weight(self, norm) -> torch.Tensor:
+        """The weight an RMSNorm module multiplies by (its ``weight``, or ``weight`` + offset in fp32:
+        autograd takes the gradient back to ``weight``). Read once per use: a parametrized weight is
+        made anew at each read."""
+        if self.norm_weight_offset:
+            return norm.weight.float() + self.norm_weight_offset
+        return norm.weight
+
+    def norm_epsilon(self, norm) -> float:
+        return getattr(norm, self.norm_eps)
 
     def branch_scale(self, layer) -> float:
         """What the layer multiplies each sublayer's output by before the residual add."""
@@ -148,6 +166,7 @@ ARCHITECTURES = {
     "SeedOss": Architecture(residual_dropout="rates"),
     "Granite": Architecture(multipliers=True),
     "Glm": Architecture(interleaved_rope=True, fused_gate_up=True, partial_rotary=True),
+    "Gemma": Architecture(norm_weight_offset=1.0, norm_eps="eps"),
 }
 # The classes of a family that codetta patches: the causal LM (its decoder layers, and its LM head +
 # loss), the bare decoder stack and the other task heads on it (their decoder layers).
@@ -238,7 +257,28 @@ def stored_weight(module) -> torch.Tensor:
     return module.weight
 
 
-_SILU = tuple(cls for cls in (torch.nn.SiLU, getattr(activations, "SiLUActivation", None)) if cls is not None)
+# activation modules by what they compute (as :func:`codetta.ops.swiglu_mlp` names it); transformers'
+# GELUActivation and GELUTanh compute their GELU in PyTorch or in Python by the same formula,
+# NewGELUActivation is the tanh form in Python
+_GATE_ACTIVATIONS = {
+    torch.nn.SiLU: "silu", torch.nn.ReLU: "relu",
+    **{getattr(activations, cls): name for cls, name in (
+        ("SiLUActivation", "silu"), ("GELUActivation", "gelu"), ("GELUTanh", "gelu_tanh"),
+        ("NewGELUActivation", "gelu_tanh")) if hasattr(activations, cls)},
+}
+
+
+def gate_activation(module):
+    """What an MLP's activation module computes, by the name :func:`codetta.ops.swiglu_mlp` takes
+    ("silu", "gelu", "gelu_tanh", "relu"); None for any other module, or one with a forward set
+    on the instance."""
+    if "forward" in module.__dict__:
+        return None
+    if type(module) is torch.nn.GELU:
+        return "gelu_tanh" if module.approximate == "tanh" else "gelu"
+    return _GATE_ACTIVATIONS.get(type(module))
+
+
 _TRANSFORMERS_RECORDER = "output_capturing_hook"  # transformers' recorder of attentions and hidden states
 
 
@@ -291,8 +331,7 @@ def why_unfusable(modules: tuple, arch: Architecture, classes: ModelClasses):
             if not is_plain_linear(module):
                 return f"{path} is a {class_name(module)}, not a plain torch.nn.Linear"
         elif path == arch.activation:
-            if not isinstance(module, _SILU):
-                return f"{path} is a {type(module).__name__}, not SiLU"
+            continue  # any module: run in the epilogue where gate_activation names it, else as itself
         elif path in RESIDUAL_DROPOUTS:
             if type(module).forward is not torch.nn.Dropout.forward:
                 return f"{path} is a {type(module).__name__}, not torch.nn.Dropout"
@@ -338,10 +377,6 @@ def _need(obj, path, what):
 
 def check_model(model, arch: Architecture, classes: ModelClasses):
     """Raise UnsupportedModelError unless every layer has the shape the fused forward assumes."""
-    config = model.config
-    act = getattr(config, "hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise UnsupportedModelError(f"the MLP activation is {act!r}; codetta fuses SwiGLU (silu). Nothing was patched.")
     dtype = next(model.parameters()).dtype
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise UnsupportedModelError(f"the model is in {dtype}; codetta's kernels take float16, bfloat16 and "
@@ -356,18 +391,18 @@ def check_model(model, arch: Architecture, classes: ModelClasses):
             raise UnsupportedModelError(f"{what} has a forward of its own (not {classes.layer.__name__}'s), which the "
                                         "fused forward would replace; a wrapper of the layer (activation checkpointing, "
                                         "FSDP) is added after patching. Nothing was patched.")
-        for path in ("input_layernorm.weight", "input_layernorm.variance_epsilon", "post_attention_layernorm.weight",
-                     "self_attn.head_dim", "self_attn.scaling", *arch.projections, arch.activation,
+        for path in ("input_layernorm.weight", f"input_layernorm.{arch.norm_eps}", "post_attention_layernorm.weight",
+                     f"post_attention_layernorm.{arch.norm_eps}", "self_attn.head_dim", "self_attn.scaling", *arch.projections, arch.activation,
                      *(RESIDUAL_DROPOUTS if arch.residual_dropout == "modules" else ()),
                      *(("self_attn.residual_dropout", "mlp.residual_dropout") if arch.residual_dropout == "rates" else ()),
                      *(("residual_multiplier",) if arch.multipliers else ())):
             _need(layer, path, what)
         attn = layer.self_attn
         if arch.qk_norm:
-            for path in ("q_norm.weight", "q_norm.variance_epsilon", "k_norm.weight", "k_norm.variance_epsilon"):
+            for path in ("q_norm.weight", f"q_norm.{arch.norm_eps}", "k_norm.weight", f"k_norm.{arch.norm_eps}"):
                 _need(attn, path, what)
             norms = (attn.q_norm, attn.k_norm)
-            if any(n.weight.shape != (attn.head_dim,) for n in norms) or len({n.variance_epsilon for n in norms}) > 1:
+            if any(n.weight.shape != (attn.head_dim,) for n in norms) or len({arch.norm_epsilon(n) for n in norms}) > 1:
                 raise UnsupportedModelError(f"{what}: q_norm and k_norm must be RMSNorms of head_dim "
                                             f"{attn.head_dim} with one epsilon. Nothing was patched.")
         if arch.rope_per_layer:

@@ -6,9 +6,10 @@
     x1, s   = a W_o^T + x, with RMSNorm stats of x1    linear_residual (the next norm's producer; Granite
                                                        scales a W_o^T by its residual multiplier, likewise
                                                        the MLP's output)
-    x2, s'  = x1 + (silu(RMSNorm(x1) W_g^T)            swiglu_mlp: rmsnorm_swiglu (norm folded, gate/up side
-              * (... W_u^T)) W_d^T, with the next       by side), then linear_residual (the next layer's norm
-              layer's input-norm stats of x2            producer); x1's two gradients summed in an epilogue
+    x2, s'  = x1 + (act(RMSNorm(x1) W_g^T)             swiglu_mlp: rmsnorm_swiglu (norm folded, gate/up side
+              * (... W_u^T)) W_d^T, with the next       by side, the activation in the epilogue: SiLU, GELU
+              layer's input-norm stats of x2            or ReLU), then linear_residual (the next layer's norm
+                                                       producer); x1's two gradients summed in an epilogue
 
 The next layer's input norm reads s' (a :class:`StatsHandoff` between the two layers)
 when it is given exactly x2, unchanged, as in the model's own layer loop; otherwise (the
@@ -21,7 +22,8 @@ forward), nor when hooks run between the two layers (they may change x2 in place
 Attention, its mask, the KV cache and sliding windows are the model's own: codetta calls
 the attention interface the model is configured with, exactly as its attention module
 would. Where a part is not fused (``rope=False``, ``swiglu=False``), that part runs as
-the model's own PyTorch code on the output of a norm-folded GEMM.
+the model's own PyTorch code on the output of a norm-folded GEMM; so does an MLP activation
+that the epilogue does not compute (:func:`.architectures.gate_activation`).
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ from torch.nn.utils import parametrize
 from ...ops import linear_residual, rmsnorm_linear, rmsnorm_qkv_rope, swiglu_mlp
 from ...ops.rmsnorm import NormStats, stream_fits
 from ...ops.rope import angles_need_grad
-from .architectures import (Architecture, ModelClasses, fused_modules, hooked_module, hooks_between, is_hooked,
-                            stored_weight, why_rotary_dims_unfit, why_rotary_unfusable, why_unfusable)
+from .architectures import (Architecture, ModelClasses, fused_modules, gate_activation, hooked_module, hooks_between,
+                            is_hooked, stored_weight, why_rotary_dims_unfit, why_rotary_unfusable, why_unfusable)
 
 try:  # transformers' collector of recorded outputs (output_attentions=True, output_hidden_states=True)
     from transformers.utils.output_capturing import _active_collector
@@ -67,6 +69,9 @@ class StatsHandoff:
         self._traced = None  # traced by torch.compile: the tensor itself
         self.version: Optional[int] = None  # the tensor's version counter at put (None when traced)
         self.stats: Optional[tuple] = None
+        # the weight the norm multiplies by, as the statistics were made with it (Gemma's 1 + w: a
+        # tensor made once for both layers, which the next layer's norm then reuses)
+        self.norm_weight: Optional[torch.Tensor] = None
 
     @property
     def tensor(self) -> Optional[torch.Tensor]:
@@ -74,9 +79,10 @@ class StatsHandoff:
         return self._ref() if self._ref is not None else self._traced
 
     def _empty(self):
-        self._ref = self._traced = self.version = self.stats = None
+        self._ref = self._traced = self.version = self.stats = self.norm_weight = None
 
-    def put(self, tensor, stats):
+    def put(self, tensor, stats, norm_weight):
+        self.norm_weight = norm_weight
         if torch.compiler.is_compiling():  # traced: an in-place change is in the graph, no counter to read
             self._ref, self._traced, self.version, self.stats = None, tensor, None, stats
         elif tensor.is_inference():  # no version counter to tell an in-place change: nothing is handed on
@@ -94,19 +100,20 @@ class StatsHandoff:
             self._ref = weakref.ref(tensor, died)
 
     def take(self, tensor):
+        """(the statistics, the norm weight they were made with) of ``tensor``, or (None, None)."""
         held = self.tensor
         fresh = (tensor is not None and held is tensor
                  and (self.version is None or tensor._version == self.version))
-        stats = self.stats if fresh else None
+        taken = (self.stats, self.norm_weight) if fresh else (None, None)
         self._empty()
-        return stats
+        return taken
 
     def __getstate__(self):
         """A copy (deepcopy, pickle: torch.save of a whole model) starts empty: what the slot holds
         belongs to one forward, and is left there when the next layer does not run (layers cut or
         skipped after patching): a non-leaf tensor that deepcopy refuses, activations a checkpoint
         has no use for (and a weak reference, which neither copies)."""
-        return {**self.__dict__, "_ref": None, "_traced": None, "version": None, "stats": None}
+        return {**self.__dict__, "_ref": None, "_traced": None, "version": None, "stats": None, "norm_weight": None}
 
 
 class WeakModule:
@@ -151,6 +158,7 @@ class LayerPlan:
     modules: tuple = ()  # the layer's modules and their classes as last seen (architectures.fused_modules)
     unfusable: Optional[str] = None  # why the fused forward cannot read them, if it cannot
     hooked: Optional[str] = None  # the last module found with hooks the fused forward would skip (warned once)
+    activation: Optional[str] = None  # the MLP activation's name for the epilogue (None: it runs as its module)
     incoming: StatsHandoff = field(default_factory=StatsHandoff)  # stats of this layer's input
     # the next decoder layer, if any: weakly, so that a layer removed from the model after patching
     # (pruning) is freed, and no statistics are made for it
@@ -220,11 +228,12 @@ def _halves_equal(cos, sin) -> bool:
     return equal
 
 
-def _qkv(layer, plan: LayerPlan, x, stats, position_ids, position_embeddings):
+def _qkv(layer, plan: LayerPlan, x, norm, position_ids, position_embeddings):
     """q, k, v as [..., heads * head_dim] each, RoPE applied where the layer applies it (and QK-norm
-    where the model has it), q scaled by position where the model scales it."""
+    where the model has it), q scaled by position where the model scales it; ``norm``: the input
+    norm's (statistics or None, weight)."""
     attn = layer.self_attn
-    q, k, v = _rotated_qkv(layer, plan, x, stats, position_ids, position_embeddings)
+    q, k, v = _rotated_qkv(layer, plan, x, norm, position_ids, position_embeddings)
     if plan.arch.query_position_scale:  # after RoPE, in q's dtype, as the model's attention does
         params = attn.config.rope_parameters
         scale = plan.classes.modeling.get_llama_4_attn_scale(
@@ -234,10 +243,11 @@ def _qkv(layer, plan: LayerPlan, x, stats, position_ids, position_embeddings):
     return q, k, v
 
 
-def _rotated_qkv(layer, plan: LayerPlan, x, stats, position_ids, position_embeddings):
+def _rotated_qkv(layer, plan: LayerPlan, x, norm, position_ids, position_embeddings):
     """q, k, v of the norm-folded QKV GEMM, RoPE (and QK-norm) in its epilogue where it fuses,
     else applied by the model's own code after it (none in a layer without RoPE)."""
-    attn, ln = layer.self_attn, layer.input_layernorm
+    attn, ln, arch = layer.self_attn, layer.input_layernorm, plan.arch
+    (stats, g1), eps = norm, arch.norm_epsilon(ln)
     weights, biases = plan.arch.qkv_weights(attn)  # any bias may be None (0)
     rotates = plan.arch.applies_rope(attn)
     rope, why_not = (_rope_arguments(plan, x, attn.head_dim, position_ids, position_embeddings)
@@ -248,12 +258,11 @@ def _rotated_qkv(layer, plan: LayerPlan, x, stats, position_ids, position_embedd
     if rope is not None:
         qk_norm = {}
         if plan.arch.qk_norm:  # the modules' own weights: their gradients land there
-            qk_norm = dict(q_norm_weight=attn.q_norm.weight, k_norm_weight=attn.k_norm.weight,
-                           qk_norm_eps=attn.q_norm.variance_epsilon)
-        return rmsnorm_qkv_rope(x, ln.weight, *weights, head_dim=attn.head_dim, bias=biases,
-                                interleaved=plan.arch.interleaved_rope, eps=ln.variance_epsilon, stats=stats,
-                                **qk_norm, **rope)
-    qkv = rmsnorm_linear(x, ln.weight, list(weights), ln.variance_epsilon, stats=stats)
+            qk_norm = dict(q_norm_weight=arch.norm_weight(attn.q_norm), k_norm_weight=arch.norm_weight(attn.k_norm),
+                           qk_norm_eps=arch.norm_epsilon(attn.q_norm))
+        return rmsnorm_qkv_rope(x, g1, *weights, head_dim=attn.head_dim, bias=biases,
+                                interleaved=arch.interleaved_rope, eps=eps, stats=stats, **qk_norm, **rope)
+    qkv = rmsnorm_linear(x, g1, list(weights), eps, stats=stats)
     q, k, v = (z if b is None else z + b for z, b in zip(torch.split(qkv, [w.shape[0] for w in weights], dim=-1),
                                                           biases))
     heads = (*x.shape[:-1], -1, attn.head_dim)
@@ -324,10 +333,16 @@ def _fusable(layer, plan: LayerPlan, hidden_states) -> bool:
         plan.unfusable = why_unfusable(modules, plan.arch, plan.classes)
         if plan.unfusable is not None:
             warn_unfused(plan.unfusable)
+        act = layer.get_submodule(plan.arch.activation)
+        plan.activation = gate_activation(act)
+        if plan.fuse_swiglu and plan.activation is None and plan.unfusable is None:
+            warnings.warn(f"codetta: a {type(layer).__name__}'s MLP activation is a {type(act).__name__}, which the "
+                          "gate/up GEMM's epilogue does not compute (SiLU, GELU, ReLU): it runs as that module, "
+                          "between the norm-folded gate/up GEMM and the down projection", stacklevel=3)
     if plan.unfusable is not None:
         return False
     attn = layer.self_attn
-    if plan.arch.qk_norm and attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon:  # changed after patching
+    if plan.arch.qk_norm and plan.arch.norm_epsilon(attn.q_norm) != plan.arch.norm_epsilon(attn.k_norm):  # changed
         warn_unfused("q_norm and k_norm have different epsilons (the fused QK-norm takes one)")
         return False
     # a stream the kernels cannot take with these weights (bf16 inputs_embeds given to an fp32 model):
@@ -358,14 +373,17 @@ def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_id
         plan.incoming.take(None)  # the statistics handed to this layer go unused
         return type(layer).forward(layer, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                    use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
-    attn, mlp, ln2 = layer.self_attn, layer.mlp, layer.post_attention_layernorm
-    g2 = ln2.weight  # read once: a parametrized weight is new at each read, and NormStats checks it is the same
+    arch, attn, mlp, ln2 = plan.arch, layer.self_attn, layer.mlp, layer.post_attention_layernorm
+    # each norm weight read once: a parametrized weight is new at each read (and Gemma's 1 + w a new
+    # tensor), and NormStats checks that its consumer gets the same one
+    g2, eps2 = arch.norm_weight(ln2), arch.norm_epsilon(ln2)
     x = hidden_states
-    q, k, v = _qkv(layer, plan, x, plan.incoming.take(x), position_ids, position_embeddings)
+    stats, g1 = plan.incoming.take(x)
+    norm = (stats, g1 if stats is not None else arch.norm_weight(layer.input_layernorm))
+    q, k, v = _qkv(layer, plan, x, norm, position_ids, position_embeddings)
     a = _attention(attn, plan, q, k, v, attention_mask, dict(position_ids=position_ids, use_cache=use_cache, **kwargs))
-    branch_scale = plan.arch.branch_scale(layer)  # Granite's residual multiplier, else 1
-    x1, stats = linear_residual(a, attn.o_proj.weight, x, g2, ln2.variance_epsilon, bias=attn.o_proj.bias,
-                                branch_scale=branch_scale)
+    branch_scale = arch.branch_scale(layer)  # Granite's residual multiplier, else 1
+    x1, stats = linear_residual(a, attn.o_proj.weight, x, g2, eps2, bias=attn.o_proj.bias, branch_scale=branch_scale)
     next_layer = plan.next_layer.get() if plan.next_layer is not None else None
     ln_next = next_layer.input_layernorm if next_layer is not None else None
     hand_on = (
@@ -380,19 +398,20 @@ def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_id
         # a plain tensor: under FSDP2 the next layer's weights are sharded (DTensor) until its own forward
         and type(ln_next.weight) in (torch.Tensor, torch.nn.Parameter)
     )
-    next_norm = dict(next_norm_weight=ln_next.weight, next_eps=ln_next.variance_epsilon) if hand_on else {}
-    (w_gate, w_up), (b_gate, b_up) = plan.arch.gate_up_weights(mlp)  # biases: Llama's mlp_bias
-    if plan.fuse_swiglu:
-        out = swiglu_mlp(x1, g2, w_gate, w_up, mlp.down_proj.weight, ln2.variance_epsilon, stats=stats,
-                         bias=(b_gate, b_up, mlp.down_proj.bias), branch_scale=branch_scale, **next_norm)
+    next_norm = dict(next_norm_weight=arch.norm_weight(ln_next), next_eps=arch.norm_epsilon(ln_next)) if hand_on else {}
+    (w_gate, w_up), (b_gate, b_up) = arch.gate_up_weights(mlp)  # biases: Llama's mlp_bias
+    if plan.fuse_swiglu and plan.activation is not None:
+        out = swiglu_mlp(x1, g2, w_gate, w_up, mlp.down_proj.weight, eps2, stats=stats,
+                         bias=(b_gate, b_up, mlp.down_proj.bias), branch_scale=branch_scale, activation=plan.activation,
+                         **next_norm)
     else:
-        gate, up = torch.chunk(rmsnorm_linear(x1, g2, [w_gate, w_up], ln2.variance_epsilon, stats=stats), 2, dim=-1)
+        gate, up = torch.chunk(rmsnorm_linear(x1, g2, [w_gate, w_up], eps2, stats=stats), 2, dim=-1)
         gate, up = (z if b is None else z + b for z, b in ((gate, b_gate), (up, b_up)))
-        act = layer.get_submodule(plan.arch.activation)
+        act = layer.get_submodule(arch.activation)
         out = linear_residual(act(gate) * up, mlp.down_proj.weight, x1, *next_norm.values(), bias=mlp.down_proj.bias,
                               branch_scale=branch_scale)
     if not hand_on:
         return out
     x2, stats2 = out
-    plan.outgoing.put(x2, stats2)
+    plan.outgoing.put(x2, stats2, next_norm["next_norm_weight"])
     return x2
