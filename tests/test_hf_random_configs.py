@@ -9,9 +9,12 @@ together, at sizes no multiple of any tile (hidden, intermediate and vocabulary 
 any value, head_dim independent of hidden), and each family's own features drawn too
 (sliding windows per layer type, SmolLM3's layers without RoPE, Ministral 3's query scaling by
 position, Ernie 4.5's biases, Phi-3's and GLM's partial RoPE, Seed-OSS's biases, Granite's
-multipliers, Gemma's norm weight 1 + w, the MLP's activation in Gemma and Llama). CODETTA_HF_EXAMPLES sets how many are drawn per family (2 by
-default; with the first four families, 40 of each test passed on the CPU, and on the H200 80
-of the fp32 test and 40 of the bf16 one: bench/results/h200_hf_random_configs.log).
+multipliers, Gemma's norm weight 1 + w, the MLP's activation in Gemma, Llama and Arcee, whose
+MLP has no gate). CODETTA_HF_EXAMPLES sets how many are drawn per family (2 by
+default: hypothesis's first draw is the minimal config, hidden size 1 and one token, the
+second a random one; with the first four families, 40 of each test passed on the CPU, and on the H200 80 of the fp32 test and 40 of the bf16 one:
+bench/results/h200_hf_random_configs.log; Gemma and Llama with their activations drawn, 10
+each: h200_hf_random_configs_gemma.log).
 """
 
 import copy
@@ -73,7 +76,7 @@ def models(draw, family, min_hidden=1):
     )
     if family in ("Llama", "Qwen3"):
         config["attention_bias"] = draw(st.booleans())
-    if family == "Llama":
+    if family in ("Llama", "Arcee"):
         config["mlp_bias"] = draw(st.booleans())
     if family == "Ernie4_5":
         config["use_bias"] = draw(st.booleans())  # every projection's
@@ -105,6 +108,8 @@ def models(draw, family, min_hidden=1):
         config["hidden_act"] = draw(st.sampled_from(["gelu_pytorch_tanh", "gelu", "silu", "relu", "gelu_new"]))
     if family == "Gemma":
         config["use_bidirectional_attention"] = draw(st.booleans())
+    if family == "Arcee":  # its MLP has no gate: act(h W_u^T) W_d^T, the activation as the model's module
+        config["hidden_act"] = draw(st.sampled_from(["relu2", "silu", "gelu"]))
     if family == "SeedOss":  # its dropouts (0.1 by default) off: they draw masks (and the residual one runs unfused)
         config.update(attention_bias=draw(st.booleans()), attention_out_bias=draw(st.booleans()),
                       mlp_bias=draw(st.booleans()), residual_dropout=0.0, attention_dropout=0.0)

@@ -4,8 +4,8 @@ A supported decoder layer is Llama-shaped: ``input_layernorm`` and
 ``post_attention_layernorm`` (RMSNorm: ``weight``, ``variance_epsilon``; Gemma's: 1 + ``weight``,
 ``eps``), ``self_attn`` with ``q_proj``, ``k_proj``, ``v_proj`` (or one ``qkv_proj``: Phi-3),
 ``o_proj`` (optionally ``q_norm``, ``k_norm``: QK-norm, RMSNorms over ``head_dim`` with one
-epsilon) and a gated ``mlp``: ``gate_proj``, ``up_proj`` (or one ``gate_up_proj``: Phi-3,
-GLM), ``down_proj`` and an activation of the gate. A new family of that shape is one more
+epsilon) and an ``mlp``: ``gate_proj``, ``up_proj`` (or one ``gate_up_proj``: Phi-3, GLM),
+``down_proj`` and an activation of the gate (or, without a gate, of the up projection: Arcee). A new family of that shape is one more
 entry in :data:`ARCHITECTURES`.
 
 The fused forward reads the projections' ``weight`` and ``bias`` and the norms' ``weight``
@@ -75,12 +75,14 @@ class Architecture:
     # 1 + weight, computed in fp32 as its norm does), and the name of their epsilon attribute
     norm_weight_offset: float = 0.0
     norm_eps: str = "variance_epsilon"
+    # Whether the MLP gates: act(h W_g^T) * (h W_u^T), or act(h W_u^T) with no ``gate_proj`` (Arcee)
+    gated_mlp: bool = True
 
     @property
     def projections(self) -> tuple:
         """The paths of the layer's projections (``nn.Linear``), in the layer's order."""
         qkv = ("self_attn.qkv_proj",) if self.fused_qkv else ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-        gate_up = ("mlp.gate_up_proj",) if self.fused_gate_up else ("mlp.gate_proj", "mlp.up_proj")
+        gate_up = ("mlp.gate_up_proj",) if self.fused_gate_up else ("mlp.gate_proj", "mlp.up_proj")[not self.gated_mlp:]
         return (*qkv, "self_attn.o_proj", *gate_up, "mlp.down_proj")
 
     @property
@@ -100,7 +102,10 @@ class Architecture:
 
     def gate_up_weights(self, mlp) -> tuple[tuple, tuple]:
         """((W_gate, W_up), (b_gate, b_up)) of the MLP module, each bias possibly None; halves
-        (views) of ``gate_up_proj``'s weight and bias where the model fuses them."""
+        (views) of ``gate_up_proj``'s weight and bias where the model fuses them; W_gate and b_gate
+        None for an MLP without a gate."""
+        if not self.gated_mlp:
+            return (None, mlp.up_proj.weight), (None, mlp.up_proj.bias)
         if not self.fused_gate_up:
             return (mlp.gate_proj.weight, mlp.up_proj.weight), (mlp.gate_proj.bias, mlp.up_proj.bias)
         bias = mlp.gate_up_proj.bias
@@ -167,6 +172,7 @@ ARCHITECTURES = {
     "Granite": Architecture(multipliers=True),
     "Glm": Architecture(interleaved_rope=True, fused_gate_up=True, partial_rotary=True),
     "Gemma": Architecture(norm_weight_offset=1.0, norm_eps="eps"),
+    "Arcee": Architecture(gated_mlp=False),
 }
 # The classes of a family that codetta patches: the causal LM (its decoder layers, and its LM head +
 # loss), the bare decoder stack and the other task heads on it (their decoder layers).

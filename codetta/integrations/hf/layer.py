@@ -335,7 +335,7 @@ def _fusable(layer, plan: LayerPlan, hidden_states) -> bool:
             warn_unfused(plan.unfusable)
         act = layer.get_submodule(plan.arch.activation)
         plan.activation = gate_activation(act)
-        if plan.fuse_swiglu and plan.activation is None and plan.unfusable is None:
+        if plan.fuse_swiglu and plan.arch.gated_mlp and plan.activation is None and plan.unfusable is None:
             warnings.warn(f"codetta: a {type(layer).__name__}'s MLP activation is a {type(act).__name__}, which the "
                           "gate/up GEMM's epilogue does not compute (SiLU, GELU, ReLU): it runs as that module, "
                           "between the norm-folded gate/up GEMM and the down projection", stacklevel=3)
@@ -400,15 +400,20 @@ def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_id
     )
     next_norm = dict(next_norm_weight=arch.norm_weight(ln_next), next_eps=arch.norm_epsilon(ln_next)) if hand_on else {}
     (w_gate, w_up), (b_gate, b_up) = arch.gate_up_weights(mlp)  # biases: Llama's mlp_bias
-    if plan.fuse_swiglu and plan.activation is not None:
+    if w_gate is not None and plan.fuse_swiglu and plan.activation is not None:
         out = swiglu_mlp(x1, g2, w_gate, w_up, mlp.down_proj.weight, eps2, stats=stats,
                          bias=(b_gate, b_up, mlp.down_proj.bias), branch_scale=branch_scale, activation=plan.activation,
                          **next_norm)
-    else:
-        gate, up = torch.chunk(rmsnorm_linear(x1, g2, [w_gate, w_up], eps2, stats=stats), 2, dim=-1)
-        gate, up = (z if b is None else z + b for z, b in ((gate, b_gate), (up, b_up)))
+    else:  # the activation as the model's module, after the norm-folded GEMM
         act = layer.get_submodule(arch.activation)
-        out = linear_residual(act(gate) * up, mlp.down_proj.weight, x1, *next_norm.values(), bias=mlp.down_proj.bias,
+        if w_gate is None:  # no gate (Arcee): act(h W_u^T + b_u)
+            up = rmsnorm_linear(x1, g2, [w_up], eps2, stats=stats)
+            y = act(up if b_up is None else up + b_up)
+        else:
+            gate, up = torch.chunk(rmsnorm_linear(x1, g2, [w_gate, w_up], eps2, stats=stats), 2, dim=-1)
+            gate, up = (z if b is None else z + b for z, b in ((gate, b_gate), (up, b_up)))
+            y = act(gate) * up
+        out = linear_residual(y, mlp.down_proj.weight, x1, *next_norm.values(), bias=mlp.down_proj.bias,
                               branch_scale=branch_scale)
     if not hand_on:
         return out
