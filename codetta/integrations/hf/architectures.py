@@ -5,8 +5,8 @@ A supported decoder layer is Llama-shaped: ``input_layernorm`` and
 ``eps``), ``self_attn`` with ``q_proj``, ``k_proj``, ``v_proj`` (or one ``qkv_proj``: Phi-3),
 ``o_proj`` (optionally ``q_norm``, ``k_norm``: QK-norm, RMSNorms over ``head_dim`` with one
 epsilon) and an ``mlp``: ``gate_proj``, ``up_proj`` (or one ``gate_up_proj``: Phi-3, GLM),
-``down_proj`` and an activation of the gate (or, without a gate, of the up projection: Arcee). A new family of that shape is one more
-entry in :data:`ARCHITECTURES`.
+``down_proj`` and an activation of the gate (or, without a gate, of the up projection:
+Arcee). A new family of that shape is one more entry in :data:`ARCHITECTURES`.
 
 The fused forward reads the projections' ``weight`` and ``bias`` and the norms' ``weight``
 and epsilon directly, and replaces the forwards of the layer, its attention and its MLP.
@@ -82,7 +82,10 @@ class Architecture:
     def projections(self) -> tuple:
         """The paths of the layer's projections (``nn.Linear``), in the layer's order."""
         qkv = ("self_attn.qkv_proj",) if self.fused_qkv else ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-        gate_up = ("mlp.gate_up_proj",) if self.fused_gate_up else ("mlp.gate_proj", "mlp.up_proj")[not self.gated_mlp:]
+        if self.fused_gate_up:
+            gate_up = ("mlp.gate_up_proj",)
+        else:
+            gate_up = ("mlp.gate_proj", "mlp.up_proj") if self.gated_mlp else ("mlp.up_proj",)
         return (*qkv, "self_attn.o_proj", *gate_up, "mlp.down_proj")
 
     @property
