@@ -34,6 +34,11 @@ _UNARY = {
     "not": torch.logical_not,
 }
 
+def eager_unary(name: str):
+    """The PyTorch function this executor computes the epilogue's unary function ``name`` with."""
+    return _UNARY[name]
+
+
 _BINARY = {
     "add": torch.add,
     "sub": torch.sub,

@@ -152,6 +152,7 @@ def swiglu_backward(dy: Tensor, z: Tensor, *, activation: str = "silu", out: Opt
     y = out if y_out is None else y_out  # not written without y_out
     launch(_swiglu_backward_kernel, grid,
         dy, z, out, part, y, m, f, dy.stride(0), z.stride(0), out.stride(0), part.stride(0), y.stride(0),
-        BM=bm, BF=bf, ACTIVATION=check_activation(activation), STORE_Y=y_out is not None, EMULATE_RNE=interpreting(), num_warps=warps,
+        BM=bm, BF=bf, ACTIVATION=check_activation(activation), STORE_Y=y_out is not None,
+        EMULATE_RNE=interpreting(), num_warps=warps,
     )
     return out, row_sum(part)

@@ -8,17 +8,11 @@ computes, are in :mod:`codetta.kernels.swiglu`.
 
 from __future__ import annotations
 
-import torch.nn.functional as F
-
 from .. import epilogue as ep
+from ..epilogue.reference import eager_unary
 
-# name -> (the epilogue's function, eager PyTorch's)
-_ACTIVATIONS = {
-    "silu": (ep.silu, F.silu),
-    "gelu": (ep.gelu_erf, F.gelu),
-    "gelu_tanh": (ep.gelu_tanh, lambda z: F.gelu(z, approximate="tanh")),
-    "relu": (ep.relu, F.relu),
-}
+# the op's name -> the epilogue's unary function of it
+_ACTIVATIONS = {"silu": "silu", "gelu": "gelu_erf", "gelu_tanh": "gelu_tanh", "relu": "relu"}
 GATE_ACTIVATIONS = tuple(_ACTIVATIONS)
 
 
@@ -31,9 +25,9 @@ def check_activation(activation) -> str:
 
 def epilogue_activation(activation: str):
     """The activation as an epilogue function (of an :class:`codetta.epilogue.Expr`)."""
-    return _ACTIVATIONS[activation][0]
+    return getattr(ep, _ACTIVATIONS[activation])
 
 
 def eager_activation(activation: str):
-    """The activation as eager PyTorch computes it (the references' and the unfused paths')."""
-    return _ACTIVATIONS[activation][1]
+    """The activation as eager PyTorch computes it (the references'), as the epilogue's reference executor does."""
+    return eager_unary(_ACTIVATIONS[activation])
