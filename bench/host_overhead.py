@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import codetta  # noqa: E402
 from codetta import epilogue as ep  # noqa: E402
-from codetta.matmul import launch  # noqa: E402
+from codetta.matmul import plan  # noqa: E402
 
 from common import markdown_table, write_results  # noqa: E402
 
@@ -66,10 +66,10 @@ def stub_kernels():
 
 
 def recorded_launch():
-    """(what the next codetta.gemm launch records, a stand-in for launch.load_kernel that records it):
+    """(what the next codetta.gemm launch records, a stand-in for plan.load_kernel that records it):
     the kernel, its grid and arguments, and the compiled kernel Triton's JIT returned."""
     seen = {}
-    original = launch.load_kernel
+    original = plan.load_kernel
 
     def recording(program, path):
         kernel = original(program, path)
@@ -92,9 +92,9 @@ def gemm_rows(calls):
     a = torch.randn(256, 512, device=DEVICE, dtype=torch.bfloat16)
     w = torch.randn(512, 512, device=DEVICE, dtype=torch.bfloat16)
     seen, recording = recorded_launch()
-    launch.load_kernel, original = recording, launch.load_kernel
+    plan.load_kernel, original = recording, plan.load_kernel
     codetta.gemm(a, w.t(), config=codetta.Config(BM=128, BN=128, BK=64))  # a plan of its own: launched now
-    launch.load_kernel = original
+    plan.load_kernel = original
     jit = seen["kernel"][seen["grid"]]
     args, kwargs = seen["args"], seen["kwargs"]
     residual = torch.randn(256, 512, device=DEVICE, dtype=torch.bfloat16)

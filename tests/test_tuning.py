@@ -12,8 +12,10 @@ import pytest
 import torch
 
 import codetta
-from codetta.matmul import launch, tuning
+from codetta.matmul import launch, plan, tuning
+from codetta.matmul.call import Call
 from codetta.matmul.config import HOPPER, Config, SharedMemory, candidates
+from codetta.matmul.path import layouts
 from conftest import DEVICE
 
 
@@ -182,8 +184,8 @@ def test_timed_launches_leave_what_the_kernel_reads_and_writes(cache_dir, monkey
         x = buffer[:, 1 : n + 1]
         operands, out = {"x": x}, {}
     before = buffer.clone(), x.clone()
-    call = launch._Call(a, b, p, operands, out)
-    call.layout = launch._layouts(call)
+    call = Call(a, b, p, operands, out)
+    call.layout = layouts(call)
     configs = [Config(16, 16, 16), Config(32, 32, 16)]
     assert launch._tuned(call, "ptr", configs) in configs
     assert torch.equal(x, before[1])
@@ -283,12 +285,12 @@ def test_two_ctas_per_sm_candidates_fit_half_an_sm():
 
 def test_persistent_grid_has_a_program_per_cta(monkeypatch):
     """On a GPU the grid holds CTAS_PER_SM programs per SM, never more than there are tiles."""
-    monkeypatch.setattr(launch, "interpreting", lambda: False)
-    monkeypatch.setattr(launch, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(plan, "interpreting", lambda: False)
+    monkeypatch.setattr(plan, "_sm_count", lambda index: 132)
     device = torch.device("cuda", 0)
-    assert launch._num_programs(device, 10_000) == 132
-    assert launch._num_programs(device, 10_000, 2) == 264
-    assert launch._num_programs(device, 200, 2) == 200
+    assert plan.num_programs(device, 10_000) == 132
+    assert plan.num_programs(device, 10_000, 2) == 264
+    assert plan.num_programs(device, 200, 2) == 200
 
 
 def test_two_ctas_per_sm_cap_registers_when_they_must():
@@ -319,10 +321,10 @@ def test_shared_memory_of_the_device(monkeypatch):
 
     a100 = SimpleNamespace(shared_memory_per_block_optin=163 * 1024, shared_memory_per_multiprocessor=164 * 1024)
     for props, expected in ((a100, SharedMemory(164 * 1024, 163 * 1024)), (SimpleNamespace(), HOPPER)):
-        launch._shared_memory.cache_clear()
+        plan.shared_memory.cache_clear()
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index, props=props: props)
-        assert launch._shared_memory(0) == expected
-    launch._shared_memory.cache_clear()
+        assert plan.shared_memory(0) == expected
+    plan.shared_memory.cache_clear()
 
 
 def test_what_cannot_be_timed_takes_a_choice_made_before_or_the_first_with_a_warning(cache_dir):

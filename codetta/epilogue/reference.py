@@ -82,7 +82,7 @@ def _segment_reduce(x, segment, fn):
 def _b_matrix(b, k, cd):
     """B as one [K, N] matrix in ``cd``, read as codetta.gemm reads it: a tensor; a list of [K, N_i]
     concatenated along N or of [K_i, N] along K; ``interleave(b0, b1)``, columns alternating."""
-    from ..matmul.launch import Interleaved
+    from ..matmul.call import Interleaved
 
     parts = [t.to(cd) for t in (b if isinstance(b, (list, tuple)) else [b])]
     if isinstance(b, Interleaved):
@@ -102,9 +102,9 @@ def run_reference(program: Program, a, b, operands, compute_dtype=torch.float32)
     result is a new tensor (prior + value: the operand is left as it was, where codetta.gemm
     adds into it in place).
     """
-    from ..matmul.launch import _Call
+    from ..matmul.call import Call
 
-    _Call(a, b, program, dict(operands), {}, for_kernel=False)  # the checks codetta.gemm makes, on any device
+    Call(a, b, program, dict(operands), {}, for_kernel=False)  # the checks codetta.gemm makes, on any device
     cd = compute_dtype
     lead = tuple(a.shape[:-1])
     acc = a.reshape(math.prod(lead), a.shape[-1]).to(cd) @ _b_matrix(b, a.shape[-1], cd)

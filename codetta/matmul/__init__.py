@@ -1,7 +1,14 @@
-"""The GEMM kernel: the fixed mainloop, its configs and tuning, and the launcher (codetta.gemm)."""
+"""The GEMM kernel: the fixed mainloop, its configs and tuning, and the launcher (codetta.gemm).
 
+A call goes through ``call`` (checked), ``path`` (TMA or pointers), ``tuning`` (a config),
+``plan`` (the launch, made once per signature) and ``writes`` (what it may write in place);
+``launch`` holds ``gemm`` and ``explain``.
+"""
+
+from ..interpreter import interpreting
+from .call import GemmError, check_device, interleave
 from .config import Config
-from .launch import GemmError, check_device, explain, gemm, interleave, interpreting, large_interpreter_tiles
+from .launch import explain, gemm, large_interpreter_tiles
 
 __all__ = ["Config", "GemmError", "check_device", "explain", "gemm", "interleave", "interpreting",
            "large_interpreter_tiles"]

@@ -2,7 +2,7 @@
 
 A tile of a codetta GEMM reads a, b and the program's operands beyond its own output tile
 and writes only its own tiles of the outputs: a written tensor that shares a byte with
-anything read or written elsewhere would race (see ``launch._check_written_apart``). Tensors
+anything read or written elsewhere would race (see ``writes.check_written_apart``). Tensors
 whose byte spans lie apart (the usual case) are told apart from their addresses alone;
 column blocks of one row-major buffer by arithmetic on their rows; other layouts whose
 spans intersect element by element.

@@ -69,7 +69,7 @@ from torch import Tensor
 from .. import epilogue as ep
 from ..kernels.rmsnorm import rmsnorm_backward, rmsnorm_stats, rstd_of_partial_sums
 from ..matmul import check_device, gemm
-from ..matmul.launch import MAX_B_PARTS
+from ..matmul.call import MAX_B_PARTS
 from ..matmul.memory import merged_leading_dims
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
