@@ -7,7 +7,8 @@ Per shape (rows x vocab x d): cuBLAS's plain GEMM; the logits GEMM as the operat
 to 75f2d32 (stores the rounded logits, row max and sum of exponentials per tile, the target's
 logit); codetta's GEMM storing the logits only, as the operator runs it since;
 :func:`codetta.kernels.logsumexp.row_stats` over the stored logits (in other blocks too); the
-softmax-gradient pass that follows either way. The two ways' statistics are compared first.
+softmax-gradient pass that follows either way; both passes also with Gemma 2's logit soft cap
+(s = 30: tanh of every logit in fp32 as they read it). The two ways' statistics are compared first.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 BLOCKS = ((8, 1024), (2, 2048), (16, 256), (1, 4096))  # other row_stats blocks (rows, columns), 4 warps
+SOFTCAP = 30.0  # Gemma 2's final_logit_softcapping
 SHAPES = {"llama3-1b": (8192, 128256, 2048), "llama3-8b": (8192, 128256, 4096)}
 
 
@@ -82,6 +84,10 @@ def main():
                 logits, target, block_m=bm, block_n=bn)
         runs[name, "softmax_grad pass"] = lambda logits=logits, stats=stats, target=target, scale=scale: softmax_grad_(
             logits, stats[0], target, scale)
+        runs[name, "row_stats pass, capped"] = lambda logits=logits, target=target: row_stats(logits, target,
+                                                                                              softcap=SOFTCAP)
+        runs[name, "softmax_grad pass, capped"] = lambda logits=logits, stats=stats, target=target, scale=scale: \
+            softmax_grad_(logits, stats[0], target, scale, softcap=SOFTCAP)
         rows.append(row)
     for run in runs.values():
         run()
@@ -90,6 +96,7 @@ def main():
     for row in rows:
         name = row["shape"]
         for what in ("cuBLAS", "fused logits GEMM", "plain logits GEMM", "row_stats pass", "softmax_grad pass",
+                     "row_stats pass, capped", "softmax_grad pass, capped",
                      *(f"row_stats {bm}x{bn}" for bm, bn in BLOCKS)):
             row[f"{what} ms"] = median[name, what]
         row["fused / (plain + pass)"] = median[name, "fused logits GEMM"] / (

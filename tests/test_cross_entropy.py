@@ -47,15 +47,18 @@ def grads_of(loss, inputs, grad_output):
 
 
 def pytorch(inputs, reduction="mean", ignore_index=-100, grad_output=None, dtype=torch.float64, label_smoothing=0.0,
-            z_loss=0.0):
+            z_loss=0.0, softcap=None):
     """F.cross_entropy(F.linear(h, W, b)) with h = x or F.rms_norm(x), in ``dtype``, and its gradients;
-    with ``z_loss`` c, plus c logsumexp(logits)^2 for each row not ignored, reduced alike."""
+    with ``z_loss`` c, plus c logsumexp(logits)^2 for each row not ignored, reduced alike; with
+    ``softcap`` s, of the logits s tanh(logits / s) (in ``dtype``, as Gemma 2 caps them)."""
     cast = {k: (v.detach().to(dtype).requires_grad_(v.requires_grad) if k in PARAMS and v is not None else v)
             for k, v in inputs.items()}
     h = cast["x"]
     if cast["norm_weight"] is not None:
         h = F.rms_norm(h, (h.shape[-1],), cast["norm_weight"], EPS)
     logits = F.linear(h, cast["weight"], cast["bias"])
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
     logits = logits if dtype == torch.float64 else logits.float()
     flat, target = logits.reshape(-1, logits.shape[-1]), cast["target"].reshape(-1)
     loss = F.cross_entropy(flat, target, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
@@ -87,12 +90,13 @@ def close(out, ref, tol=1e-5):
     assert err <= tol * ref.abs().max().clamp_min(1e-12).item(), err
 
 
-def check(inputs, reduction="mean", ignore_index=-100, tol=1e-5, label_smoothing=0.0, z_loss=0.0, **options):
+def check(inputs, reduction="mean", ignore_index=-100, tol=1e-5, label_smoothing=0.0, z_loss=0.0, softcap=None,
+          **options):
     grad_output = random_grad_output(reduction, inputs["target"])
     loss, grads = ours(inputs, reduction, grad_output, ignore_index=ignore_index, label_smoothing=label_smoothing,
-                       z_loss=z_loss, **options)
+                       z_loss=z_loss, softcap=softcap, **options)
     ref_loss, ref_grads = pytorch(inputs, reduction, ignore_index, grad_output, label_smoothing=label_smoothing,
-                                  z_loss=z_loss)
+                                  z_loss=z_loss, softcap=softcap)
     assert loss.dtype == torch.float32
     close(loss, ref_loss, tol)
     assert grads.keys() == ref_grads.keys()
@@ -182,6 +186,38 @@ def test_bad_label_smoothing_or_z_loss(option, value):
     inputs = make()
     with pytest.raises(ValueError, match=option):
         linear_cross_entropy(inputs["x"], inputs["weight"], inputs["target"], **{option: value})
+
+
+@pytest.mark.parametrize("softcap, logit_scale", [(1.5, 1.0), (0.5, 8.0)], ids=["mild", "saturated"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_soft_capped_logits(reduction, softcap, logit_scale):
+    """Gemma 2's final_logit_softcapping: the loss of s tanh(logits / s), every gradient, also
+    where tanh saturates (logits ~16 s: 1 - tanh^2 ~ 1e-13 must not become 0 or noise)."""
+    inputs = make(bias=True, norm=True, ignored=3)
+    with torch.no_grad():
+        inputs["weight"].mul_(logit_scale)
+    check(inputs, reduction, chunk_size=5, softcap=softcap)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_soft_capped_loss_without_gradients(reduction):
+    """No backward: the capped loss from the epilogue's fp32 logits (tanh in the epilogue)."""
+    inputs = make(lead=(11,), bias=True, ignored=2)
+    with torch.no_grad():
+        loss = linear_cross_entropy(inputs["x"], inputs["weight"], inputs["target"], bias=inputs["bias"],
+                                    reduction=reduction, chunk_size=4, softcap=0.7)
+        reference = ce.linear_cross_entropy_reference(inputs["x"], inputs["weight"], inputs["target"],
+                                                      bias=inputs["bias"], reduction=reduction, softcap=0.7)
+    expected = pytorch(inputs, reduction, grad_output=random_grad_output(reduction, inputs["target"]), softcap=0.7)[0]
+    close(loss, expected)
+    close(reference, expected)
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("inf"), float("nan"), True, "30"])
+def test_bad_softcap(value):
+    inputs = make()
+    with pytest.raises(ValueError, match="softcap must be None or a positive finite number"):
+        linear_cross_entropy(inputs["x"], inputs["weight"], inputs["target"], softcap=value)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -296,6 +332,7 @@ def test_a_logit_of_plus_inf_gives_nan_as_pytorch(reduction, grad):
     (torch.bfloat16, "mean", {}), (torch.bfloat16, "sum", {}), (torch.bfloat16, "none", {}), (torch.float16, "mean", {}),
     (torch.bfloat16, "mean", dict(label_smoothing=0.1, z_loss=1e-3)),
     (torch.bfloat16, "none", dict(label_smoothing=0.1, z_loss=1e-3)),
+    (torch.bfloat16, "mean", dict(softcap=1.0)), (torch.float16, "sum", dict(softcap=1.0)),
 ])
 def test_half_precision_within_twice_eager_error(dtype, reduction, options):
     inputs = make(lead=(40,), d=32, vocab=131, bias=True, norm=True, ignored=4, dtype=dtype)
@@ -654,7 +691,7 @@ def test_opcheck(reduction, in_forward):
     """
     inputs = make(lead=(5,), d=8, vocab=11, bias=True, norm=True, ignored=1)
     args = (inputs["x"], inputs["weight"], inputs["target"], inputs["bias"], inputs["norm_weight"], -100, reduction,
-            EPS, 0.1, 1e-3, 2, *[in_forward] * 4)
+            EPS, 0.1, 1e-3, 0.9, 2, *[in_forward] * 4)
     fused = in_forward and reduction != "none"
     utils = ("test_schema", "test_autograd_registration", "test_faketensor") if fused else None
     torch.library.opcheck(torch.ops.codetta.linear_cross_entropy.default, args,

@@ -45,6 +45,9 @@ UNARY = {
     "rsqrt": (lambda x: ep.rsqrt(ep.square(x) + 1.0), lambda x: 1 / (x * x + 1) ** 0.5),
     "reciprocal": (lambda x: ep.reciprocal(ep.abs(x) + 1.0), lambda x: 1 / (x.abs() + 1)),
     "sigmoid": (ep.sigmoid, lambda x: 1 / (1 + torch.exp(-x))),
+    "tanh": (ep.tanh, torch.tanh),
+    # relative precision near 0, where 1 - exp(-2|x|) cancels (tanh's series takes over there)
+    "tanh_near_0": (lambda x: ep.tanh(x * 1e-4) * 1e4, lambda x: torch.tanh(x * 1e-4) * 1e4),
     "silu": (ep.silu, lambda x: x / (1 + torch.exp(-x))),
     "relu": (ep.relu, lambda x: torch.where(x > 0, x, 0.0)),
     "gelu_tanh": (

@@ -76,6 +76,13 @@ MODELS = {
     "gemma_norm_offset_gelu_tanh": ("GemmaForCausalLM", dict(pad_token_id=0, eos_token_id=2, bos_token_id=1)),
     "llama_gelu_mlp": ("LlamaForCausalLM", dict(hidden_act="gelu")),
     "arcee_ungated_mlp_bias": ("ArceeForCausalLM", dict(mlp_bias=True, pad_token_id=0, eos_token_id=2, bos_token_id=1)),
+    # caps small enough to matter on these logits; eager attention applies the attention's cap (sdpa drops it)
+    "gemma2_sandwich_norms_softcaps": ("Gemma2ForCausalLM", dict(
+        pad_token_id=0, eos_token_id=2, bos_token_id=1, sliding_window=6, final_logit_softcapping=0.5,
+        attn_logit_softcapping=1.0, query_pre_attn_scalar=24, attn_implementation="eager")),
+    "gemma3_qk_norm_rope_per_layer_type": ("Gemma3ForCausalLM", dict(
+        pad_token_id=0, eos_token_id=2, bos_token_id=1, sliding_window=6, final_logit_softcapping=0.5,
+        layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24)),
 }
 NEW_FAMILIES = [key for key in MODELS if not key.startswith(("llama", "mistral", "qwen", "gqa"))]
 
@@ -527,6 +534,25 @@ def test_a_layer_called_with_position_embeddings_alone_applies_them():
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("key", ["llama", "gemma3_qk_norm_rope_per_layer_type"])
+def test_a_layer_called_with_position_ids_alone_rotates_by_the_models_rotary_embedding(key):
+    """Without position_embeddings a patched layer takes the model's rotary_emb at those positions
+    (Gemma 3's: the frequencies of the layer's own type, local or global): what the model's own
+    layer computes given that rotary embedding's (cos, sin) (it cannot run without them)."""
+    name, overrides = MODELS[key]
+    ref = tiny(name, **overrides)
+    model = codetta.patch(copy.deepcopy(ref))
+    x = torch.randn(2, 8, 64, device=DEVICE, requires_grad=True)
+    positions = torch.arange(3, 11, device=DEVICE)[None]
+    for own, patched in zip(ref.model.layers, model.model.layers):
+        per_type = (own.self_attn.layer_type,) if name.startswith("Gemma3") else ()
+        cos_sin = ref.model.rotary_emb(x, positions, *per_type)
+        outs = [own(x, position_ids=positions, position_embeddings=cos_sin), patched(x, position_ids=positions)]
+        grads = [torch.autograd.grad(out.square().sum(), x)[0] for out in outs]
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-5)
+
+
 def test_return_dict_false_gives_the_models_tuple_layout():
     """(loss, logits, past_key_values): logits None but in its place, so unpacking by position works."""
     ref = tiny("LlamaForCausalLM")
@@ -910,6 +936,14 @@ def test_unsupported_models_and_options_are_refused_untouched():
     with pytest.raises(UnsupportedModelError, match="layer 1.*qkv_proj's 80 outputs are not the config's q, k and v"):
         codetta.patch(resized)
     assert all("forward" not in layer.__dict__ for layer in resized.model.layers)
+    multimodal = transformers.Gemma3Model(transformers.Gemma3Config(  # its text decoder inside is patched
+        text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+        vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14), mm_tokens_per_image=4))
+    with pytest.raises(UnsupportedModelError, match="Gemma3Model .a multimodal model: patch its text decoder"):
+        codetta.patch(multimodal)
+    assert codetta.patch(multimodal.language_model).layers[0]._codetta_plan is not None
 
 
 class LoraLike(torch.nn.Module):

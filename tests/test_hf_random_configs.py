@@ -10,7 +10,7 @@ any value, head_dim independent of hidden), and each family's own features drawn
 (sliding windows per layer type, SmolLM3's layers without RoPE, Ministral 3's query scaling by
 position, Ernie 4.5's biases, Phi-3's and GLM's partial RoPE, Seed-OSS's biases, Granite's
 multipliers, Gemma's norm weight 1 + w, the MLP's activation in Gemma, Llama and Arcee, whose
-MLP has no gate). CODETTA_HF_EXAMPLES sets how many are drawn per family (2 by
+MLP has no gate; Gemma 2's norms around each sublayer and its soft caps). CODETTA_HF_EXAMPLES sets how many are drawn per family (2 by
 default: hypothesis's first draw is the minimal config, hidden size 1 and one token, the
 second a random one; with the first four families, 40 of each test passed on the CPU, and on the H200 80 of the fp32 test and 40 of the bf16 one:
 bench/results/h200_hf_random_configs.log; Gemma and Llama with their activations drawn, 10
@@ -32,7 +32,8 @@ from unfused_roundings import worse_of_two_roundings
 
 transformers = pytest.importorskip("transformers")
 
-from codetta.integrations.hf.architectures import ARCHITECTURES, MODEL_KINDS, decoder_of  # noqa: E402
+from codetta.integrations.hf.architectures import (ARCHITECTURES, CLASS_PREFIXES, MODEL_KINDS, decoder_of,  # noqa: E402
+                                                   family_and_kind)
 
 NUM_LABELS = 3
 
@@ -53,11 +54,19 @@ def rope_parameters(draw):
     return dict(rope_type=kind, rope_theta=theta, **extra[kind])
 
 
+def patched_classes(family):
+    """The names of the family's transformers classes that codetta patches (Gemma 3's: Gemma3ForCausalLM,
+    Gemma3TextModel, ...)."""
+    prefixes = [family, *(prefix for prefix, of in CLASS_PREFIXES.items() if of == family)]
+    return [prefix + kind for prefix in prefixes for kind in MODEL_KINDS
+            if family_and_kind(getattr(transformers, prefix + kind, type)) == (family, kind)]
+
+
 @st.composite
 def models(draw, family, min_hidden=1):
     """(class name, config keyword arguments) of a model of the family, its hidden size at least
     ``min_hidden`` (where the family's heads allow)."""
-    kind = draw(st.sampled_from([k for k in MODEL_KINDS if hasattr(transformers, family + k)]))
+    name = draw(st.sampled_from(patched_classes(family)))
     kv_heads, group = draw(st.integers(1, 3)), draw(st.integers(1, 3))
     head_dim = draw(st.sampled_from([8, 16, 32, 12, 24]))  # 12, 24: the model's own RoPE (not a power of two)
     layers = draw(st.integers(1, 3))
@@ -108,12 +117,24 @@ def models(draw, family, min_hidden=1):
         config["hidden_act"] = draw(st.sampled_from(["gelu_pytorch_tanh", "gelu", "silu", "relu", "gelu_new"]))
     if family == "Gemma":
         config["use_bidirectional_attention"] = draw(st.booleans())
+    if family in ("Gemma2", "Gemma3"):  # norms around each sublayer, caps of the logits (and Gemma 2's attention's)
+        config.update(hidden_activation=draw(st.sampled_from(["gelu_pytorch_tanh", "gelu", "silu"])),
+                      sliding_window=draw(st.sampled_from([3, 8])),
+                      layer_types=draw(st.lists(st.sampled_from(["full_attention", "sliding_attention"]),
+                                                min_size=layers, max_size=layers)),
+                      final_logit_softcapping=draw(st.sampled_from([None, 0.5, 30.0])),
+                      attn_logit_softcapping=draw(st.sampled_from([None, 1.0, 50.0])),
+                      query_pre_attn_scalar=draw(st.sampled_from([head_dim, 24])))
+    if family == "Gemma3":  # its local layers' RoPE (rotary frequencies per layer type), QK-norm with 1 + w
+        config["rope_parameters"] = dict(full_attention=config["rope_parameters"],
+                                         sliding_attention=dict(rope_type="default", rope_theta=10000.0))
+        config["use_bidirectional_attention"] = draw(st.booleans())
     if family == "Arcee":  # its MLP has no gate: act(h W_u^T) W_d^T, the activation as the model's module
         config["hidden_act"] = draw(st.sampled_from(["relu2", "silu", "gelu"]))
     if family == "SeedOss":  # its dropouts (0.1 by default) off: they draw masks (and the residual one runs unfused)
         config.update(attention_bias=draw(st.booleans()), attention_out_bias=draw(st.booleans()),
                       mlp_bias=draw(st.booleans()), residual_dropout=0.0, attention_dropout=0.0)
-    return family + kind, config
+    return name, config
 
 
 @st.composite

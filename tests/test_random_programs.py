@@ -175,6 +175,7 @@ class ProgramWriter:
         if not exact_only:
             options.update({
                 f"ep.sigmoid({x.text})": (1.0, None),
+                f"ep.tanh({x.text})": (1.0, None),
                 f"ep.silu({x.text})": (m, None),
                 f"ep.gelu_tanh({x.text})": (m, None),
                 f"ep.gelu_erf({x.text})": (m, None),

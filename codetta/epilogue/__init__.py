@@ -36,6 +36,7 @@ from .ir import (
     sin,
     sqrt,
     square,
+    tanh,
     where,
 )
 from .reference import run_reference
@@ -44,5 +45,5 @@ __all__ = [
     "FULL", "HALF", "EpilogueError", "Expr", "Program", "Width", "abs", "cos", "exp", "floor", "fma",
     "gelu_erf", "gelu_tanh", "join", "kernel_source", "log", "maximum", "minimum", "pairs", "reciprocal",
     "relu", "round_to", "rsqrt", "run_reference", "segment_max", "segment_sum", "sigmoid", "silu", "sin",
-    "sqrt", "square", "where",
+    "sqrt", "square", "tanh", "where",
 ]

@@ -53,7 +53,7 @@ HALF = Width.HALF
 # given once, in the reference executor, and once in Triton, in the code generator.
 UNARY_OPS = (
     "neg", "abs", "exp", "log", "sqrt", "rsqrt", "reciprocal", "square",
-    "sigmoid", "silu", "relu", "gelu_tanh", "gelu_erf", "sin", "cos",
+    "sigmoid", "tanh", "silu", "relu", "gelu_tanh", "gelu_erf", "sin", "cos",
     "floor", "not",
 )
 BINARY_OPS = ("add", "sub", "mul", "div", "maximum", "minimum", "lt", "le", "gt", "ge", "eq", "ne", "and", "or")
@@ -236,6 +236,7 @@ rsqrt = _make_unary("rsqrt", "1 / sqrt(x)")
 reciprocal = _make_unary("reciprocal", "1 / x")
 square = _make_unary("square", "x * x")
 sigmoid = _make_unary("sigmoid", "1 / (1 + e^-x)")
+tanh = _make_unary("tanh", "(e^x - e^-x) / (e^x + e^-x)")
 silu = _make_unary("silu", "x * sigmoid(x)")
 relu = _make_unary("relu", "max(x, 0); NaN stays NaN (as torch.relu)")
 gelu_tanh = _make_unary("gelu_tanh", "0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) = x sigmoid(2 sqrt(2/pi)(x + 0.044715 x^3))")

@@ -24,6 +24,7 @@ _UNARY = {
     "reciprocal": torch.reciprocal,
     "square": torch.square,
     "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
     "silu": torch.nn.functional.silu,
     "relu": torch.relu,
     "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),

@@ -7,6 +7,7 @@ target's column) and the sum of the logits, into [M, P] buffers (P = ceil(N / BL
 :func:`codetta.kernels.finish.row_max_and_log_sum` and row sums finish them, as they finish a
 GEMM epilogue's per-tile partials. A row whose logits are all -inf keeps m = -inf, s = 0 (its
 lse is -inf); a row holding +inf gets s = NaN (inf - inf), as F.cross_entropy's log_softmax.
+With a soft cap s > 0 the statistics are those of the capped logits s tanh(z / s), in fp32.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ..interpreter import interpreting
+from ..matmul.mainloop import tanh
 from .finish import row_max_and_log_sum, row_sum
 from .launch import launch
 
@@ -28,7 +30,8 @@ INTERPRETER_BLOCK = (4, 64)
 
 @triton.jit
 def _row_stats_kernel(z_ptr, z_stride, target_ptr, max_ptr, sum_exp_ptr, target_logit_ptr, logit_sum_ptr, M, N, P,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOGIT_SUM: tl.constexpr):
+                      softcap, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOGIT_SUM: tl.constexpr,
+                      CAPPED: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     first = tl.program_id(1) * BLOCK_N
     cols = first + tl.arange(0, BLOCK_N)
@@ -36,6 +39,8 @@ def _row_stats_kernel(z_ptr, z_stride, target_ptr, max_ptr, sum_exp_ptr, target_
     mask = row_ok[:, None] & (cols < N)[None, :]
     row_ptrs = z_ptr + rows.to(tl.int64) * z_stride
     z = tl.load(row_ptrs[:, None] + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+    if CAPPED:  # the masked-off columns stay -inf (a capped -inf would be -softcap)
+        z = tl.where(mask, tanh(z / softcap) * softcap, float("-inf"))
     m = tl.max(z, axis=1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)  # exp(-inf - -inf) would be NaN
     # z - m first (exact near the maximum): exp2(z log2(e) - m log2(e)) as one fma would carry the
@@ -45,6 +50,8 @@ def _row_stats_kernel(z_ptr, z_stride, target_ptr, max_ptr, sum_exp_ptr, target_
     target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
     here = row_ok & (target >= first) & (target < tl.minimum(first + BLOCK_N, N))
     zt = tl.load(row_ptrs + target, mask=here, other=0.0).to(tl.float32)
+    if CAPPED:
+        zt = tanh(zt / softcap) * softcap
     out = rows * P + tl.program_id(1)
     tl.store(max_ptr + out, m, mask=row_ok)
     tl.store(sum_exp_ptr + out, s, mask=row_ok)
@@ -53,12 +60,12 @@ def _row_stats_kernel(z_ptr, z_stride, target_ptr, max_ptr, sum_exp_ptr, target_
         tl.store(logit_sum_ptr + out, tl.sum(tl.where(mask, z, 0.0), axis=1), mask=row_ok)
 
 
-def row_stats(z: torch.Tensor, target: torch.Tensor, *, logit_sum: bool = False,
+def row_stats(z: torch.Tensor, target: torch.Tensor, *, logit_sum: bool = False, softcap: float = 0.0,
               block_m: int | None = None, block_n: int | None = None) -> tuple:
     """((m, log s), target_logit, logit_sum or None) of the rows of z [M, N] (any float dtype, unit
     column stride), all fp32 [M]: lse_i = m_i + log s_i, target_logit_i = z[i, target_i] (0 where
     target_i is outside [0, N)), logit_sum_i = sum_j z_ij. A row holding +inf gets a NaN log s,
-    as its log_softmax has (inf - inf). block_m, block_n: the block per program (GPU_BLOCK;
+    as its log_softmax has (inf - inf). softcap: s > 0 for the statistics of s tanh(z / s) (0: of z). block_m, block_n: the block per program (GPU_BLOCK;
     4 x 64 in Triton's interpreter, so that small vocabularies span several blocks there too)."""
     default = INTERPRETER_BLOCK if interpreting() else GPU_BLOCK
     block_m, block_n = block_m or default[0], block_n or default[1]
@@ -71,8 +78,8 @@ def row_stats(z: torch.Tensor, target: torch.Tensor, *, logit_sum: bool = False,
     stats = torch.empty(4 if logit_sum else 3, m, parts, device=z.device, dtype=torch.float32)
     if m and n:
         launch(_row_stats_kernel, (triton.cdiv(m, block_m), parts), z, z.stride(0), target.contiguous(), stats[0],
-               stats[1], stats[2], stats[3] if logit_sum else stats[2], m, n, parts,
-               BLOCK_M=block_m, BLOCK_N=block_n, LOGIT_SUM=logit_sum, num_warps=GPU_BLOCK[2])
+               stats[1], stats[2], stats[3] if logit_sum else stats[2], m, n, parts, float(softcap or 1.0),
+               BLOCK_M=block_m, BLOCK_N=block_n, LOGIT_SUM=logit_sum, CAPPED=bool(softcap), num_warps=GPU_BLOCK[2])
     else:
         stats[0], stats[1:] = float("-inf"), 0.0
     return (row_max_and_log_sum(stats[0], stats[1]), row_sum(stats[2]),

@@ -12,7 +12,9 @@ target t_i is not ``ignore_index`` (the valid rows, n_valid of them),
 target wins by so much that its loss is under lse_i's fp32 spacing keeps its loss and 1 - p.)
 
 reduced as "none" (per row), "sum", or "mean" (sum / n_valid: NaN when n_valid = 0, as
-in PyTorch). Optionally, with label smoothing e (PyTorch's ``label_smoothing``) and a
+in PyTorch). With a logit soft cap s (Gemma 2's ``final_logit_softcapping``) the loss reads
+the capped logits zc = s tanh(z / s) in z's place everywhere below, and the gradient of the
+uncapped ones is dz = dzc (1 - tanh(z / s)^2). Optionally, with label smoothing e (PyTorch's ``label_smoothing``) and a
 z-loss coefficient c (PaLM's auxiliary loss, pulling lse towards 0):
 
     zs_i   = sum_j z_ij                                   (row_sum in the epilogue, when e > 0)
@@ -35,7 +37,9 @@ logits exist one chunk at a time. Per chunk (``_chunked``):
    input dtype, into one [C, V] buffer reused by every chunk, and one memory-bound pass
    over that buffer (``codetta.kernels.logsumexp.row_stats``) gives lse's parts and zt
    (the loss). Otherwise its epilogue computes them from the accumulators and stores
-   nothing. (In the epilogue of a GEMM whose logits are stored anyway they cost more: on
+   nothing. A soft cap is applied where the logits are read (in fp32: by both passes over
+   the stored z, which also keeps tanh(z / s) for dz exact where it saturates, and by the
+   epilogue). (In the epilogue of a GEMM whose logits are stored anyway they cost more: on
    the H200 the logits GEMM with them took 1.03-1.10x a plain GEMM plus the pass at
    8192 x 128256 x d = 2048, 4096, and up to 1.17x with another tuning draw; the pass
    reads the bf16 logits at ~3.5 TB/s: bench/results/ce_logits_probe.md.)
@@ -146,8 +150,10 @@ def default_chunk_size(vocab: int, dtype: torch.dtype = torch.bfloat16, *, rows:
 # Epilogue programs
 
 
-def _logits(p: ep.Program, bias: bool):
-    return p.acc + p.col("bias") if bias else p.acc
+def _logits(p: ep.Program, bias: bool, capped: bool = False):
+    """The logits z (+ b), soft-capped as s tanh(z / s) where ``capped`` (s: the scalar "softcap")."""
+    z = p.acc + p.col("bias") if bias else p.acc
+    return ep.tanh(z / p.scalar("softcap")) * p.scalar("softcap") if capped else z
 
 
 def _is_target(p: ep.Program):
@@ -155,12 +161,12 @@ def _is_target(p: ep.Program):
 
 
 @functools.lru_cache(maxsize=None)
-def _loss_program(bias: bool, logit_sum: bool = False) -> ep.Program:
+def _loss_program(bias: bool, logit_sum: bool = False, capped: bool = False) -> ep.Program:
     """Per row, from the fp32 accumulators (nothing stored): lse = logsumexp of the logits (as its
     parts), target_logit = the logit at the target column, and with ``logit_sum`` the sum of the
-    row's logits (label smoothing)."""
-    p = ep.Program(f"lce_loss{'_bias' if bias else ''}{'_sum' if logit_sum else ''}")
-    z = _logits(p, bias)
+    row's logits (label smoothing); the logits soft-capped where ``capped``."""
+    p = ep.Program(f"lce_loss{'_bias' if bias else ''}{'_sum' if logit_sum else ''}{'_capped' if capped else ''}")
+    z = _logits(p, bias, capped)
     p.row_logsumexp("lse", z)
     p.row_sum("target_logit", ep.where(_is_target(p), z, 0.0))
     if logit_sum:
@@ -190,8 +196,9 @@ def _hidden(x, norm_weight, eps, dtype):
     return (x, None) if norm_weight is None else rmsnorm(x, norm_weight, eps, dtype)
 
 
-def _bias_operand(bias):
-    return {} if bias is None else {"bias": bias}
+def _logit_operands(bias, softcap):
+    """The loss program's operands beside the target: the bias, the soft cap, where there are."""
+    return {**({} if bias is None else {"bias": bias}), **({"softcap": softcap} if softcap else {})}
 
 
 def _lse_parts(pmax, psum):
@@ -258,7 +265,7 @@ def _add_dweight(dw, dz, h, first):
 
 
 def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs, fp32_grads=False,
-             label_smoothing=0.0, z_loss=0.0, post_scale=None):
+             label_smoothing=0.0, z_loss=0.0, softcap=0.0, post_scale=None):
     """(m, log s) (lse's parts), target_logit, logit_sum (fp32 [M]; logit_sum None without label smoothing) and
     the gradients (dx, dweight, dbias, dnorm_weight) of sum_i scale_i loss_i asked for by
     ``needs`` (None for the others), chunk by chunk, times ``post_scale`` (an fp32 scalar
@@ -276,7 +283,7 @@ def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs
     target_logit = torch.empty(rows, **fp32)
     logit_sum = torch.empty(rows, **fp32) if label_smoothing else None
     store = any(needs)
-    loss_program = _loss_program(bias is not None, bool(label_smoothing))
+    loss_program = _loss_program(bias is not None, bool(label_smoothing), bool(softcap))
     if store:  # rows padded to 16 bytes, so that the GEMMs can read and write it through TMA
         pad = 16 // low.itemsize
         logits = x.new_empty(min(rows, chunk_size), -(-vocab // pad) * pad, dtype=low)[:, :vocab]
@@ -295,19 +302,20 @@ def _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs
             if label_smoothing:
                 out["logit_sum"] = logit_sum[c]
             parts = gemm(h, weight.t(), loss_program, out=out, finish={"lse": _lse_parts}, target=target[c],
-                         **_bias_operand(bias))["lse"]
+                         **_logit_operands(bias, softcap))["lse"]
             for buffer, part in zip(lse_parts, parts):
                 buffer[c] = part
             continue
         dz = logits[: c.stop - c.start]
         _store_logits(dz, h, weight, bias)
-        parts, target_logit[c], row_logit_sum = row_stats(dz, target[c], logit_sum=bool(label_smoothing))
+        parts, target_logit[c], row_logit_sum = row_stats(dz, target[c], logit_sum=bool(label_smoothing),
+                                                          softcap=softcap)
         for buffer, part in zip(lse_parts, parts):
             buffer[c] = part
         if label_smoothing:
             logit_sum[c] = row_logit_sum
         softmax_grad_(dz, tuple(t[c] for t in lse_parts), target[c], scale[c], label_smoothing=label_smoothing,
-                      z_loss=z_loss)
+                      z_loss=z_loss, softcap=softcap)
         if need_bias:
             db += dz.sum(0, dtype=torch.float32)
         if need_weight:
@@ -370,6 +378,7 @@ def _forward(
     eps: float,
     label_smoothing: float,
     z_loss: float,
+    softcap: float,
     chunk_size: int,
     need_x: bool,
     need_weight: bool,
@@ -390,14 +399,14 @@ def _forward(
             scale = _row_scale(torch.ones((), device=x.device, dtype=torch.float32), valid, reduction)
     lse_parts, target_logit, logit_sum, grads = _chunked(
         x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs, fp32_grads=True,
-        label_smoothing=label_smoothing, z_loss=z_loss, post_scale=post_scale)
+        label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, post_scale=post_scale)
     losses = _losses(valid, lse_parts, target_logit, logit_sum, weight.shape[0], label_smoothing, z_loss)
     return (_reduce(losses, valid, reduction), *_grad_outputs(x, grads))
 
 
 @_forward.register_fake
 def _forward_fake(x, weight, target, bias, norm_weight, ignore_index, reduction, eps, label_smoothing, z_loss,
-                  chunk_size, *needs):
+                  softcap, chunk_size, *needs):
     loss = x.new_empty((x.shape[0],) if reduction == "none" else (), dtype=torch.float32)
     return (loss, *_fake_grads(x, weight, bias, norm_weight, _in_forward(reduction, needs), fp32_grads=True))
 
@@ -428,6 +437,7 @@ def _backward(
     eps: float,
     label_smoothing: float,
     z_loss: float,
+    softcap: float,
     chunk_size: int,
     need_x: bool,
     need_weight: bool,
@@ -438,32 +448,33 @@ def _backward(
     scale = _row_scale(grad, target != ignore_index, reduction)
     needs = (need_x, need_weight, need_bias, need_norm_weight)
     *_, grads = _chunked(x, weight, target, bias, norm_weight, eps, chunk_size, scale, needs,
-                         label_smoothing=label_smoothing, z_loss=z_loss)
+                         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
     return _grad_outputs(x, grads)
 
 
 @_backward.register_fake
 def _backward_fake(grad, x, weight, target, bias, norm_weight, ignore_index, reduction, eps, label_smoothing, z_loss,
-                   chunk_size, *needs):
+                   softcap, chunk_size, *needs):
     return _fake_grads(x, weight, bias, norm_weight, needs)
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, target, bias, norm_weight, ignore_index, reduction, eps, label_smoothing, z_loss, chunk_size, *needs = inputs
+    (x, weight, target, bias, norm_weight, ignore_index, reduction, eps, label_smoothing, z_loss, softcap, chunk_size,
+     *needs) = inputs
     ctx.in_forward = _in_forward(reduction, needs)
     if any(ctx.in_forward):
         # whether any target is counted (0-d), not the targets: the caller may reuse their buffer
         ctx.save_for_backward(*output[1:], (target != ignore_index).any())
     else:
         ctx.save_for_backward(x, weight, target, bias, norm_weight)
-    ctx.options = (ignore_index, reduction, eps, label_smoothing, z_loss, chunk_size)
+    ctx.options = (ignore_index, reduction, eps, label_smoothing, z_loss, softcap, chunk_size)
     ctx.dtypes = tuple(t.dtype if t is not None else None for t in (x, weight, bias, norm_weight))
     only_first_output_differentiable(ctx, output)
 
 
 def _autograd_backward(ctx, grad_loss, *_grad_gradients):
     if grad_loss is None:  # no gradient came (a downstream function gave none): nothing flows back
-        return (None,) * 15
+        return (None,) * 16
     refuse_double_backward("codetta::linear_cross_entropy", (grad_loss,))
     needs = ctx.needs_input_grad[:2] + ctx.needs_input_grad[3:5]  # x, weight, bias, norm_weight
     if any(ctx.in_forward):
@@ -492,7 +503,7 @@ def _autograd_backward(ctx, grad_loss, *_grad_gradients):
     else:
         grads = _backward(grad_loss, *ctx.saved_tensors, *ctx.options, *needs)
     dx, dw, db, dg = (g if n else None for g, n in zip(grads, needs))
-    return dx, dw, None, db, dg, *(None,) * 10
+    return dx, dw, None, db, dg, *(None,) * 11
 
 
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -502,8 +513,8 @@ _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 # The public functions
 
 
-def _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size, label_smoothing=0.0, z_loss=0.0, *,
-                  ignore_index=-100, eps=1e-6):
+def _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size, label_smoothing=0.0, z_loss=0.0,
+                  softcap=None, *, ignore_index=-100, eps=1e-6):
     def fail(msg):
         raise ValueError(f"linear_cross_entropy: {msg}")
 
@@ -557,11 +568,14 @@ def _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size, l
     for name, value, high in (("label_smoothing", label_smoothing, 1.0), ("z_loss", z_loss, math.inf)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= high:
             fail(f"{name} must be a number in [0, {high}], got {value!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not 0.0 < softcap < math.inf):
+        fail(f"softcap must be None or a positive finite number, got {softcap!r}")
 
 
 @casts_under_autocast("weight", "bias", streams_if=(("x", "norm_weight"),))
 def linear_cross_entropy(x, weight, target, *, bias=None, ignore_index=-100, reduction="mean",
-                         norm_weight=None, eps=1e-6, chunk_size=None, label_smoothing=0.0, z_loss=0.0):
+                         norm_weight=None, eps=1e-6, chunk_size=None, label_smoothing=0.0, z_loss=0.0, softcap=None):
     """Cross-entropy of the logits ``h W^T + b``, never materialized for all rows at once.
 
     Equals ``F.cross_entropy(F.linear(h, weight, bias).float(), target, ignore_index=...,
@@ -583,13 +597,15 @@ def linear_cross_entropy(x, weight, target, *, bias=None, ignore_index=-100, red
             logits in x's dtype at most, or all rows when that takes less memory).
         label_smoothing: e in [0, 1], as PyTorch's: the target distribution is (1 - e) one-hot
             + e uniform. z_loss: c >= 0, the coefficient of the auxiliary loss c lse^2 (PaLM).
+        softcap: None, or s > 0: the logits are soft-capped to s tanh(logits / s) before the
+            loss (Gemma 2's ``final_logit_softcapping``).
 
     Gradients flow to x, weight, bias and norm_weight; for "mean" and "sum" they are
     computed in this call when grad mode is on and an input requires grad (the loss can then
     be backpropagated once: a second backward through it raises). See the module
     docstring for the math, the design and the memory bound.
     """
-    _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size, label_smoothing, z_loss,
+    _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size, label_smoothing, z_loss, softcap,
                   ignore_index=ignore_index, eps=eps)
     vocab, d = weight.shape
     x2 = shapes.rows(x)
@@ -600,23 +616,26 @@ def linear_cross_entropy(x, weight, target, *, bias=None, ignore_index=-100, red
     grad = torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
     needs = [grad and t is not None and t.requires_grad for t in (x, weight, bias, norm_weight)]
     loss, *_ = _forward(x2, weight, target.reshape(-1).long(), bias, norm_weight,
-                        int(ignore_index), reduction, float(eps), float(label_smoothing), float(z_loss), chunk, *needs)
+                        int(ignore_index), reduction, float(eps), float(label_smoothing), float(z_loss),
+                        float(softcap or 0.0), chunk, *needs)
     return loss.reshape(target.shape) if reduction == "none" else loss
 
 
 def linear_cross_entropy_reference(x, weight, target, *, bias=None, ignore_index=-100, reduction="mean",
-                                   norm_weight=None, eps=1e-6, label_smoothing=0.0, z_loss=0.0):
+                                   norm_weight=None, eps=1e-6, label_smoothing=0.0, z_loss=0.0, softcap=None):
     """The same math in plain PyTorch over whole tensors (materializes the [M, V] logits).
 
     Logits in fp32 (as codetta's fp32 accumulators), RMSNorm in fp32 rounded once to the
     weight's dtype; differentiable by autograd. For comparison and debugging.
     """
-    _check_inputs(x, weight, target, bias, norm_weight, reduction, None, label_smoothing, z_loss,
+    _check_inputs(x, weight, target, bias, norm_weight, reduction, None, label_smoothing, z_loss, softcap,
                   ignore_index=ignore_index, eps=eps)
     _check_target_values(target.reshape(-1), weight.shape[0], ignore_index)
     h = x if norm_weight is None else \
         (x.float() * rms_rstd(x, eps).unsqueeze(-1) * norm_weight.float()).to(weight.dtype)
     z = F.linear(h.float(), weight.float(), None if bias is None else bias.float())
+    if softcap:
+        z = torch.tanh(z / softcap) * softcap
     valid = target != ignore_index
     picked = z.gather(-1, torch.where(valid, target, 0).long().unsqueeze(-1)).squeeze(-1)
     z2 = z.reshape(-1, z.shape[-1])  # each logit its own partial: (max, log sum exp) as the epilogue's finish

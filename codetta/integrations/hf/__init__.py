@@ -73,7 +73,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
 
     Models: the causal LMs of the families in :data:`.architectures.ARCHITECTURES` (Llama, Mistral,
     Qwen2, Qwen3, Ministral, Ministral3, Cwm, SmolLM3, Helium, Ernie4_5, Phi3, Glm, SeedOss,
-    Granite, Gemma, Arcee: ``LlamaForCausalLM``, ...),
+    Granite, Gemma, Arcee, Gemma2, Gemma3 (its text models): ``LlamaForCausalLM``, ...),
     their bare decoder stacks (``LlamaModel``, ...) and the other heads transformers puts on them
     (``...ForSequenceClassification``, ``...ForTokenClassification``, ``...ForQuestionAnswering``).
 
@@ -120,7 +120,8 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
         model.forward = FusedForward(fused_causal_lm_forward, model, "_codetta_patched")
     # what the fused loss needs of the family, taken now: a wrapper (FSDP2) swaps the model's class later
     model._codetta_patched = dict(rms_norm=rms_norm, rope=rope and rms_norm, swiglu=swiglu and rms_norm,
-                                  cross_entropy=cross_entropy, logits_scaling=arch.multipliers)
+                                  cross_entropy=cross_entropy, logits_scaling=arch.multipliers,
+                                  logit_softcap=arch.logit_softcap)
     return model
 
 

@@ -2,7 +2,8 @@
 
 A supported decoder layer is Llama-shaped: ``input_layernorm`` and
 ``post_attention_layernorm`` (RMSNorm: ``weight``, ``variance_epsilon``; Gemma's: 1 + ``weight``,
-``eps``), ``self_attn`` with ``q_proj``, ``k_proj``, ``v_proj`` (or one ``qkv_proj``: Phi-3),
+``eps``; Gemma 2's also ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm``, the
+post norms on the sublayers' outputs), ``self_attn`` with ``q_proj``, ``k_proj``, ``v_proj`` (or one ``qkv_proj``: Phi-3),
 ``o_proj`` (optionally ``q_norm``, ``k_norm``: QK-norm, RMSNorms over ``head_dim`` with one
 epsilon) and an ``mlp``: ``gate_proj``, ``up_proj`` (or one ``gate_up_proj``: Phi-3, GLM),
 ``down_proj`` and an activation of the gate (or, without a gate, of the up projection:
@@ -77,6 +78,19 @@ class Architecture:
     norm_eps: str = "variance_epsilon"
     # Whether the MLP gates: act(h W_g^T) * (h W_u^T), or act(h W_u^T) with no ``gate_proj`` (Arcee)
     gated_mlp: bool = True
+    # Whether each sublayer's output goes through an RMSNorm of its own before the residual add
+    # (Gemma 2: ``post_attention_layernorm`` normalizes the attention's output,
+    # ``post_feedforward_layernorm`` the MLP's) and the MLP's input through ``pre_feedforward_layernorm``
+    sandwich_norms: bool = False
+    # Whether the attention passes its ``attn_logit_softcapping`` to the attention function as
+    # ``softcap`` (Gemma 2), and whether the causal LM caps its logits to s tanh(logits / s), s its
+    # config's ``final_logit_softcapping`` when that is not None (Gemma 2, Gemma 3)
+    attention_softcap: bool = False
+    logit_softcap: bool = False
+    # Whether the rotary embedding keeps frequencies per attention layer type (``{type}_inv_freq``,
+    # ``{type}_attention_scaling``, the type the attention module's ``layer_type``: Gemma 3's local
+    # and global layers) rather than one ``inv_freq`` and ``attention_scaling``
+    rotary_per_layer_type: bool = False
 
     @property
     def projections(self) -> tuple:
@@ -87,6 +101,18 @@ class Architecture:
         else:
             gate_up = ("mlp.gate_proj", "mlp.up_proj") if self.gated_mlp else ("mlp.up_proj",)
         return (*qkv, "self_attn.o_proj", *gate_up, "mlp.down_proj")
+
+    @property
+    def norms(self) -> tuple:
+        """The paths of the layer's RMSNorms (of the residual stream and, with sandwich norms, of the
+        sublayers' outputs)."""
+        sandwich = ("pre_feedforward_layernorm", "post_feedforward_layernorm") if self.sandwich_norms else ()
+        return ("input_layernorm", "post_attention_layernorm", *sandwich)
+
+    @property
+    def mlp_norm(self) -> str:
+        """The path of the RMSNorm of the MLP's input (folded into the gate/up GEMM)."""
+        return "pre_feedforward_layernorm" if self.sandwich_norms else "post_attention_layernorm"
 
     @property
     def activation(self) -> str:
@@ -137,16 +163,24 @@ class Architecture:
         """What the layer multiplies each sublayer's output by before the residual add."""
         return float(layer.residual_multiplier) if self.multipliers else 1.0
 
+    def rotary_frequencies(self, rotary, attn) -> tuple:
+        """(inv_freq, attention_scaling) of the rotary embedding for this attention module's layer."""
+        prefix = f"{attn.layer_type}_" if self.rotary_per_layer_type else ""
+        return getattr(rotary, prefix + "inv_freq"), getattr(rotary, prefix + "attention_scaling")
+
     def applies_rope(self, attn) -> bool:
         """Whether the layer of this attention module rotates q and k."""
         return not self.rope_per_layer or bool(attn.use_rope)
 
     def attention_kwargs(self, attn) -> dict:
         """The arguments of the attention function that the model's attention module adds."""
-        if self.sliding_window is None:
-            return {}
-        owner = attn.config if self.sliding_window == "config" else attn
-        return {"sliding_window": getattr(owner, "sliding_window", None)}
+        kwargs = {}
+        if self.sliding_window is not None:
+            owner = attn.config if self.sliding_window == "config" else attn
+            kwargs["sliding_window"] = getattr(owner, "sliding_window", None)
+        if self.attention_softcap:
+            kwargs["softcap"] = attn.attn_logit_softcapping
+        return kwargs
 
 
 def qkv_widths(attn) -> list[int]:
@@ -176,19 +210,32 @@ ARCHITECTURES = {
     "Glm": Architecture(interleaved_rope=True, fused_gate_up=True, partial_rotary=True),
     "Gemma": Architecture(norm_weight_offset=1.0, norm_eps="eps"),
     "Arcee": Architecture(gated_mlp=False),
+    "Gemma2": Architecture(norm_weight_offset=1.0, norm_eps="eps", sliding_window="module", sandwich_norms=True,
+                           attention_softcap=True, logit_softcap=True),
+    "Gemma3": Architecture(norm_weight_offset=1.0, norm_eps="eps", sliding_window="module", sandwich_norms=True,
+                           logit_softcap=True, qk_norm=True, rotary_per_layer_type=True),
 }
 # The classes of a family that codetta patches: the causal LM (its decoder layers, and its LM head +
 # loss), the bare decoder stack and the other task heads on it (their decoder layers).
 CAUSAL_LM = "ForCausalLM"
 MODEL_KINDS = (CAUSAL_LM, "Model", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+# Classes of a family under another prefix: Gemma 3's text-only decoder stack and heads
+# (Gemma3TextModel, ...; its causal LM is Gemma3ForCausalLM). Its Gemma3Model and
+# Gemma3ForSequenceClassification are the multimodal ones (a vision tower, and the text decoder
+# inside: patch their ``language_model``), not patched.
+CLASS_PREFIXES = {"Gemma3Text": "Gemma3"}
+MULTIMODAL = ("Gemma3Model", "Gemma3ForSequenceClassification")
 
 
 def family_and_kind(cls: type, *, any_module: bool = False):
     """("Llama", "ForCausalLM") for transformers' LlamaForCausalLM, and so on; None for a class not
     patched (with ``any_module``: for a class of such a name defined anywhere)."""
+    if cls.__name__ in MULTIMODAL:
+        return None
     for kind in MODEL_KINDS:
-        family = cls.__name__.removesuffix(kind)
-        if family != cls.__name__ and family in ARCHITECTURES and (
+        prefix = cls.__name__.removesuffix(kind)
+        family = CLASS_PREFIXES.get(prefix, prefix)
+        if prefix != cls.__name__ and family in ARCHITECTURES and (
                 any_module or cls.__module__.startswith("transformers.")):
             return family, kind
     return None
@@ -232,7 +279,6 @@ def model_classes(model) -> ModelClasses:
     return ModelClasses(*found.values())
 
 
-_NORMS = ("input_layernorm", "post_attention_layernorm")
 _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 RESIDUAL_DROPOUTS = ("resid_attn_dropout", "resid_mlp_dropout")
 
@@ -240,7 +286,7 @@ RESIDUAL_DROPOUTS = ("resid_attn_dropout", "resid_mlp_dropout")
 def _fused_paths(arch: Architecture) -> tuple:
     """The modules whose forward the fused forward computes itself (the attention, the MLP and its
     activation), the projections and norms whose parameters it reads, the dropouts it skips."""
-    return ("self_attn", "mlp", arch.activation, *arch.projections, *_NORMS, *(_QK_NORMS if arch.qk_norm else ()),
+    return ("self_attn", "mlp", arch.activation, *arch.projections, *arch.norms, *(_QK_NORMS if arch.qk_norm else ()),
             *(RESIDUAL_DROPOUTS if arch.residual_dropout == "modules" else ()))
 
 
@@ -355,7 +401,10 @@ def architecture_of(model) -> Architecture:
     found = family_and_kind(type(model))
     if found is None:
         base = next((c.__name__ for c in type(model).__mro__[1:] if family_and_kind(c)), None)
-        if family_and_kind(type(model), any_module=True):  # e.g. a model's remote code (trust_remote_code=True)
+        if type(model).__name__ in MULTIMODAL:
+            why = (" (a multimodal model: patch its text decoder, its language_model, a Gemma3TextModel; or use "
+                   "Gemma3ForCausalLM for text)")
+        elif family_and_kind(type(model), any_module=True):  # e.g. a model's remote code (trust_remote_code=True)
             why = f" from {type(model).__module__}, not transformers' own class of that name, whose forward codetta computes"
         elif base:
             why = (f" (a subclass of {base}: codetta patches transformers' classes themselves, not a subclass that "
@@ -391,17 +440,20 @@ def check_model(model, arch: Architecture, classes: ModelClasses):
         raise UnsupportedModelError(f"the model is in {dtype}; codetta's kernels take float16, bfloat16 and "
                                     "float32. Nothing was patched.")
     decoder = decoder_of(model)
-    rotary = _need(decoder, "rotary_emb.inv_freq", f"{type(model).__name__}'s {type(decoder).__name__}")
-    if rotary.dim() != 1:
-        raise UnsupportedModelError(f"rotary inv_freq of shape {tuple(rotary.shape)} is not supported (e.g. mrope)")
+    rotary = _need(decoder, "rotary_emb", f"{type(model).__name__}'s {type(decoder).__name__}")
     for i, layer in enumerate(_need(decoder, "layers", f"{type(model).__name__}'s {type(decoder).__name__}")):
         what = f"layer {i} ({type(layer).__name__})"
+        layer_type = f"{_need(layer, 'self_attn.layer_type', what)}_" if arch.rotary_per_layer_type else ""
+        inv_freq = _need(rotary, f"{layer_type}inv_freq", f"{what}'s rotary_emb")
+        if inv_freq.dim() != 1:
+            raise UnsupportedModelError(f"rotary inv_freq of shape {tuple(inv_freq.shape)} is not supported (e.g. mrope)")
         if type(layer).forward is not classes.layer.forward:
             raise UnsupportedModelError(f"{what} has a forward of its own (not {classes.layer.__name__}'s), which the "
                                         "fused forward would replace; a wrapper of the layer (activation checkpointing, "
                                         "FSDP) is added after patching. Nothing was patched.")
-        for path in ("input_layernorm.weight", f"input_layernorm.{arch.norm_eps}", "post_attention_layernorm.weight",
-                     f"post_attention_layernorm.{arch.norm_eps}", "self_attn.head_dim", "self_attn.scaling", *arch.projections, arch.activation,
+        for path in (*(f"{norm}.{attribute}" for norm in arch.norms for attribute in ("weight", arch.norm_eps)),
+                     "self_attn.head_dim", "self_attn.scaling", *arch.projections, arch.activation,
+                     *(("self_attn.attn_logit_softcapping",) if arch.attention_softcap else ()),
                      *(RESIDUAL_DROPOUTS if arch.residual_dropout == "modules" else ()),
                      *(("self_attn.residual_dropout", "mlp.residual_dropout") if arch.residual_dropout == "rates" else ()),
                      *(("residual_multiplier",) if arch.multipliers else ())):
@@ -456,7 +508,8 @@ def why_rope_unfusable(model, arch: Architecture):
     decoder = decoder_of(model)
     for layer in decoder.layers:
         head_dim = layer.self_attn.head_dim
-        rotated = 2 * decoder.rotary_emb.inv_freq.shape[-1] if arch.partial_rotary else head_dim
+        rotated = 2 * arch.rotary_frequencies(decoder.rotary_emb, layer.self_attn)[0].shape[-1] \
+            if arch.partial_rotary else head_dim
         why_not = why_rotary_dims_unfit(rotated, head_dim)
         if why_not is not None:
             return why_not

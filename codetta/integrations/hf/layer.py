@@ -11,6 +11,10 @@
               layer's input-norm stats of x2            or ReLU), then linear_residual (the next layer's norm
                                                        producer); x1's two gradients summed in an epilogue
 
+With a norm on each sublayer's output (Gemma 2) the residual adds are the model's own
+(:func:`_sandwiched_residuals`): the input norm and the pre-MLP norm are folded into the QKV
+and gate/up GEMMs, nothing is handed on.
+
 The next layer's input norm reads s' (a :class:`StatsHandoff` between the two layers)
 when it is given exactly x2, unchanged, as in the model's own layer loop; otherwise (the
 first layer, gradient checkpointing's recomputation, a caller passing another tensor, x2
@@ -36,7 +40,7 @@ from typing import Optional
 import torch
 from torch.nn.utils import parametrize
 
-from ...ops import linear_residual, rmsnorm_linear, rmsnorm_qkv_rope, swiglu_mlp
+from ...ops import linear_residual, rmsnorm_linear, rmsnorm_qkv_rope, rmsnorm_swiglu, swiglu_mlp
 from ...ops.rmsnorm import NormStats, stream_fits
 from ...ops.rope import angles_need_grad
 from .architectures import (Architecture, ModelClasses, fused_modules, gate_activation, hooked_module, hooks_between,
@@ -166,7 +170,7 @@ class LayerPlan:
     outgoing: Optional[StatsHandoff] = None  # the next layer's incoming slot
 
 
-def _rope_arguments(plan: LayerPlan, x, head_dim: int, position_ids, position_embeddings):
+def _rope_arguments(plan: LayerPlan, x, attn, position_ids, position_embeddings):
     """(the RoPE arguments of rmsnorm_qkv_rope, None), or (None, why RoPE runs as the model's own
     code after the norm-folded GEMM: None where the model's own layer would fail as well).
 
@@ -175,7 +179,8 @@ def _rope_arguments(plan: LayerPlan, x, head_dim: int, position_ids, position_em
     those. They have the two equal halves of the model's own rotary class (cat(freqs, freqs));
     a rotary embedding of another class may not, nor one whose hooks change them (checked then:
     one host synchronization per new pair). A layer called with position_ids alone takes
-    positions and the model's rotary_emb (its inv_freq and attention_scaling, as they are now).
+    positions and the model's rotary_emb (its inv_freq and attention_scaling, as they are now; the
+    layer type's where the family keeps them per type).
     Angles for fewer dims than head_dim (a config's partial_rotary_factor, which these models'
     own RoPE does not take) leave RoPE to the model's code, which fails as the model does; in a
     family whose RoPE is partial (Phi-3, GLM) they are the rotary dims."""
@@ -195,9 +200,10 @@ def _rope_arguments(plan: LayerPlan, x, head_dim: int, position_ids, position_em
             why_rotary_unfusable(rotary, plan.classes)
         if why_not is not None:
             return None, why_not
-        rope = dict(positions=position_ids.expand(x.shape[:-1]), inv_freq=rotary.inv_freq,
-                    attention_scaling=rotary.attention_scaling)
-        rotated = 2 * rotary.inv_freq.shape[-1]
+        inv_freq, attention_scaling = plan.arch.rotary_frequencies(rotary, attn)
+        rope = dict(positions=position_ids.expand(x.shape[:-1]), inv_freq=inv_freq, attention_scaling=attention_scaling)
+        rotated = 2 * inv_freq.shape[-1]
+    head_dim = attn.head_dim
     if plan.arch.partial_rotary and rotated < head_dim:
         why_not = why_rotary_dims_unfit(rotated, head_dim)  # patch checked the model's own; these may be a caller's
         if why_not is not None:
@@ -250,7 +256,7 @@ def _rotated_qkv(layer, plan: LayerPlan, x, norm, position_ids, position_embeddi
     (stats, g1), eps = norm, arch.norm_epsilon(ln)
     weights, biases = plan.arch.qkv_weights(attn)  # any bias may be None (0)
     rotates = plan.arch.applies_rope(attn)
-    rope, why_not = (_rope_arguments(plan, x, attn.head_dim, position_ids, position_embeddings)
+    rope, why_not = (_rope_arguments(plan, x, attn, position_ids, position_embeddings)
                      if plan.fuse_rope and rotates else (None, None))
     if why_not is not None:
         warnings.warn(f"codetta: {why_not}; RoPE runs as the model's own code on its position_embeddings",
@@ -373,15 +379,25 @@ def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_id
         plan.incoming.take(None)  # the statistics handed to this layer go unused
         return type(layer).forward(layer, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                    use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
-    arch, attn, mlp, ln2 = plan.arch, layer.self_attn, layer.mlp, layer.post_attention_layernorm
-    # each norm weight read once: a parametrized weight is new at each read (and Gemma's 1 + w a new
-    # tensor), and NormStats checks that its consumer gets the same one
-    g2, eps2 = arch.norm_weight(ln2), arch.norm_epsilon(ln2)
+    arch, attn = plan.arch, layer.self_attn
     x = hidden_states
     stats, g1 = plan.incoming.take(x)
     norm = (stats, g1 if stats is not None else arch.norm_weight(layer.input_layernorm))
     q, k, v = _qkv(layer, plan, x, norm, position_ids, position_embeddings)
     a = _attention(attn, plan, q, k, v, attention_mask, dict(position_ids=position_ids, use_cache=use_cache, **kwargs))
+    if arch.sandwich_norms:
+        return _sandwiched_residuals(layer, plan, x, a)
+    return _residuals(layer, plan, x, a)
+
+
+def _residuals(layer, plan: LayerPlan, x, a):
+    """x2 from the layer's input x and the attention's output a: the O-projection's residual add
+    making the MLP norm's statistics, the MLP with that norm folded, its residual add making the
+    next layer's (handed on where the next layer will take them)."""
+    arch, attn, mlp, ln2 = plan.arch, layer.self_attn, layer.mlp, layer.post_attention_layernorm
+    # each norm weight read once: a parametrized weight is new at each read (and Gemma's 1 + w a new
+    # tensor), and NormStats checks that its consumer gets the same one
+    g2, eps2 = arch.norm_weight(ln2), arch.norm_epsilon(ln2)
     branch_scale = arch.branch_scale(layer)  # Granite's residual multiplier, else 1
     x1, stats = linear_residual(a, attn.o_proj.weight, x, g2, eps2, bias=attn.o_proj.bias, branch_scale=branch_scale)
     next_layer = plan.next_layer.get() if plan.next_layer is not None else None
@@ -400,19 +416,12 @@ def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_id
     )
     next_norm = dict(next_norm_weight=arch.norm_weight(ln_next), next_eps=arch.norm_epsilon(ln_next)) if hand_on else {}
     (w_gate, w_up), (b_gate, b_up) = arch.gate_up_weights(mlp)  # biases: Llama's mlp_bias
-    if w_gate is not None and plan.fuse_swiglu and plan.activation is not None:
+    if _gate_in_epilogue(plan, w_gate):
         out = swiglu_mlp(x1, g2, w_gate, w_up, mlp.down_proj.weight, eps2, stats=stats,
                          bias=(b_gate, b_up, mlp.down_proj.bias), branch_scale=branch_scale, activation=plan.activation,
                          **next_norm)
-    else:  # the activation as the model's module, after the norm-folded GEMM
-        act = layer.get_submodule(arch.activation)
-        if w_gate is None:  # no gate (Arcee): act(h W_u^T + b_u)
-            up = rmsnorm_linear(x1, g2, [w_up], eps2, stats=stats)
-            y = act(up if b_up is None else up + b_up)
-        else:
-            gate, up = torch.chunk(rmsnorm_linear(x1, g2, [w_gate, w_up], eps2, stats=stats), 2, dim=-1)
-            gate, up = (z if b is None else z + b for z, b in ((gate, b_gate), (up, b_up)))
-            y = act(gate) * up
+    else:
+        y = _mlp_hidden(layer, plan, x1, g2, eps2, stats)
         out = linear_residual(y, mlp.down_proj.weight, x1, *next_norm.values(), bias=mlp.down_proj.bias,
                               branch_scale=branch_scale)
     if not hand_on:
@@ -420,3 +429,42 @@ def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_id
     x2, stats2 = out
     plan.outgoing.put(x2, stats2, next_norm["next_norm_weight"])
     return x2
+
+
+def _sandwiched_residuals(layer, plan: LayerPlan, x, a):
+    """x2 from the layer's input x and the attention's output a where each sublayer's output is
+    normalized before its residual add (Gemma 2):
+
+        x1 = x + RMSNorm_post_attn(a W_o^T)
+        x2 = x1 + RMSNorm_post_ff(MLP(RMSNorm_pre_ff(x1)))
+
+    The pre-MLP norm is folded into the gate/up GEMM (its activation in the epilogue); the
+    output projections, the post norms and the residual adds are the model's own modules and
+    PyTorch ops (a post norm needs its whole row before the add: nothing is handed on)."""
+    arch, attn, mlp, ln2 = plan.arch, layer.self_attn, layer.mlp, layer.get_submodule(plan.arch.mlp_norm)
+    x1 = x + layer.post_attention_layernorm(attn.o_proj(a))
+    y = _mlp_hidden(layer, plan, x1, arch.norm_weight(ln2), arch.norm_epsilon(ln2), None)
+    return x1 + layer.post_feedforward_layernorm(mlp.down_proj(y))
+
+
+def _gate_in_epilogue(plan: LayerPlan, w_gate) -> bool:
+    """Whether the MLP's activation runs in the gate/up GEMM's epilogue: a gated MLP whose
+    activation the epilogue computes, with ``swiglu`` fusion on."""
+    return w_gate is not None and plan.fuse_swiglu and plan.activation is not None
+
+
+def _mlp_hidden(layer, plan: LayerPlan, x1, g2, eps2, stats):
+    """What the MLP's down projection multiplies: act(h W_g^T + b_g) * (h W_u^T + b_u), or
+    act(h W_u^T + b_u) without a gate (Arcee), h = RMSNorm(x1) folded into the gate/up GEMM; the
+    activation in its epilogue where :func:`_gate_in_epilogue`, else the model's module after it."""
+    arch, mlp = plan.arch, layer.mlp
+    (w_gate, w_up), (b_gate, b_up) = arch.gate_up_weights(mlp)
+    if _gate_in_epilogue(plan, w_gate):
+        return rmsnorm_swiglu(x1, g2, w_gate, w_up, eps2, stats=stats, bias=(b_gate, b_up), activation=plan.activation)
+    act = layer.get_submodule(arch.activation)
+    if w_gate is None:
+        up = rmsnorm_linear(x1, g2, [w_up], eps2, stats=stats)
+        return act(up if b_up is None else up + b_up)
+    gate, up = torch.chunk(rmsnorm_linear(x1, g2, [w_gate, w_up], eps2, stats=stats), 2, dim=-1)
+    gate, up = (z if b is None else z + b for z, b in ((gate, b_gate), (up, b_up)))
+    return act(gate) * up

@@ -7,7 +7,8 @@ positions ``logits_to_keep`` selects. A model with another ``loss_function`` run
 training mode with labels, the output's ``logits`` is None: not materializing them is the
 point. Without labels, or in eval mode (an evaluation loop reads the logits, and has no
 backward to keep memory for), the model's own forward runs. Granite divides its logits by
-``config.logits_scaling``: the loss takes h / s and b / s, which give the same logits.
+``config.logits_scaling``: the loss takes h / s and b / s, which give the same logits. Gemma 2
+caps its logits to s tanh(logits / s) (``config.final_logit_softcapping``): so does the loss.
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ def fused_causal_lm_forward(model, input_ids=None, attention_mask=None, position
     if model._codetta_patched["logits_scaling"]:  # Granite's logits (h W^T + b) / s, as (h / s) W^T + b / s
         scale = model.config.logits_scaling
         hidden, bias = hidden / scale, None if bias is None else bias / scale
+    softcap = model.config.final_logit_softcapping if model._codetta_patched["logit_softcap"] else None
     loss = linear_cross_entropy(hidden, weight, shift_labels.to(weight.device), bias=bias, ignore_index=ignore_index,
-                                reduction="mean" if num_items is None else "sum")
+                                reduction="mean" if num_items is None else "sum", softcap=softcap)
     if num_items is not None:
         loss = loss / num_items
     # the base model's outputs but its last hidden state (the cache's field is named as the installed transformers names it)
