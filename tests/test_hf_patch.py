@@ -80,6 +80,7 @@ MODELS = {
     "gemma2_sandwich_norms_softcaps": ("Gemma2ForCausalLM", dict(
         pad_token_id=0, eos_token_id=2, bos_token_id=1, sliding_window=6, final_logit_softcapping=0.5,
         attn_logit_softcapping=1.0, query_pre_attn_scalar=24, attn_implementation="eager")),
+    "glm4_sandwich_norms": ("Glm4ForCausalLM", dict(attention_bias=True, pad_token_id=0, eos_token_id=2)),
     "gemma3_qk_norm_rope_per_layer_type": ("Gemma3ForCausalLM", dict(
         pad_token_id=0, eos_token_id=2, bos_token_id=1, sliding_window=6, final_logit_softcapping=0.5,
         layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24)),
@@ -626,13 +627,14 @@ def test_logits_without_labels_and_generate():
 
 
 # the families whose attention or RoPE differ from Llama's (the others differ in what training covers)
-ATTENTION_FAMILIES = [key for key in NEW_FAMILIES if not key.startswith(("gemma", "arcee", "granite", "seed_oss"))]
+ATTENTION_FAMILIES = [key for key in NEW_FAMILIES if not key.startswith(("gemma_", "arcee", "granite", "seed_oss"))]
 
 
 @pytest.mark.parametrize("key", ATTENTION_FAMILIES)
 def test_generate_in_the_other_families(key):
     """Greedy generation with the KV cache, left-padded: the same tokens as the unpatched model
-    (NoPE layers, query scaling by position, interleaved RoPE and per-layer windows included)."""
+    (NoPE layers, query scaling by position, interleaved RoPE, per-layer windows, Gemma 2's and 3's
+    soft caps and rotary frequencies per layer type included)."""
     name, overrides = MODELS[key]
     ref = tiny(name, **overrides).eval()
     model = codetta.patch(copy.deepcopy(ref))

@@ -10,7 +10,7 @@ any value, head_dim independent of hidden), and each family's own features drawn
 (sliding windows per layer type, SmolLM3's layers without RoPE, Ministral 3's query scaling by
 position, Ernie 4.5's biases, Phi-3's and GLM's partial RoPE, Seed-OSS's biases, Granite's
 multipliers, Gemma's norm weight 1 + w, the MLP's activation in Gemma, Llama and Arcee, whose
-MLP has no gate; Gemma 2's norms around each sublayer and its soft caps). CODETTA_HF_EXAMPLES sets how many are drawn per family (2 by
+MLP has no gate; Gemma 2's and GLM-4's norms around each sublayer, Gemma 2's and 3's soft caps). CODETTA_HF_EXAMPLES sets how many are drawn per family (2 by
 default: hypothesis's first draw is the minimal config, hidden size 1 and one token, the
 second a random one; with the first four families, 40 of each test passed on the CPU, and on the H200 80 of the fp32 test and 40 of the bf16 one:
 bench/results/h200_hf_random_configs.log; Gemma and Llama with their activations drawn, 10
@@ -101,12 +101,12 @@ def models(draw, family, min_hidden=1):
     if family == "Ministral3":  # q scaled by 1 + beta log(1 + floor(position / original max)), in the batch's span
         config["rope_parameters"]["llama_4_scaling_beta"] = draw(st.sampled_from([0.1, 0.5]))
         config["rope_parameters"].setdefault("original_max_position_embeddings", draw(st.integers(2, 8)))
-    if family in ("Phi3", "Glm"):  # RoPE on the first dims of each head (0.75: 6 of 8, 9 -> 10 of 12, ...)
+    if family in ("Phi3", "Glm", "Glm4"):  # RoPE on the first dims of each head (0.75: 6 of 8, 9 -> 10 of 12, ...)
         config["rope_parameters"]["partial_rotary_factor"] = draw(st.sampled_from([0.25, 0.5, 0.75, 1.0]))
     if family == "Phi3":
         config["sliding_window"] = draw(st.sampled_from([None, 3, 8]))
         config["rope_parameters"] = draw(phi3_rope_parameters(config))
-    if family == "Glm":
+    if family in ("Glm", "Glm4"):
         config["attention_bias"] = draw(st.booleans())
     if family == "Granite":  # its multipliers: of each sublayer's output, the logits, the embeddings, the attention
         config.update(residual_multiplier=draw(st.sampled_from([0.22, 1.0, 2.5])),

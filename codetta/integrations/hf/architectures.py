@@ -2,8 +2,8 @@
 
 A supported decoder layer is Llama-shaped: ``input_layernorm`` and
 ``post_attention_layernorm`` (RMSNorm: ``weight``, ``variance_epsilon``; Gemma's: 1 + ``weight``,
-``eps``; Gemma 2's also ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm``, the
-post norms on the sublayers' outputs), ``self_attn`` with ``q_proj``, ``k_proj``, ``v_proj`` (or one ``qkv_proj``: Phi-3),
+``eps``; Gemma 2's and GLM-4's also norms of the sublayers' outputs: ``Architecture.sandwich_norms``),
+``self_attn`` with ``q_proj``, ``k_proj``, ``v_proj`` (or one ``qkv_proj``: Phi-3),
 ``o_proj`` (optionally ``q_norm``, ``k_norm``: QK-norm, RMSNorms over ``head_dim`` with one
 epsilon) and an ``mlp``: ``gate_proj``, ``up_proj`` (or one ``gate_up_proj``: Phi-3, GLM),
 ``down_proj`` and an activation of the gate (or, without a gate, of the up projection:
@@ -78,10 +78,11 @@ class Architecture:
     norm_eps: str = "variance_epsilon"
     # Whether the MLP gates: act(h W_g^T) * (h W_u^T), or act(h W_u^T) with no ``gate_proj`` (Arcee)
     gated_mlp: bool = True
-    # Whether each sublayer's output goes through an RMSNorm of its own before the residual add
-    # (Gemma 2: ``post_attention_layernorm`` normalizes the attention's output,
-    # ``post_feedforward_layernorm`` the MLP's) and the MLP's input through ``pre_feedforward_layernorm``
-    sandwich_norms: bool = False
+    # Where each sublayer's output goes through an RMSNorm of its own before the residual add: the
+    # paths of (the attention output's norm, the MLP input's, the MLP output's), e.g. Gemma 2's
+    # :data:`GEMMA2_NORMS`, GLM-4's :data:`GLM4_NORMS`; None: Llama's two norms (the attention's input,
+    # ``input_layernorm``, and the MLP's, ``post_attention_layernorm``)
+    sandwich_norms: tuple | None = None
     # Whether the attention passes its ``attn_logit_softcapping`` to the attention function as
     # ``softcap`` (Gemma 2), and whether the causal LM caps its logits to s tanh(logits / s), s its
     # config's ``final_logit_softcapping`` when that is not None (Gemma 2, Gemma 3)
@@ -104,15 +105,14 @@ class Architecture:
 
     @property
     def norms(self) -> tuple:
-        """The paths of the layer's RMSNorms (of the residual stream and, with sandwich norms, of the
-        sublayers' outputs)."""
-        sandwich = ("pre_feedforward_layernorm", "post_feedforward_layernorm") if self.sandwich_norms else ()
-        return ("input_layernorm", "post_attention_layernorm", *sandwich)
+        """The paths of the layer's RMSNorms (of the sublayers' inputs and, with sandwich norms, of
+        their outputs)."""
+        return ("input_layernorm", *(self.sandwich_norms or ("post_attention_layernorm",)))
 
     @property
     def mlp_norm(self) -> str:
         """The path of the RMSNorm of the MLP's input (folded into the gate/up GEMM)."""
-        return "pre_feedforward_layernorm" if self.sandwich_norms else "post_attention_layernorm"
+        return self.sandwich_norms[1] if self.sandwich_norms else "post_attention_layernorm"
 
     @property
     def activation(self) -> str:
@@ -190,6 +190,10 @@ def qkv_widths(attn) -> list[int]:
                                         config.num_key_value_heads)]
 
 
+# Sandwich norms (Architecture.sandwich_norms): of the attention's output, the MLP's input, the MLP's output
+GEMMA2_NORMS = ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+GLM4_NORMS = ("post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")
+
 # The model families, by their transformers class prefix; each is patched in any of the
 # :data:`MODEL_KINDS`.
 ARCHITECTURES = {
@@ -208,11 +212,12 @@ ARCHITECTURES = {
     "SeedOss": Architecture(residual_dropout="rates"),
     "Granite": Architecture(multipliers=True),
     "Glm": Architecture(interleaved_rope=True, fused_gate_up=True, partial_rotary=True),
+    "Glm4": Architecture(interleaved_rope=True, fused_gate_up=True, partial_rotary=True, sandwich_norms=GLM4_NORMS),
     "Gemma": Architecture(norm_weight_offset=1.0, norm_eps="eps"),
     "Arcee": Architecture(gated_mlp=False),
-    "Gemma2": Architecture(norm_weight_offset=1.0, norm_eps="eps", sliding_window="module", sandwich_norms=True,
+    "Gemma2": Architecture(norm_weight_offset=1.0, norm_eps="eps", sliding_window="module", sandwich_norms=GEMMA2_NORMS,
                            attention_softcap=True, logit_softcap=True),
-    "Gemma3": Architecture(norm_weight_offset=1.0, norm_eps="eps", sliding_window="module", sandwich_norms=True,
+    "Gemma3": Architecture(norm_weight_offset=1.0, norm_eps="eps", sliding_window="module", sandwich_norms=GEMMA2_NORMS,
                            logit_softcap=True, qk_norm=True, rotary_per_layer_type=True),
 }
 # The classes of a family that codetta patches: the causal LM (its decoder layers, and its LM head +

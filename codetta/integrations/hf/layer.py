@@ -433,18 +433,19 @@ def _residuals(layer, plan: LayerPlan, x, a):
 
 def _sandwiched_residuals(layer, plan: LayerPlan, x, a):
     """x2 from the layer's input x and the attention's output a where each sublayer's output is
-    normalized before its residual add (Gemma 2):
+    normalized before its residual add (Gemma 2, GLM-4; ``Architecture.sandwich_norms``):
 
-        x1 = x + RMSNorm_post_attn(a W_o^T)
-        x2 = x1 + RMSNorm_post_ff(MLP(RMSNorm_pre_ff(x1)))
+        x1 = x + RMSNorm_attn_out(a W_o^T)
+        x2 = x1 + RMSNorm_mlp_out(MLP(RMSNorm_mlp_in(x1)))
 
-    The pre-MLP norm is folded into the gate/up GEMM (its activation in the epilogue); the
-    output projections, the post norms and the residual adds are the model's own modules and
-    PyTorch ops (a post norm needs its whole row before the add: nothing is handed on)."""
-    arch, attn, mlp, ln2 = plan.arch, layer.self_attn, layer.mlp, layer.get_submodule(plan.arch.mlp_norm)
-    x1 = x + layer.post_attention_layernorm(attn.o_proj(a))
-    y = _mlp_hidden(layer, plan, x1, arch.norm_weight(ln2), arch.norm_epsilon(ln2), None)
-    return x1 + layer.post_feedforward_layernorm(mlp.down_proj(y))
+    The MLP's input norm is folded into the gate/up GEMM (its activation in the epilogue); the
+    output projections, the output norms and the residual adds are the model's own modules and
+    PyTorch ops (an output norm needs its whole row before the add: nothing is handed on)."""
+    arch, attn, mlp = plan.arch, layer.self_attn, layer.mlp
+    attn_out_norm, mlp_in_norm, mlp_out_norm = (layer.get_submodule(path) for path in arch.sandwich_norms)
+    x1 = x + attn_out_norm(attn.o_proj(a))
+    y = _mlp_hidden(layer, plan, x1, arch.norm_weight(mlp_in_norm), arch.norm_epsilon(mlp_in_norm), None)
+    return x1 + mlp_out_norm(mlp.down_proj(y))
 
 
 def _gate_in_epilogue(plan: LayerPlan, w_gate) -> bool:
