@@ -81,6 +81,10 @@ MODELS = {
         pad_token_id=0, eos_token_id=2, bos_token_id=1, sliding_window=6, final_logit_softcapping=0.5,
         attn_logit_softcapping=1.0, query_pre_attn_scalar=24, attn_implementation="eager")),
     "glm4_sandwich_norms": ("Glm4ForCausalLM", dict(attention_bias=True, pad_token_id=0, eos_token_id=2)),
+    "vaultgemma_mlp_norm_softcaps": ("VaultGemmaForCausalLM", dict(
+        pad_token_id=0, eos_token_id=2, bos_token_id=1, sliding_window=6, final_logit_softcapping=0.5,
+        attn_logit_softcapping=1.0, query_pre_attn_scalar=24, attn_implementation="eager",
+        layer_types=["sliding_attention", "full_attention"])),
     "gemma3_qk_norm_rope_per_layer_type": ("Gemma3ForCausalLM", dict(
         pad_token_id=0, eos_token_id=2, bos_token_id=1, sliding_window=6, final_logit_softcapping=0.5,
         layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24)),

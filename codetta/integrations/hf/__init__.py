@@ -73,7 +73,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
 
     Models: the causal LMs of the families in :data:`.architectures.ARCHITECTURES` (Llama, Mistral,
     Qwen2, Qwen3, Ministral, Ministral3, Cwm, SmolLM3, Helium, Ernie4_5, Phi3, Glm, SeedOss,
-    Granite, Gemma, Arcee, Gemma2, Gemma3 (its text models), Glm4: ``LlamaForCausalLM``, ...),
+    Granite, Gemma, Arcee, Gemma2, Gemma3 (its text models), Glm4, VaultGemma: ``LlamaForCausalLM``, ...),
     their bare decoder stacks (``LlamaModel``, ...) and the other heads transformers puts on them
     (``...ForSequenceClassification``, ``...ForTokenClassification``, ``...ForQuestionAnswering``).
 

@@ -2,7 +2,8 @@
 
 A supported decoder layer is Llama-shaped: ``input_layernorm`` and
 ``post_attention_layernorm`` (RMSNorm: ``weight``, ``variance_epsilon``; Gemma's: 1 + ``weight``,
-``eps``; Gemma 2's and GLM-4's also norms of the sublayers' outputs: ``Architecture.sandwich_norms``),
+``eps``; Gemma 2's and GLM-4's also norms of the sublayers' outputs: ``Architecture.output_norms``;
+VaultGemma's MLP norm is ``pre_feedforward_layernorm``: ``Architecture.mlp_norm``),
 ``self_attn`` with ``q_proj``, ``k_proj``, ``v_proj`` (or one ``qkv_proj``: Phi-3),
 ``o_proj`` (optionally ``q_norm``, ``k_norm``: QK-norm, RMSNorms over ``head_dim`` with one
 epsilon) and an ``mlp``: ``gate_proj``, ``up_proj`` (or one ``gate_up_proj``: Phi-3, GLM),
@@ -78,19 +79,20 @@ class Architecture:
     norm_eps: str = "variance_epsilon"
     # Whether the MLP gates: act(h W_g^T) * (h W_u^T), or act(h W_u^T) with no ``gate_proj`` (Arcee)
     gated_mlp: bool = True
-    # Where each sublayer's output goes through an RMSNorm of its own before the residual add: the
-    # paths of (the attention output's norm, the MLP input's, the MLP output's), e.g. Gemma 2's
-    # :data:`GEMMA2_NORMS`, GLM-4's :data:`GLM4_NORMS`; None: Llama's two norms (the attention's input,
-    # ``input_layernorm``, and the MLP's, ``post_attention_layernorm``)
-    sandwich_norms: tuple | None = None
+    # The path of the norm of the MLP's input (``input_layernorm`` is the attention's), and where
+    # each sublayer's output goes through a norm of its own before the residual add, the paths of
+    # (the attention output's norm, the MLP output's) (Gemma 2's post_attention_layernorm and
+    # post_feedforward_layernorm, GLM-4's post_self_attn_layernorm and post_mlp_layernorm)
+    mlp_norm: str = "post_attention_layernorm"
+    output_norms: tuple | None = None
     # Whether the attention passes its ``attn_logit_softcapping`` to the attention function as
     # ``softcap`` (Gemma 2), and whether the causal LM caps its logits to s tanh(logits / s), s its
     # config's ``final_logit_softcapping`` when that is not None (Gemma 2, Gemma 3)
     attention_softcap: bool = False
     logit_softcap: bool = False
     # Whether the rotary embedding keeps frequencies per attention layer type (``{type}_inv_freq``,
-    # ``{type}_attention_scaling``, the type the attention module's ``layer_type``: Gemma 3's local
-    # and global layers) rather than one ``inv_freq`` and ``attention_scaling``
+    # ``{type}_attention_scaling``, the type the config's ``layer_types`` gives the layer: Gemma 3's
+    # local and global layers) rather than one ``inv_freq`` and ``attention_scaling``
     rotary_per_layer_type: bool = False
 
     @property
@@ -105,14 +107,8 @@ class Architecture:
 
     @property
     def norms(self) -> tuple:
-        """The paths of the layer's RMSNorms (of the sublayers' inputs and, with sandwich norms, of
-        their outputs)."""
-        return ("input_layernorm", *(self.sandwich_norms or ("post_attention_layernorm",)))
-
-    @property
-    def mlp_norm(self) -> str:
-        """The path of the RMSNorm of the MLP's input (folded into the gate/up GEMM)."""
-        return self.sandwich_norms[1] if self.sandwich_norms else "post_attention_layernorm"
+        """The paths of the layer's RMSNorms (of the sublayers' inputs and outputs)."""
+        return ("input_layernorm", self.mlp_norm, *(self.output_norms or ()))
 
     @property
     def activation(self) -> str:
@@ -165,7 +161,7 @@ class Architecture:
 
     def rotary_frequencies(self, rotary, attn) -> tuple:
         """(inv_freq, attention_scaling) of the rotary embedding for this attention module's layer."""
-        prefix = f"{attn.layer_type}_" if self.rotary_per_layer_type else ""
+        prefix = f"{attn.config.layer_types[attn.layer_idx]}_" if self.rotary_per_layer_type else ""
         return getattr(rotary, prefix + "inv_freq"), getattr(rotary, prefix + "attention_scaling")
 
     def applies_rope(self, attn) -> bool:
@@ -190,9 +186,7 @@ def qkv_widths(attn) -> list[int]:
                                         config.num_key_value_heads)]
 
 
-# Sandwich norms (Architecture.sandwich_norms): of the attention's output, the MLP's input, the MLP's output
-GEMMA2_NORMS = ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
-GLM4_NORMS = ("post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm")
+GEMMA2_OUTPUT_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")  # Gemma 2's and 3's
 
 # The model families, by their transformers class prefix; each is patched in any of the
 # :data:`MODEL_KINDS`.
@@ -212,13 +206,18 @@ ARCHITECTURES = {
     "SeedOss": Architecture(residual_dropout="rates"),
     "Granite": Architecture(multipliers=True),
     "Glm": Architecture(interleaved_rope=True, fused_gate_up=True, partial_rotary=True),
-    "Glm4": Architecture(interleaved_rope=True, fused_gate_up=True, partial_rotary=True, sandwich_norms=GLM4_NORMS),
+    "Glm4": Architecture(interleaved_rope=True, fused_gate_up=True, partial_rotary=True,
+                         output_norms=("post_self_attn_layernorm", "post_mlp_layernorm")),
     "Gemma": Architecture(norm_weight_offset=1.0, norm_eps="eps"),
     "Arcee": Architecture(gated_mlp=False),
-    "Gemma2": Architecture(norm_weight_offset=1.0, norm_eps="eps", sliding_window="module", sandwich_norms=GEMMA2_NORMS,
-                           attention_softcap=True, logit_softcap=True),
-    "Gemma3": Architecture(norm_weight_offset=1.0, norm_eps="eps", sliding_window="module", sandwich_norms=GEMMA2_NORMS,
-                           logit_softcap=True, qk_norm=True, rotary_per_layer_type=True),
+    "Gemma2": Architecture(norm_weight_offset=1.0, norm_eps="eps", sliding_window="module", attention_softcap=True,
+                           logit_softcap=True, mlp_norm="pre_feedforward_layernorm", output_norms=GEMMA2_OUTPUT_NORMS),
+    "Gemma3": Architecture(norm_weight_offset=1.0, norm_eps="eps", sliding_window="module", logit_softcap=True,
+                           qk_norm=True, rotary_per_layer_type=True, mlp_norm="pre_feedforward_layernorm",
+                           output_norms=GEMMA2_OUTPUT_NORMS),
+    "VaultGemma": Architecture(norm_weight_offset=1.0, norm_eps="eps", sliding_window="module", attention_softcap=True,
+                               logit_softcap=True, mlp_norm="pre_feedforward_layernorm"),
+
 }
 # The classes of a family that codetta patches: the causal LM (its decoder layers, and its LM head +
 # loss), the bare decoder stack and the other task heads on it (their decoder layers).
@@ -448,8 +447,10 @@ def check_model(model, arch: Architecture, classes: ModelClasses):
     rotary = _need(decoder, "rotary_emb", f"{type(model).__name__}'s {type(decoder).__name__}")
     for i, layer in enumerate(_need(decoder, "layers", f"{type(model).__name__}'s {type(decoder).__name__}")):
         what = f"layer {i} ({type(layer).__name__})"
-        layer_type = f"{_need(layer, 'self_attn.layer_type', what)}_" if arch.rotary_per_layer_type else ""
-        inv_freq = _need(rotary, f"{layer_type}inv_freq", f"{what}'s rotary_emb")
+        try:
+            inv_freq, _ = arch.rotary_frequencies(rotary, _need(layer, "self_attn", what))
+        except (AttributeError, IndexError, TypeError) as e:
+            raise UnsupportedModelError(f"{what}: its rotary frequencies are missing ({e}). Nothing was patched.") from e
         if inv_freq.dim() != 1:
             raise UnsupportedModelError(f"rotary inv_freq of shape {tuple(inv_freq.shape)} is not supported (e.g. mrope)")
         if type(layer).forward is not classes.layer.forward:

@@ -385,7 +385,7 @@ def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_id
     norm = (stats, g1 if stats is not None else arch.norm_weight(layer.input_layernorm))
     q, k, v = _qkv(layer, plan, x, norm, position_ids, position_embeddings)
     a = _attention(attn, plan, q, k, v, attention_mask, dict(position_ids=position_ids, use_cache=use_cache, **kwargs))
-    if arch.sandwich_norms:
+    if arch.output_norms:
         return _sandwiched_residuals(layer, plan, x, a)
     return _residuals(layer, plan, x, a)
 
@@ -394,7 +394,7 @@ def _residuals(layer, plan: LayerPlan, x, a):
     """x2 from the layer's input x and the attention's output a: the O-projection's residual add
     making the MLP norm's statistics, the MLP with that norm folded, its residual add making the
     next layer's (handed on where the next layer will take them)."""
-    arch, attn, mlp, ln2 = plan.arch, layer.self_attn, layer.mlp, layer.post_attention_layernorm
+    arch, attn, mlp, ln2 = plan.arch, layer.self_attn, layer.mlp, layer.get_submodule(plan.arch.mlp_norm)
     # each norm weight read once: a parametrized weight is new at each read (and Gemma's 1 + w a new
     # tensor), and NormStats checks that its consumer gets the same one
     g2, eps2 = arch.norm_weight(ln2), arch.norm_epsilon(ln2)
@@ -433,7 +433,7 @@ def _residuals(layer, plan: LayerPlan, x, a):
 
 def _sandwiched_residuals(layer, plan: LayerPlan, x, a):
     """x2 from the layer's input x and the attention's output a where each sublayer's output is
-    normalized before its residual add (Gemma 2, GLM-4; ``Architecture.sandwich_norms``):
+    normalized before its residual add (Gemma 2, GLM-4; ``Architecture.output_norms``):
 
         x1 = x + RMSNorm_attn_out(a W_o^T)
         x2 = x1 + RMSNorm_mlp_out(MLP(RMSNorm_mlp_in(x1)))
@@ -442,7 +442,8 @@ def _sandwiched_residuals(layer, plan: LayerPlan, x, a):
     output projections, the output norms and the residual adds are the model's own modules and
     PyTorch ops (an output norm needs its whole row before the add: nothing is handed on)."""
     arch, attn, mlp = plan.arch, layer.self_attn, layer.mlp
-    attn_out_norm, mlp_in_norm, mlp_out_norm = (layer.get_submodule(path) for path in arch.sandwich_norms)
+    attn_out_norm, mlp_out_norm = (layer.get_submodule(path) for path in arch.output_norms)
+    mlp_in_norm = layer.get_submodule(arch.mlp_norm)
     x1 = x + attn_out_norm(attn.o_proj(a))
     y = _mlp_hidden(layer, plan, x1, arch.norm_weight(mlp_in_norm), arch.norm_epsilon(mlp_in_norm), None)
     return x1 + mlp_out_norm(mlp.down_proj(y))
