@@ -89,6 +89,7 @@ CASES = [  # (head_dim, hq, hkv, rotary_dim, bias, scale)
     (16, 4, 1, 16, True, 1.0),  # GQA 4 with q/k/v bias (Qwen2)
     (16, 8, 1, 8, False, 1.3),  # GQA 8, partial rotary, scaled (rope scaling types)
     (64, 2, 1, 64, False, 1.0),
+    (256, 2, 1, 256, False, 1.0),  # Gemma 2's and 3's head_dim: a rotary segment as wide as the widest tile
 ]
 if not INTERPRET:
     CASES += [(128, 32, 8, 128, False, 1.0), (64, 16, 4, 32, True, 1.0)]
