@@ -87,11 +87,17 @@ def test_arguments_passed_by_name_are_cast_as_by_position(op, names, make):
     assert by_name.dtype == by_position.dtype and torch.equal(by_name, by_position)
 
 
-def test_patched_model_under_autocast_within_twice_eager_error():
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "Gemma2ForCausalLM", "Glm4ForCausalLM"])
+def test_patched_model_under_autocast_within_twice_eager_error(name):
+    """Llama, and the norms of the sublayers' outputs (codetta.ops.rms_norm) in the dtypes their
+    modules return: Gemma 2's in its input's (bf16), GLM-4's promoted with its fp32 weight."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    fp32 = transformers.LlamaForCausalLM(config).to(DEVICE)
+    cls = getattr(transformers, name)
+    config = cls.config_class(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0,
+                              eos_token_id=2, bos_token_id=1)
+    torch.manual_seed(0)
+    fp32 = cls(config).to(DEVICE)
     eager, patched = copy.deepcopy(fp32), codetta.patch(copy.deepcopy(fp32))
     ids = torch.randint(0, 96, (4, 33), device=DEVICE)
 

@@ -3,12 +3,13 @@
 from .cross_entropy import linear_cross_entropy
 from .linear import linear
 from .mlp import swiglu_mlp
+from .norm import rms_norm
 from .rmsnorm import linear_residual, rmsnorm_linear
 from .rope import rmsnorm_qkv_rope
 from .swiglu import rmsnorm_swiglu
 from .weight_grads import accumulate_weight_grads
 
 __all__ = [
-    "accumulate_weight_grads", "linear_cross_entropy", "linear", "linear_residual", "rmsnorm_linear", "rmsnorm_qkv_rope",
-    "rmsnorm_swiglu", "swiglu_mlp",
+    "accumulate_weight_grads", "linear_cross_entropy", "linear", "linear_residual", "rms_norm", "rmsnorm_linear",
+    "rmsnorm_qkv_rope", "rmsnorm_swiglu", "swiglu_mlp",
 ]

@@ -11,9 +11,9 @@
               layer's input-norm stats of x2            or ReLU), then linear_residual (the next layer's norm
                                                        producer); x1's two gradients summed in an epilogue
 
-With a norm on each sublayer's output (Gemma 2) the residual adds are the model's own
-(:func:`_sandwiched_residuals`): the input norm and the pre-MLP norm are folded into the QKV
-and gate/up GEMMs, nothing is handed on.
+With a norm on each sublayer's output (Gemma 2, GLM-4) those norms run as
+:func:`codetta.ops.rms_norm` before the residual adds (:func:`_sandwiched_residuals`); the
+input norm and the MLP's are folded into the QKV and gate/up GEMMs, nothing is handed on.
 
 The next layer's input norm reads s' (a :class:`StatsHandoff` between the two layers)
 when it is given exactly x2, unchanged, as in the model's own layer loop; otherwise (the
@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 from torch.nn.utils import parametrize
 
-from ...ops import linear_residual, rmsnorm_linear, rmsnorm_qkv_rope, rmsnorm_swiglu, swiglu_mlp
+from ...ops import linear_residual, rms_norm, rmsnorm_linear, rmsnorm_qkv_rope, rmsnorm_swiglu, swiglu_mlp
 from ...ops.rmsnorm import NormStats, stream_fits
 from ...ops.rope import angles_need_grad
 from .architectures import (Architecture, ModelClasses, fused_modules, gate_activation, hooked_module, hooks_between,
@@ -439,14 +439,27 @@ def _sandwiched_residuals(layer, plan: LayerPlan, x, a):
         x2 = x1 + RMSNorm_mlp_out(MLP(RMSNorm_mlp_in(x1)))
 
     The MLP's input norm is folded into the gate/up GEMM (its activation in the epilogue); the
-    output projections, the output norms and the residual adds are the model's own modules and
-    PyTorch ops (an output norm needs its whole row before the add: nothing is handed on)."""
+    output projections are the model's modules, the output norms :func:`codetta.ops.rms_norm`
+    (an output norm needs its whole row before the add: nothing is handed on)."""
     arch, attn, mlp = plan.arch, layer.self_attn, layer.mlp
     attn_out_norm, mlp_out_norm = (layer.get_submodule(path) for path in arch.output_norms)
     mlp_in_norm = layer.get_submodule(arch.mlp_norm)
-    x1 = x + attn_out_norm(attn.o_proj(a))
+    x1 = x + _output_norm(arch, attn_out_norm, attn.o_proj(a))
     y = _mlp_hidden(layer, plan, x1, arch.norm_weight(mlp_in_norm), arch.norm_epsilon(mlp_in_norm), None)
-    return x1 + mlp_out_norm(mlp.down_proj(y))
+    return x1 + _output_norm(arch, mlp_out_norm, mlp.down_proj(y))
+
+
+def _output_norm(arch: Architecture, norm, t):
+    """What the RMSNorm module ``norm`` returns for t, by :func:`codetta.ops.rms_norm` (one row
+    kernel each way, rounded once) in the dtype the module returns: t's for Gemma's norm (1 + w
+    in fp32, ``type_as`` its input), else t's and its weight's promoted (Llama's norm multiplies
+    its weight by the normalized t); the module itself where its weight's dtype is neither t's
+    nor fp32."""
+    weight = arch.norm_weight(norm)
+    if weight.dtype not in (t.dtype, torch.float32):
+        return norm(t)
+    dtype = t.dtype if arch.norm_weight_offset else torch.promote_types(weight.dtype, t.dtype)
+    return rms_norm(t, weight, arch.norm_epsilon(norm), dtype=dtype)
 
 
 def _gate_in_epilogue(plan: LayerPlan, w_gate) -> bool:
