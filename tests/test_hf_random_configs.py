@@ -14,7 +14,8 @@ MLP has no gate; Gemma 2's and GLM-4's norms around each sublayer, Gemma 2's and
 default: hypothesis's first draw is the minimal config, hidden size 1 and one token, the
 second a random one; with the first four families, 40 of each test passed on the CPU, and on the H200 80 of the fp32 test and 40 of the bf16 one:
 bench/results/h200_hf_random_configs.log; Gemma and Llama with their activations drawn, 10
-each: h200_hf_random_configs_gemma.log).
+each: h200_hf_random_configs_gemma.log; Gemma2, Gemma3, Glm4 and VaultGemma, 6 each:
+h200_hf_random_configs_new_families.log).
 """
 
 import copy
