@@ -217,7 +217,6 @@ ARCHITECTURES = {
                            output_norms=GEMMA2_OUTPUT_NORMS),
     "VaultGemma": Architecture(norm_weight_offset=1.0, norm_eps="eps", sliding_window="module", attention_softcap=True,
                                logit_softcap=True, mlp_norm="pre_feedforward_layernorm"),
-
 }
 # The classes of a family that codetta patches: the causal LM (its decoder layers, and its LM head +
 # loss), the bare decoder stack and the other task heads on it (their decoder layers).
