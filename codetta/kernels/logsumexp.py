@@ -65,7 +65,8 @@ def row_stats(z: torch.Tensor, target: torch.Tensor, *, logit_sum: bool = False,
     """((m, log s), target_logit, logit_sum or None) of the rows of z [M, N] (any float dtype, unit
     column stride), all fp32 [M]: lse_i = m_i + log s_i, target_logit_i = z[i, target_i] (0 where
     target_i is outside [0, N)), logit_sum_i = sum_j z_ij. A row holding +inf gets a NaN log s,
-    as its log_softmax has (inf - inf). softcap: s > 0 for the statistics of s tanh(z / s) (0: of z). block_m, block_n: the block per program (GPU_BLOCK;
+    as its log_softmax has (inf - inf). softcap: s > 0 for the statistics of s tanh(z / s) (0: of z).
+    block_m, block_n: the block per program (GPU_BLOCK;
     4 x 64 in Triton's interpreter, so that small vocabularies span several blocks there too)."""
     default = INTERPRETER_BLOCK if interpreting() else GPU_BLOCK
     block_m, block_n = block_m or default[0], block_n or default[1]

@@ -96,7 +96,8 @@ def softmax_grad_(z: torch.Tensor, lse, target: torch.Tensor, scale: torch.Tenso
     if m and n:
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
         launch(_softmax_grad_kernel, grid, z, z.stride(0), shift.contiguous(), log_sum.contiguous(), target.contiguous(),
-               scale.contiguous(), m, n, 1.0 - label_smoothing, label_smoothing / n, 2.0 * z_loss, float(softcap or 1.0),
+               scale.contiguous(), m, n, 1.0 - label_smoothing, label_smoothing / n, 2.0 * z_loss,
+               float(softcap or 1.0),
                SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, EMULATE_RNE=interpreting(), CAPPED=bool(softcap),
                num_warps=GPU_BLOCK[2])
     return z

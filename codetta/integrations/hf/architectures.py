@@ -449,9 +449,11 @@ def check_model(model, arch: Architecture, classes: ModelClasses):
         try:
             inv_freq, _ = arch.rotary_frequencies(rotary, _need(layer, "self_attn", what))
         except (AttributeError, IndexError, TypeError) as e:
-            raise UnsupportedModelError(f"{what}: its rotary frequencies are missing ({e}). Nothing was patched.") from e
+            raise UnsupportedModelError(
+                f"{what}: its rotary frequencies are missing ({e}). Nothing was patched.") from e
         if inv_freq.dim() != 1:
-            raise UnsupportedModelError(f"rotary inv_freq of shape {tuple(inv_freq.shape)} is not supported (e.g. mrope)")
+            raise UnsupportedModelError(
+                f"rotary inv_freq of shape {tuple(inv_freq.shape)} is not supported (e.g. mrope)")
         if type(layer).forward is not classes.layer.forward:
             raise UnsupportedModelError(f"{what} has a forward of its own (not {classes.layer.__name__}'s), which the "
                                         "fused forward would replace; a wrapper of the layer (activation checkpointing, "

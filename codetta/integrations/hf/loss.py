@@ -7,8 +7,9 @@ positions ``logits_to_keep`` selects. A model with another ``loss_function`` run
 training mode with labels, the output's ``logits`` is None: not materializing them is the
 point. Without labels, or in eval mode (an evaluation loop reads the logits, and has no
 backward to keep memory for), the model's own forward runs. Granite divides its logits by
-``config.logits_scaling``: the loss takes h / s and b / s, which give the same logits. Gemma 2
-caps its logits to s tanh(logits / s) (``config.final_logit_softcapping``): so does the loss.
+``config.logits_scaling``: the loss takes h / s and b / s, which give the same logits. Gemma 2,
+Gemma 3 and VaultGemma cap their logits to s tanh(logits / s) (``config.final_logit_softcapping``,
+where not None): so does the loss.
 """
 
 from __future__ import annotations
