@@ -39,7 +39,7 @@ export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 case "$cmd" in
   demo) exec "$py" -m codetta demo "$@" ;;
   test)
-    # the whole suite, by default in one test process per core (pytest-xdist)
-    if [ $# -eq 0 ]; then set -- -n "$(nproc 2>/dev/null || echo 1)" "$here/tests"; fi
+    # the whole suite, by default in one test process per core (pytest-xdist), naming its slowest tests
+    if [ $# -eq 0 ]; then set -- -n "$(nproc 2>/dev/null || echo 1)" --durations=20 "$here/tests"; fi
     exec "$py" -m pytest -q --rootdir "$here" -c "$here/pyproject.toml" "$@" ;;
 esac

@@ -25,7 +25,7 @@ from .launch import launch
 # 1 x 4096 read at 3.4-3.6 TB/s, 4 x 1024 (the softmax-gradient pass's block) at 2.9-3.1,
 # 16 x 256 at 2.8; a loop over a row's blocks in one program at 2.1.
 GPU_BLOCK = (1, 4096, 4)
-INTERPRETER_BLOCK = (4, 64)
+INTERPRET_BLOCK = (64, 64)
 
 
 @triton.jit
@@ -67,8 +67,8 @@ def row_stats(z: torch.Tensor, target: torch.Tensor, *, logit_sum: bool = False,
     target_i is outside [0, N)), logit_sum_i = sum_j z_ij. A row holding +inf gets a NaN log s,
     as its log_softmax has (inf - inf). softcap: s > 0 for the statistics of s tanh(z / s) (0: of z).
     block_m, block_n: the block per program (GPU_BLOCK;
-    4 x 64 in Triton's interpreter, so that small vocabularies span several blocks there too)."""
-    default = INTERPRETER_BLOCK if interpreting() else GPU_BLOCK
+    64 x 64 in Triton's interpreter, so that small vocabularies span several blocks there too)."""
+    default = INTERPRET_BLOCK if interpreting() else GPU_BLOCK
     block_m, block_n = block_m or default[0], block_n or default[1]
     m, n = z.shape
     if z.stride(1) != 1 and n > 1:

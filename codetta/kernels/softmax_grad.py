@@ -35,6 +35,7 @@ from .launch import launch
 # (rows, columns, warps) per program: 89 registers on sm_90 (local Triton 3.9), 20 warps per
 # SM; 16 x 512 took 176, 8 warps per SM, and ran at 3.1 TB/s on the H200; this one at 3.9 TB/s (ops_breakdown, code fc0ee00).
 GPU_BLOCK = (4, 1024, 4)
+INTERPRET_BLOCK = (64, 512)  # Triton's interpreter costs per program: few, large ones (tests pass small blocks)
 
 
 @triton.jit
@@ -71,8 +72,8 @@ def _softmax_grad_kernel(z_ptr, z_stride, shift_ptr, log_sum_ptr, target_ptr, sc
 
 
 def softmax_grad_(z: torch.Tensor, lse, target: torch.Tensor, scale: torch.Tensor, *,
-                  label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float = 0.0, block_m: int = GPU_BLOCK[0],
-                  block_n: int = GPU_BLOCK[1]) -> torch.Tensor:
+                  label_smoothing: float = 0.0, z_loss: float = 0.0, softcap: float = 0.0, block_m: int | None = None,
+                  block_n: int | None = None) -> torch.Tensor:
     """z [M, N] becomes (softmax(z) - onehot(target)) * scale, in place; returns z.
 
     lse, scale: fp32 [M] (lse_i = logsumexp of row i, s_i its weight: 0 skips the row); lse
@@ -80,8 +81,10 @@ def softmax_grad_(z: torch.Tensor, lse, target: torch.Tensor, scale: torch.Tenso
     target: integer [M] (a value outside [0, N), e.g. an ignore_index, has no one-hot).
     label_smoothing, z_loss: e and c of the module doc's general form; softcap: s > 0 when the
     loss read the capped logits s tanh(z / s) (lse is theirs; the gradient stored is z's).
-    block_m, block_n: the tile per program (4 warps; see GPU_BLOCK).
+    block_m, block_n: the tile per program (4 warps; GPU_BLOCK, or INTERPRET_BLOCK in Triton's interpreter).
     """
+    default = INTERPRET_BLOCK if interpreting() else GPU_BLOCK
+    block_m, block_n = block_m or default[0], block_n or default[1]
     m, n = z.shape
     if z.stride(1) != 1 and n > 1:
         raise ValueError(f"softmax_grad_: z needs unit column stride, got strides {z.stride()}")
