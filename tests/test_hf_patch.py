@@ -230,15 +230,36 @@ def test_bf16_model_within_twice_the_unpatched_error(key):
     of bf16's epsilon, for gradients the unpatched model happens to hit closely)."""
     name, overrides = MODELS[key]
     ref = tiny(name, **overrides)
+    assert_bf16_within_twice_the_unpatched_error(ref, codetta.patch(copy.deepcopy(ref).to(torch.bfloat16)))
+
+
+def assert_bf16_within_twice_the_unpatched_error(ref, model):
+    """``model`` (patched, bf16) against ``ref`` (unpatched, fp32) cast to bf16, both against ``ref`` in fp64."""
     ref64 = copy.deepcopy(ref).double()
     ref16 = copy.deepcopy(ref).to(torch.bfloat16)
-    model = codetta.patch(copy.deepcopy(ref16))
     ids = torch.randint(0, VOCAB, (2, 16), device=DEVICE)
     errs_ref = worse_of_two_roundings(lambda m: _errors(m, ref64, ids), ref16)
     errs = _errors(model, ref64, ids)
     floor = 2e-3
     worse = {n: (errs[n], errs_ref[n]) for n in errs_ref if errs[n] > 2 * errs_ref[n] + floor}
     assert not worse, worse
+
+
+def test_patched_in_fp32_on_the_cpu_then_cast_to_bf16_and_moved(monkeypatch):
+    """A model patched as it was built (fp32, on the CPU), then cast to bf16 and moved to the
+    test's device (a CUDA GPU in the GPU suite): it runs fused there (its QK-norm modules are not
+    called), within 2x the error of the unpatched model."""
+    name, overrides = MODELS["qwen3_qk_norm"]
+    ref = tiny(name, **overrides)
+    model = codetta.patch(copy.deepcopy(ref).cpu()).to(DEVICE, torch.bfloat16)
+    assert_bf16_within_twice_the_unpatched_error(ref, model)
+    norm_cls, calls = type(model.model.layers[0].self_attn.q_norm), []
+    norm_forward = norm_cls.forward
+    monkeypatch.setattr(norm_cls, "forward", lambda self, x: calls.append(self) or norm_forward(self, x))
+    ids = torch.randint(0, VOCAB, (2, 7), device=DEVICE)
+    model(input_ids=ids, labels=ids).loss.backward()
+    qk_norms = [n for layer in model.model.layers for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)]
+    assert not any(c is n for c in calls for n in qk_norms)
 
 
 @pytest.mark.parametrize("bias, rope", [(False, True), (True, True), (False, False)], ids=["fused", "fused_bias",
