@@ -669,8 +669,8 @@ def test_generate_in_the_other_families(key):
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits,
                                    ref(input_ids=ids, attention_mask=mask).logits, rtol=1e-4, atol=1e-4)
-        out_ref = ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        out_ref = ref.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert torch.equal(out, out_ref)
 
 
