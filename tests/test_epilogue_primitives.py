@@ -400,3 +400,17 @@ def test_generated_source_is_readable_triton():
     assert "@triton.jit" in src and "def epilogue(" in src and "tl.sigmoid" in src
     assert "y_desc.store" in src and "r_ptr" in src
     assert "tl.store(y_ptrs" in codetta.kernel_source(p, "ptr")
+
+
+def test_programs_key_dicts_and_caches_by_identity():
+    """A program is hashable (a user's cache of per-program results); two programs built alike
+    are two keys, with one fingerprint."""
+    def build():
+        p = ep.Program("twin")
+        p.store("y", p.acc * p.row("r"))
+        return p
+
+    a, b = build(), build()
+    assert a != b and len({a, b}) == 2 and a == a
+    assert a.fingerprint() == b.fingerprint()
+    assert functools.lru_cache(maxsize=None)(lambda p: p.name)(a) == "twin"

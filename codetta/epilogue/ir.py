@@ -383,9 +383,12 @@ class Output:
 ROW_REDUCTIONS = ("row_sum", "row_max", "row_logsumexp")
 
 
-@dataclass
+@dataclass(eq=False)
 class Program:
     """An epilogue program under construction; :mod:`codetta.epilogue.ir`'s docstring describes the values.
+
+    Compared and hashed by identity, as a mutable builder (a program can key a dict or a
+    cache); :meth:`fingerprint` names its structure.
 
     >>> p = Program("rowscale_swiglu")
     >>> z = p.acc * p.row("rstd")
