@@ -23,7 +23,7 @@ import os
 
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, note, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from codetta import ops
@@ -260,7 +260,6 @@ def test_rmsnorm_linear(data):
     k, lead = data.draw(st.integers(4, 90), "K"), leading_shape(data)
     widths = data.draw(st.lists(st.integers(1, 40), min_size=1, max_size=5), "weight parts")
     inputs = [param(*lead, k), param(k)] + [param(n, k, scale=k**-0.5) for n in widths]
-    note(f"parts {widths}")
 
     def fused(x, g, *weights):
         return ops.rmsnorm_linear(x, g, list(weights) if len(weights) > 1 else weights[0])
