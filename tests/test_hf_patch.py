@@ -757,47 +757,66 @@ def test_evaluation_loss_and_generate_without_autograd(mode):
     assert torch.equal(out, out_ref)
 
 
-def test_gradient_checkpointing():
-    ref = tiny("LlamaForCausalLM")
-    model = codetta.patch(copy.deepcopy(ref))
-    for m in (ref, model):
-        m.gradient_checkpointing_enable()
-        m.train()
-    ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
-    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+def enable_checkpointing(model, every_n_layers=1):
+    """Activation checkpointing through the name transformers gives it (``activation_checkpointing_enable``
+    since 5.23, ``gradient_checkpointing_enable`` before)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is None:
+        if every_n_layers != 1:
+            pytest.skip("this transformers checkpoints every layer or none")
+        enable = model.gradient_checkpointing_enable
+    enable(**({} if every_n_layers == 1 else dict(every_n_layers=every_n_layers)))
+    model.train()
 
 
-def count_stats_passes(monkeypatch):
-    """Calls of the standalone RMSNorm statistics kernel (a norm without a producer GEMM)."""
-    from codetta.kernels import rmsnorm as kernels
-
-    calls = []
-    original = kernels.rmsnorm_stats
+def count_calls(monkeypatch, target):
+    """A list that gets an entry at each call of ``target`` (a "module.function" path)."""
+    module_name, _, name = target.rpartition(".")
+    module = __import__(module_name, fromlist=[name])
+    calls, original = [], getattr(module, name)
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr("codetta.ops.rmsnorm.rmsnorm_stats", counting)  # every consumer's stats come from there
+    monkeypatch.setattr(module, name, counting)
     return calls
 
 
+@pytest.mark.parametrize("every_n_layers", [1, 2])
 @pytest.mark.parametrize("name", ["LlamaForCausalLM", "GemmaForCausalLM"])
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient_checkpointing"])
-def test_norm_statistics_handed_across_layers(checkpointing, name, monkeypatch):
-    """Each layer's down projection makes the next layer's input-norm statistics: only the first
-    layer computes its own (Gemma's norm weight 1 + w, made once for the two layers). Under
-    gradient checkpointing nothing is handed on (and nothing kept)."""
+def test_gradient_checkpointing_recomputes_the_fused_layers(name, every_n_layers, monkeypatch):
+    """Loss and gradients as the unpatched model's, and each checkpointed layer's fused forward run
+    again in the backward (its activations not kept: transformers checkpoints in the layer's
+    ``__call__`` up to 5.22, in its class's forward, which the patched one replaces, from 5.23).
+    No norm statistics are handed to or from a checkpointed layer (a recomputed layer would not find
+    them): each layer computes its own, in the forward and again when recomputed. Gemma: the norm
+    weight 1 + w, made once for two layers where statistics are handed on."""
     ref = tiny(name, num_hidden_layers=3)
     model = codetta.patch(copy.deepcopy(ref))
-    if checkpointing:
-        for m in (ref, model):
-            m.gradient_checkpointing_enable()
-            m.train()
-    calls = count_stats_passes(monkeypatch)
+    for m in (ref, model):
+        enable_checkpointing(m, every_n_layers)
+    fused_calls = count_calls(monkeypatch, "codetta.integrations.hf.layer.rmsnorm_qkv_rope")
+    stats_calls = count_calls(monkeypatch, "codetta.ops.rmsnorm.rmsnorm_stats")  # every consumer's own statistics
+    ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    recomputed = len(range(0, 3, every_n_layers))
+    assert len(fused_calls) == 3 + recomputed
+    assert len(stats_calls) == 3 + recomputed
+    assert all(layer._codetta_plan.incoming.stats is None and layer._codetta_plan.incoming.norm_weight is None
+               for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "GemmaForCausalLM"])
+def test_norm_statistics_handed_across_layers(name, monkeypatch):
+    """Each layer's down projection makes the next layer's input-norm statistics: only the first
+    layer computes its own (Gemma's norm weight 1 + w, made once for the two layers)."""
+    ref = tiny(name, num_hidden_layers=3)
+    model = codetta.patch(copy.deepcopy(ref))
+    calls = count_calls(monkeypatch, "codetta.ops.rmsnorm.rmsnorm_stats")
     ids = torch.randint(0, VOCAB, (2, 7), device=DEVICE)
     assert_same_training_step(ref, model, input_ids=ids, labels=ids)
-    assert len(calls) == (3 + 3 if checkpointing else 1)  # checkpointing: forward, then recomputation
+    assert len(calls) == 1
     assert all(layer._codetta_plan.incoming.stats is None and layer._codetta_plan.incoming.norm_weight is None
                for layer in model.model.layers)
 

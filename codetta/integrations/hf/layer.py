@@ -43,6 +43,7 @@ from torch.nn.utils import parametrize
 from ...ops import linear_residual, rms_norm, rmsnorm_linear, rmsnorm_qkv_rope, rmsnorm_swiglu, swiglu_mlp
 from ...ops.rmsnorm import NormStats, stream_fits
 from ...ops.rope import angles_need_grad
+from . import checkpointing
 from .architectures import (Architecture, ModelClasses, fused_modules, gate_activation, hooked_module, hooks_between,
                             is_hooked, stored_weight, why_rotary_dims_unfit, why_rotary_unfusable, why_unfusable)
 
@@ -379,8 +380,15 @@ def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_id
         plan.incoming.take(None)  # the statistics handed to this layer go unused
         return type(layer).forward(layer, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                    use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+    return checkpointing.run(_fused_layer, layer, hidden_states, attention_mask=attention_mask,
+                             position_ids=position_ids, use_cache=use_cache, position_embeddings=position_embeddings,
+                             **kwargs)
+
+
+def _fused_layer(layer, x, attention_mask, position_ids, use_cache, position_embeddings, **kwargs):
+    """The fused forward of a layer that :func:`_fusable` passed (what a checkpoint recomputes)."""
+    plan: LayerPlan = layer._codetta_plan
     arch, attn = plan.arch, layer.self_attn
-    x = hidden_states
     stats, g1 = plan.incoming.take(x)
     norm = (stats, g1 if stats is not None else arch.norm_weight(layer.input_layernorm))
     q, k, v = _qkv(layer, plan, x, norm, position_ids, position_embeddings)
@@ -407,7 +415,8 @@ def _residuals(layer, plan: LayerPlan, x, a):
         # hooks may change x2 in place: traced by torch.compile, there is no version counter to tell
         # (StatsHandoff.take checks it in eager mode)
         and not hooks_between(layer, next_layer)
-        and not (layer.training and getattr(layer, "gradient_checkpointing", False))
+        # a recomputed layer would make them again, or find none when recomputed
+        and not (checkpointing.recomputed(layer) or checkpointing.recomputed(next_layer))
         # a parametrized weight is made anew at each read (not read here: that would run its
         # parametrization once more than the model does); the next layer's would not be this one
         and not parametrize.is_parametrized(ln_next)
