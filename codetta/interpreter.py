@@ -4,6 +4,8 @@ import functools
 import os
 import threading
 
+from .versions import release
+
 # Triton's interpreter patches triton.language's functions for the duration of a kernel: two
 # kernels interpreted at once from two threads see each other's patches come and go (a launch
 # then fails with "Did you forget to add @triton.jit ?"). codetta's interpreted launches take
@@ -17,3 +19,17 @@ def interpreting() -> bool:
     y: Triton's own reading). Triton decides that when it decorates the kernels, at import; so
     it is read once."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on", "y")
+
+
+@functools.lru_cache(maxsize=None)
+def interpreter_problem():
+    """Why Triton's interpreter cannot run codetta's kernels with the installed packages, or None.
+    Triton 3.6 and earlier convert one-element numpy arrays to Python scalars, which numpy 2.4
+    refuses ("only 0-dimensional arrays can be converted to Python scalars", in every launch)."""
+    import numpy
+    import triton
+
+    if release(triton.__version__) < (3, 7) and release(numpy.__version__) >= (2, 4):
+        return (f"Triton {triton.__version__}'s CPU interpreter cannot run under numpy {numpy.__version__} (it "
+                "needs numpy < 2.4, or Triton 3.7 or newer)")
+    return None

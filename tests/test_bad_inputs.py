@@ -10,6 +10,7 @@ every product and sum of them is exact in fp32.
 
 import itertools
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -688,6 +689,34 @@ def test_interpreter_switched_on_at_import_or_a_clear_error(first):
         assert done.returncode != 0
         assert "triton was imported before codetta" in done.stderr
         assert "GemmError" in done.stderr and "TRITON_INTERPRET=1" in done.stderr
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="without a GPU only: codetta then needs Triton's interpreter")
+@pytest.mark.parametrize("triton_version, numpy_version, refused",
+                         [("3.6.0", "2.4.0", True), ("3.6.0", "2.3.5", False), ("3.7.1", "2.5.0", False)])
+def test_an_interpreter_that_fails_under_this_numpy_is_named(triton_version, numpy_version, refused, monkeypatch):
+    """Triton 3.6's interpreter fails in every launch under numpy 2.4 or newer (with an error about
+    0-dimensional arrays): codetta says which versions clash instead."""
+    import numpy
+    import triton
+    from codetta import interpreter
+
+    monkeypatch.setattr(triton, "__version__", triton_version)
+    monkeypatch.setattr(numpy, "__version__", numpy_version)
+    interpreter.interpreter_problem.cache_clear()
+    try:
+        p = ep.Program("interpreter_versions_" + f"{triton_version}_{numpy_version}".replace(".", "_"))  # a new plan: the call is checked
+        p.store("y", p.acc * 2.0, dtype=torch.float32)
+        a, b = dyadic(4, 3), dyadic(3, 5)
+        if refused:
+            with pytest.raises(GemmError, match=re.escape(f"Triton {triton_version}'s CPU interpreter cannot run "
+                                                          f"under numpy {numpy_version}")):
+                codetta.gemm(a, b, p)
+        else:
+            torch.testing.assert_close(codetta.gemm(a, b, p)["y"], 2.0 * (a.double() @ b.double()).float())
+    finally:
+        monkeypatch.undo()
+        interpreter.interpreter_problem.cache_clear()
 
 
 def test_patch_without_transformers_says_what_to_install():

@@ -952,6 +952,16 @@ def test_deleted_patched_model_is_freed_without_the_garbage_collector():
         gc.enable()
 
 
+def test_a_transformers_release_older_than_the_code_followed_is_refused(monkeypatch):
+    model = tiny("LlamaForCausalLM")
+    from codetta.integrations import hf
+
+    monkeypatch.setattr(hf.transformers, "__version__", "5.16.1")  # the module codetta reads (transformers swaps its own)
+    with pytest.raises(codetta.UnsupportedModelError, match=r"transformers 5\.17 and later; this is transformers 5\.16\.1"):
+        codetta.patch(model)
+    assert "forward" not in model.__dict__ and not any("forward" in m.__dict__ for m in model.model.layers)
+
+
 def test_unsupported_models_and_options_are_refused_untouched():
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     from codetta.integrations.hf import UnsupportedModelError

@@ -11,7 +11,7 @@ import math
 import torch
 
 from ..epilogue.ir import FULL, EpilogueError, Program
-from ..interpreter import interpreting
+from ..interpreter import interpreter_problem, interpreting
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_B_PARTS = 4  # B parts read as one without a copy
@@ -53,6 +53,8 @@ def check_device(device: torch.device, what: str = "a") -> None:
             "in the environment before Python imports triton (importing codetta before triton, torch.compile or "
             "transformers' models does it), or use codetta.epilogue.run_reference"
         )
+    if device.type == "cpu" and interpreter_problem() is not None:
+        raise GemmError(f"codetta's kernels run on a CPU in Triton's interpreter, but {interpreter_problem()}")
 
 
 class Call:

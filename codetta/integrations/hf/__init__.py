@@ -11,6 +11,9 @@ from __future__ import annotations
 import inspect
 import warnings
 
+import transformers
+
+from ...versions import MIN_TRANSFORMERS, release
 from .architectures import (ARCHITECTURES, MODEL_KINDS, UnsupportedModelError, architecture_of, check_model,
                             decoder_of, is_causal_lm, model_classes, why_rope_unfusable)
 from .layer import LayerPlan, WeakModule, fused_decoder_forward
@@ -93,6 +96,10 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
     Raises UnsupportedModelError (a ValueError) for a model or option it cannot patch,
     before changing anything.
     """
+    if release(transformers.__version__) < MIN_TRANSFORMERS:
+        raise UnsupportedModelError(f"codetta.patch follows the model code of transformers "
+                                    f"{'.'.join(map(str, MIN_TRANSFORMERS))} and later; this is transformers "
+                                    f"{transformers.__version__}. Nothing was patched.")
     arch = architecture_of(model)
     if (rope or swiglu) and not rms_norm:
         raise UnsupportedModelError("rope and swiglu fusion need rms_norm=True (the norm is folded into their GEMMs). "
