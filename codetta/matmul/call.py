@@ -53,8 +53,9 @@ def check_device(device: torch.device, what: str = "a") -> None:
             "in the environment before Python imports triton (importing codetta before triton, torch.compile or "
             "transformers' models does it), or use codetta.epilogue.run_reference"
         )
-    if device.type == "cpu" and interpreter_problem() is not None:
-        raise GemmError(f"codetta's kernels run on a CPU in Triton's interpreter, but {interpreter_problem()}")
+    problem = interpreter_problem() if device.type == "cpu" else None
+    if problem is not None:
+        raise GemmError(f"codetta's kernels run on a CPU in Triton's interpreter, but {problem}")
 
 
 class Call:

@@ -21,7 +21,7 @@ import torch
 
 try:
     from transformers.modeling_layers import GradientCheckpointingLayer
-except ImportError:  # releases without the class checkpoint in the model's layer loop, around the layer's call
+except ImportError:  # earlier releases checkpoint in the model's layer loop, around the layer's call
     GradientCheckpointingLayer = None
 
 CHECKPOINTS_IN_FORWARD = GradientCheckpointingLayer is not None and "__call__" not in vars(GradientCheckpointingLayer)
