@@ -705,7 +705,8 @@ def test_an_interpreter_that_fails_under_this_numpy_is_named(triton_version, num
     monkeypatch.setattr(numpy, "__version__", numpy_version)
     interpreter.interpreter_problem.cache_clear()
     try:
-        p = ep.Program("interpreter_versions_" + f"{triton_version}_{numpy_version}".replace(".", "_"))  # a new plan: the call is checked
+        # a program of its own: a new plan, so the call is checked
+        p = ep.Program("interpreter_versions_" + f"{triton_version}_{numpy_version}".replace(".", "_"))
         p.store("y", p.acc * 2.0, dtype=torch.float32)
         a, b = dyadic(4, 3), dyadic(3, 5)
         if refused:

@@ -8,6 +8,7 @@ state_dict, unpatch, and clear errors for what is not supported.
 
 import copy
 import gc
+import importlib
 import inspect
 import io
 import shutil
@@ -772,7 +773,7 @@ def enable_checkpointing(model, every_n_layers=1):
 def count_calls(monkeypatch, target):
     """A list that gets an entry at each call of ``target`` (a "module.function" path)."""
     module_name, _, name = target.rpartition(".")
-    module = __import__(module_name, fromlist=[name])
+    module = importlib.import_module(module_name)
     calls, original = [], getattr(module, name)
 
     def counting(*args, **kwargs):
@@ -956,8 +957,10 @@ def test_a_transformers_release_older_than_the_code_followed_is_refused(monkeypa
     model = tiny("LlamaForCausalLM")
     from codetta.integrations import hf
 
-    monkeypatch.setattr(hf.transformers, "__version__", "5.16.1")  # the module codetta reads (transformers swaps its own)
-    with pytest.raises(codetta.UnsupportedModelError, match=r"transformers 5\.17 and later; this is transformers 5\.16\.1"):
+    # the module codetta reads: transformers swaps its own module object on lazy imports
+    monkeypatch.setattr(hf.transformers, "__version__", "5.16.1")
+    with pytest.raises(codetta.UnsupportedModelError,
+                       match=r"transformers 5\.17 and later; this is transformers 5\.16\.1"):
         codetta.patch(model)
     assert "forward" not in model.__dict__ and not any("forward" in m.__dict__ for m in model.model.layers)
 

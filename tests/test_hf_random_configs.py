@@ -81,7 +81,8 @@ def models(draw, family, min_hidden=1):
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         max_position_embeddings=64, rms_norm_eps=draw(st.sampled_from([1e-6, 1e-5])),
         tie_word_embeddings=draw(st.booleans()), rope_parameters=draw(rope_parameters()),
-        attn_implementation=draw(st.sampled_from(attention_implementations(name))), pad_token_id=0, num_labels=NUM_LABELS,
+        attn_implementation=draw(st.sampled_from(attention_implementations(name))), pad_token_id=0,
+        num_labels=NUM_LABELS,
         classifier_dropout=0.0,  # the token-classification head's dropout would draw other masks in the two runs
     )
     if family in ("Llama", "Qwen3"):
