@@ -15,6 +15,7 @@ import subprocess
 import sys
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -266,8 +267,19 @@ def test_scalar_given_as_non_number_is_refused(value):
     """A scalar operand takes a Python number: a tensor (even 0-d), a bool or a string is refused."""
     ops = operands()
     ops["s"] = value.to(DEVICE) if isinstance(value, torch.Tensor) else value
-    with pytest.raises(EpilogueError, match=r"'s' .* is a scalar: pass a Python number, got"):
+    with pytest.raises(EpilogueError, match=r"'s' .* is a scalar: pass a number, got"):
         codetta.gemm(dyadic(8, 5), dyadic(5, 6), operand_program(), **ops)
+
+
+def test_scalar_takes_any_real_number_within_float_range():
+    """A scalar operand takes numpy's numbers as Python's; one beyond fp64's range is refused."""
+    a, b, ops = dyadic(8, 5), dyadic(5, 6), operands()
+    ref = codetta.gemm(a, b, operand_program(), **ops)["y"]
+    for value in (np.float32(0.5), np.float64(0.5)):
+        assert torch.equal(codetta.gemm(a, b, operand_program(), **{**ops, "s": value})["y"], ref)
+    assert torch.equal(codetta.gemm(a, b, operand_program(), **{**ops, "s": np.int64(1)})["y"], ref + 0.5)
+    with pytest.raises(EpilogueError, match=r"'s' .*: 10+ is beyond a float's range"):
+        codetta.gemm(a, b, operand_program(), **{**ops, "s": 10**400})
 
 
 def test_bool_operand_is_refused():
@@ -649,10 +661,15 @@ def test_kernel_source_of_something_else_is_refused():
         codetta.kernel_source("a_program", "tma")
 
 
+@pytest.mark.parametrize("declare", [
+    lambda p, w: p.col_index(w), lambda p, w: p.col("c", w), lambda p, w: p.aux("x", w),
+    lambda p, w: p.table("t", 2, w),
+], ids=["col_index", "col", "aux", "table"])
 @pytest.mark.parametrize("width", [None, "half", 2])
-def test_col_index_width_is_checked(width):
+def test_width_is_checked(width, declare):
+    """Every declaration with a width takes FULL or HALF only, when the program is built."""
     with pytest.raises(EpilogueError, match="width must be FULL or HALF"):
-        ep.Program("col_index_width").col_index(width)
+        declare(ep.Program("widths"), width)
 
 
 def test_an_unusable_kernel_cache_falls_back_to_a_folder_of_the_process(tmp_path, monkeypatch):
@@ -971,6 +988,48 @@ def test_tensors_written_in_place_count_the_write():
     assert x._version == before + 1
     with pytest.raises(ValueError, match="changed in place since"):
         ops.rmsnorm_linear(x, torch.ones(4, device=DEVICE), torch.randn(3, 4, device=DEVICE), stats=stats)
+
+
+@pytest.mark.parametrize("where", ["a", "b", "b_part", "aux", "out", "accumulated"])
+def test_sparse_tensors_are_refused(where):
+    """Every tensor a call reads or writes is dense: a sparse one gets a GemmError naming it, not
+    an error from deep inside (it has no strides, nor a data pointer)."""
+    def sparse(*shape):
+        return torch.randn(*shape, device=DEVICE).to_sparse()
+    a, b = torch.randn(6, 8, device=DEVICE), torch.randn(8, 4, device=DEVICE)
+    aux = ep.Program("sparse_aux")
+    aux.store("y", aux.acc + aux.aux("x"))
+    accumulate = ep.Program("sparse_accumulate")
+    accumulate.store("y", accumulate.acc, accumulate=True)
+    call, name = {
+        "a": (lambda: codetta.gemm(sparse(6, 8), b), "a"),
+        "b": (lambda: codetta.gemm(a, sparse(8, 4)), "b"),
+        "b_part": (lambda: codetta.gemm(a, [b, sparse(8, 4)]), r"b\[1\]"),
+        "aux": (lambda: codetta.gemm(a, b, aux, x=sparse(6, 4)), "operand 'x'"),
+        "out": (lambda: codetta.gemm(a, b, out=sparse(6, 4)), r"out\['out'\]"),
+        "accumulated": (lambda: codetta.gemm(a, b, accumulate, y=sparse(6, 4)), "operand 'y'"),
+    }[where]
+    with pytest.raises(GemmError, match=rf"{name} .*is a torch.sparse_coo tensor: codetta's kernels take dense"):
+        call()
+
+
+def test_an_inference_tensor_is_written_in_place_only_in_inference_mode():
+    """An inference tensor counts no versions: PyTorch refuses to update it in place outside
+    torch.inference_mode(), and so does codetta.gemm (out= or an accumulating store)."""
+    a, b = torch.randn(6, 8, device=DEVICE), torch.randn(8, 4, device=DEVICE)
+    accumulate = ep.Program("accumulate_inference")
+    accumulate.store("y", accumulate.acc, accumulate=True)
+    with torch.inference_mode():
+        y, into = torch.zeros(6, 4, device=DEVICE), torch.ones(6, 4, device=DEVICE)
+    with pytest.raises(GemmError, match=r"would write out\['out'\] in place, an inference tensor"):
+        codetta.gemm(a, b, out=y)
+    with pytest.raises(GemmError, match=r"would write operand 'y' \(accumulated into\) in place, an inference"):
+        codetta.gemm(a, b, accumulate, y=into)
+    with torch.inference_mode():
+        codetta.gemm(a, b, out=y)
+        codetta.gemm(a, b, accumulate, y=into)
+    torch.testing.assert_close(y, a @ b)
+    torch.testing.assert_close(into, a @ b + 1)
 
 
 def test_a_tensor_autograd_tracks_is_not_written_in_place():

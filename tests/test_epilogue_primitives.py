@@ -237,6 +237,42 @@ def test_finish_replaces_a_reductions_finishing_step(ab):
     assert empty["rstd"].shape == (0,) and empty["csum"].shape == (N,)
 
 
+@pytest.mark.parametrize("rows", [M, 0], ids=["rows", "no_rows"])
+def test_finish_writes_into_out(rows, ab):
+    """A reduction finished by the caller's function lands in the tensor given in ``out``, also
+    for a call without rows (its partials over no tile)."""
+    a, b, acc = ab
+    p = ep.Program("finish_into_out")
+    p.row_sum("rsum", p.acc)
+    p.col_sum("csum", p.acc)
+    given = {"rsum": torch.full((rows,), 7.0, device=DEVICE), "csum": torch.full((N,), 7.0, device=DEVICE)}
+    finish = {"rsum": lambda part: part.sum(1) * 2, "csum": lambda part: part.sum(0) * 2}
+    out = codetta.gemm(a[:rows], b, p, out=given, finish=finish)
+    assert out["rsum"] is given["rsum"] and out["csum"] is given["csum"]
+    close(given["csum"], 2 * acc[:rows].sum(0))  # zeros without rows
+    if rows:
+        close(given["rsum"], 2 * acc.sum(1))
+
+
+@pytest.mark.parametrize("result, got", [
+    (lambda part: part.sum(), r"\(\)"), (lambda part: part, r"\(\d+, \d+\)"),
+    (lambda part: part.sum(1)[:-1], r"\(\d+,\)"),
+], ids=["scalar", "partials", "short"])
+def test_finish_result_is_checked(result, got, ab):
+    """A tensor the caller's finishing function returns must be the reduction's [M] (or in its
+    leading dims): else a GemmError says what came back, not a reshape's error or a silent
+    reshape. Anything else is the caller's to have (here two tensors), but not into ``out``."""
+    a, b, acc = ab
+    p = ep.Program("finish_result")
+    p.row_sum("rsum", p.acc)
+    with pytest.raises(codetta.GemmError, match=rf"finish\['rsum'\] must return a tensor of shape .*got .*{got}"):
+        codetta.gemm(a[None], b, p, finish={"rsum": result})
+    both = codetta.gemm(a, b, p, finish={"rsum": lambda part: (part.sum(1), part.amax(1))})["rsum"]
+    close(both[0], acc.sum(1))
+    with pytest.raises(codetta.GemmError, match=r"finish\['rsum'\] returned tuple, which cannot be written into out"):
+        codetta.gemm(a, b, p, out={"rsum": torch.empty(M, device=DEVICE)}, finish={"rsum": lambda part: (part,)})
+
+
 def test_rstd_of_partial_sums_matches_torch():
     part = torch.rand(45, 7, device=DEVICE) * 3
     ref = 1 / (part.double().sum(1) / 9 + 1e-6) ** 0.5

@@ -108,6 +108,26 @@ def test_b_in_parts_along_k(path, sizes, layout, monkeypatch):
     assert rel_err(out, dy.double() @ torch.cat(ws).double()) < 1e-5
 
 
+@pytest.mark.parametrize("a_transposed", [False, True], ids=["a_mk", "a_km"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_b_in_parts_along_k_keeps_inf_of_the_next_part(dtype, a_transposed):
+    """A part's last, partial K step reads A's next columns, which belong to the next part:
+    an inf there must not meet the zero fill of this part's B (inf * 0 = NaN). With A and B
+    positive, a row holding an inf is +inf everywhere, as torch gives, and the rest exact."""
+    sizes, n = (40, 24), 32
+    k = sum(sizes)
+    a = torch.rand(k, 24, device=DEVICE).t() if a_transposed else torch.rand(24, k, device=DEVICE)
+    a[3, sizes[0] + 3] = float("inf")  # in part 1, inside part 0's partial K step for any BK >= 8
+    ws = [torch.rand(size, n, device=DEVICE) + 0.5 for size in sizes]
+    a, ws = a.to(dtype), [w.to(dtype) for w in ws]
+    assert codetta.explain(a, ws)["path"] == "tma"
+    out = codetta.gemm(a, ws).double()
+    ref = a.double() @ torch.cat(ws).double()
+    assert torch.equal(out[3], ref[3]) and bool(torch.isinf(ref[3]).all())
+    finite = torch.arange(24, device=DEVICE) != 3
+    assert rel_err(out[finite], ref[finite]) < tolerance(dtype, k)
+
+
 def test_b_parts_in_dgrad_layout():
     x = torch.randn(20, 24, device=DEVICE)
     parts = [torch.randn(24, 16, device=DEVICE), torch.randn(24, 32, device=DEVICE)]

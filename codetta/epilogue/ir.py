@@ -435,8 +435,6 @@ class Program:
             raise EpilogueError(f"program {self.name!r}: operand name must be an ASCII identifier, got {name!r}")
         if name in GEMM_PARAMETERS:
             raise EpilogueError(f"program {self.name!r}: operand name {name!r} is reserved (a parameter of codetta.gemm)")
-        if width is not None and not isinstance(width, Width):
-            raise EpilogueError(f"program {self.name!r}: width must be FULL or HALF, got {width!r}")
         new = Operand(name, kind, width, period)
         old = self.operands.get(name)
         if old is not None and old != new:
@@ -445,6 +443,10 @@ class Program:
         if name in self.outputs:
             raise EpilogueError(f"program {self.name!r}: {name!r} is already an output")
         self.operands[name] = new
+
+    def _check_width(self, width):
+        if not isinstance(width, Width):
+            raise EpilogueError(f"program {self.name!r}: width must be FULL or HALF, got {width!r}")
 
     def _load(self, op, name, **shape):
         """The one load node of operand ``name`` (a second use reuses it, so it is read once)."""
@@ -460,6 +462,7 @@ class Program:
 
     def col(self, name, width=FULL):
         """A per-column vector operand [N] (width FULL) or [N/2] (width HALF)."""
+        self._check_width(width)
         self._declare(name, "col", width)
         return self._load("load_col", name, rows=False, width=width)
 
@@ -470,6 +473,7 @@ class Program:
 
     def aux(self, name, width=FULL):
         """A tile operand [M, N] (or [M, N/2]) read at the output tile's coordinates."""
+        self._check_width(width)
         self._declare(name, "aux", width)
         return self._load("load_aux", name, rows=True, width=width)
 
@@ -479,6 +483,7 @@ class Program:
         by every head. Tables are small and read through the cache, not through TMA."""
         if isinstance(period, bool) or not isinstance(period, int) or period < 1:
             raise EpilogueError(f"program {self.name!r}: table {name!r} needs a positive integer period, got {period!r}")
+        self._check_width(width)
         self._declare(name, "table", width, period)
         return self._load("load_table", name, rows=True, width=width)
 
@@ -488,8 +493,7 @@ class Program:
 
     def col_index(self, width=FULL):
         """The global column (or pair) index of each column, as fp32 (exact below 2^24)."""
-        if not isinstance(width, Width):
-            raise EpilogueError(f"program {self.name!r}: width must be FULL or HALF, got {width!r}")
+        self._check_width(width)
         return Expr(self, "col_index", attrs=(width,), rows=False, width=width)
 
     # outputs --------------------------------------------------------------------

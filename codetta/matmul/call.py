@@ -7,6 +7,7 @@ an :class:`~codetta.epilogue.ir.EpilogueError` that names it; :class:`Call` hold
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -37,6 +38,8 @@ def interleave(b0, b1) -> Interleaved:
 def check_tensor(t, what, device):
     if not isinstance(t, torch.Tensor):
         raise GemmError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise GemmError(f"{what} is a {t.layout} tensor: codetta's kernels take dense (strided) tensors")
     if t.device != device:
         raise GemmError(f"{what} is on {t.device} but a is on {device}")
 
@@ -68,8 +71,7 @@ class Call:
             raise GemmError(f"epilogue must be a codetta Program, got {type(program).__name__}")
         program.check()
         self.program = program
-        if not isinstance(a, torch.Tensor):
-            raise GemmError(f"a must be a torch.Tensor, got {type(a).__name__}")
+        check_tensor(a, "a", getattr(a, "device", None))
         device = a.device
         interleaved = isinstance(b, Interleaved)
         parts = list(b) if isinstance(b, (list, tuple)) else [b]
@@ -154,9 +156,12 @@ class Call:
             kind = op.kind if op else "accumulate"
             what = f"operand {name!r} of program {p.name!r}"
             if kind == "scalar":
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
-                    raise EpilogueError(f"{what} is a scalar: pass a Python number, got {type(value).__name__}")
-                checked[name] = float(value)
+                if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                    raise EpilogueError(f"{what} is a scalar: pass a number, got {type(value).__name__}")
+                try:
+                    checked[name] = float(value)
+                except OverflowError:
+                    raise EpilogueError(f"{what}: {value!r} is beyond a float's range") from None
                 continue
             check_tensor(value, what, self.device)
             if kind == "row":

@@ -29,7 +29,7 @@ from .call import Call, GemmError, Interleaved
 from .config import Config, candidates, interpreter_config
 from .memory import same_elements
 from .path import blocks_tma_ok, layouts, parts_fit, table_block_n, tiles_tma_ok
-from .plan import Plan, device_index, shared_memory
+from .plan import Plan, device_index, finished, shared_memory
 from .writes import check_untracked, check_written_apart, count_writes, written_in_place
 
 
@@ -55,7 +55,8 @@ def gemm(a, b, epilogue: Program | None = None, *, out=None, config=None, finish
         finish: optional name -> function replacing the finishing step of that reduction
             output (not per segment): it gets the fp32 partials ([M, T] per row tile column,
             [T, N] for a column sum; logsumexp's (maxima, sums)) and returns the result, e.g.
-            to fold what follows the sum into the same small kernel.
+            to fold what follows the sum into the same small kernel: a tensor of the output's
+            shape (checked), or anything else (several tensors), returned as it is.
         **operands: the program's operands by name (and, for accumulating stores, the
             tensor to add into).
 
@@ -138,7 +139,7 @@ def _trivial(call, finish):
             shape = (0, call.width(o.width)) if o.kind == "col_sum" else (call.M, 0)
             parts = [torch.empty(shape, device=call.device, dtype=torch.float32)
                      for _ in range(2 if o.kind == "row_logsumexp" else 1)]
-            results[o.name] = finish[o.name](*parts).reshape(call.output_shape(o))
+            results[o.name] = finished(o.name, parts, call.output_shape(o), finish[o.name], call.user_out.get(o.name))
             continue
         shape, dtype = call.output_shape(o), call.output_dtype(o)
         if o.kind == "store" and o.accumulate:
@@ -173,6 +174,8 @@ def _tuning_key(call, path):
 
 def _meta(v):
     if isinstance(v, torch.Tensor):
+        if v.layout != torch.strided:  # no strides, no data pointer: the call's checks refuse it
+            return v.layout
         return (v.shape, v.stride(), v.dtype, v.device, v.data_ptr() % 16 == 0)
     return type(v)
 

@@ -41,25 +41,48 @@ def tile_coords(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.cons
 
 
 @triton.jit
+def _a_tile(a_desc, off_m, off_k, A_KM: tl.constexpr):
+    """A[off_m : off_m + BM, off_k : off_k + BK] through A's descriptor."""
+    if A_KM:
+        return a_desc.load([off_k, off_m]).T
+    return a_desc.load([off_m, off_k])
+
+
+@triton.jit
+def _b_tile(b_desc, off_n, off_k, B_KN: tl.constexpr):
+    """B[off_k : off_k + BK, off_n : off_n + BN] through B's descriptor."""
+    if B_KN:
+        return b_desc.load([off_k, off_n])
+    return b_desc.load([off_n, off_k]).T
+
+
+@triton.jit
+def _mma(acc, a, b, INTERPRET: tl.constexpr, PRECISION: tl.constexpr):
+    if INTERPRET:  # Triton's interpreter multiplies raw bf16 bits: compute in fp32 there
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _dot_tma(acc, a_desc, b_desc, off_m, off_n, k_base, K,
-             BK: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr,
+             BK: tl.constexpr, A_KM: tl.constexpr, B_KN: tl.constexpr, A_GOES_ON: tl.constexpr,
              INTERPRET: tl.constexpr, PRECISION: tl.constexpr, STAGES: tl.constexpr):
-    """acc += A[off_m:, k_base : k_base + K] @ B[:K, off_n:]. Columns of A past k_base + K meet
-    rows of B past K, which TMA fills with zeros: a K that is no multiple of BK is exact."""
-    for k in tl.range(0, tl.cdiv(K, BK), num_stages=STAGES):
-        off_k = k * BK
-        if A_KM:
-            a = a_desc.load([k_base + off_k, off_m]).T
-        else:
-            a = a_desc.load([off_m, k_base + off_k])
-        if B_KN:
-            b = b_desc.load([off_k, off_n])
-        else:
-            b = b_desc.load([off_n, off_k]).T
-        if INTERPRET:  # Triton's interpreter multiplies raw bf16 bits: compute in fp32 there
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    """acc += A[off_m:, k_base : k_base + K] @ B[:K, off_n:]. Rows of B past K are TMA's zero
+    fill, so a K that is no multiple of BK is exact where A's columns past k_base + K are
+    zero fill too. Where A goes on (``A_GOES_ON``: B in parts along K, the next part's columns
+    of A follow), the last, partial K step zeroes those columns: an inf there times a zero
+    row of B would be NaN."""
+    full_steps = K // BK if A_GOES_ON else tl.cdiv(K, BK)
+    for k in tl.range(0, full_steps, num_stages=STAGES):
+        a = _a_tile(a_desc, off_m, k_base + k * BK, A_KM)
+        acc = _mma(acc, a, _b_tile(b_desc, off_n, k * BK, B_KN), INTERPRET, PRECISION)
+    if A_GOES_ON:
+        off_k = full_steps * BK
+        if off_k < K:
+            a = _a_tile(a_desc, off_m, k_base + off_k, A_KM)
+            a = tl.where((off_k + tl.arange(0, BK) < K)[None, :], a, tl.zeros_like(a))
+            acc = _mma(acc, a, _b_tile(b_desc, off_n, off_k, B_KN), INTERPRET, PRECISION)
     return acc
 
 
@@ -71,23 +94,9 @@ def _dot2_tma(a_desc, b0_desc, b1_desc, off_m, off_n, K,
     acc0 = tl.zeros((BM, BN), dtype=tl.float32)
     acc1 = tl.zeros((BM, BN), dtype=tl.float32)
     for k in tl.range(0, tl.cdiv(K, BK), num_stages=STAGES):
-        off_k = k * BK
-        if A_KM:
-            a = a_desc.load([off_k, off_m]).T
-        else:
-            a = a_desc.load([off_m, off_k])
-        if B_KN:
-            b0 = b0_desc.load([off_k, off_n])
-            b1 = b1_desc.load([off_k, off_n])
-        else:
-            b0 = b0_desc.load([off_n, off_k]).T
-            b1 = b1_desc.load([off_n, off_k]).T
-        if INTERPRET:
-            a = a.to(tl.float32)
-            b0 = b0.to(tl.float32)
-            b1 = b1.to(tl.float32)
-        acc0 = tl.dot(a, b0, acc0, input_precision=PRECISION)
-        acc1 = tl.dot(a, b1, acc1, input_precision=PRECISION)
+        a = _a_tile(a_desc, off_m, k * BK, A_KM)
+        acc0 = _mma(acc0, a, _b_tile(b0_desc, off_n, k * BK, B_KN), INTERPRET, PRECISION)
+        acc1 = _mma(acc1, a, _b_tile(b1_desc, off_n, k * BK, B_KN), INTERPRET, PRECISION)
     return acc0, acc1
 
 
@@ -102,7 +111,8 @@ def mma_tma(a_desc, b_descs, b_starts, b_ends, off_m, off_n, K,
     """
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if NUM_B == 1:
-        acc = _dot_tma(acc, a_desc, b_descs[0], off_m, off_n, 0, K, BK, A_KM, B_KN, INTERPRET, PRECISION, STAGES)
+        acc = _dot_tma(acc, a_desc, b_descs[0], off_m, off_n, 0, K, BK, A_KM, B_KN, False, INTERPRET, PRECISION,
+                       STAGES)
     elif B_PARTS == "interleave":
         acc0, acc1 = _dot2_tma(a_desc, b_descs[0], b_descs[1], off_m, off_n // 2, K, BM, BN // 2, BK, A_KM, B_KN,
                                INTERPRET, PRECISION, STAGES)
@@ -110,7 +120,7 @@ def mma_tma(a_desc, b_descs, b_starts, b_ends, off_m, off_n, K,
     elif B_PARTS == "k":
         for i in tl.static_range(NUM_B):
             acc = _dot_tma(acc, a_desc, b_descs[i], off_m, off_n, b_starts[i], b_ends[i] - b_starts[i],
-                           BK, A_KM, B_KN, INTERPRET, PRECISION, STAGES)
+                           BK, A_KM, B_KN, True, INTERPRET, PRECISION, STAGES)
     else:
         part = 0
         for i in tl.static_range(1, NUM_B):
@@ -118,7 +128,7 @@ def mma_tma(a_desc, b_descs, b_starts, b_ends, off_m, off_n, K,
         for i in tl.static_range(NUM_B):
             if part == i:
                 acc = _dot_tma(acc, a_desc, b_descs[i], off_m, off_n - b_starts[i], 0, K,
-                               BK, A_KM, B_KN, INTERPRET, PRECISION, STAGES)
+                               BK, A_KM, B_KN, False, INTERPRET, PRECISION, STAGES)
     return acc
 
 

@@ -5,6 +5,7 @@ signature by ``launch``, then replayed with each call's tensors."""
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -14,7 +15,7 @@ from ..epilogue.codegen import kernel_args, load_kernel
 from ..epilogue.ir import FULL
 from ..interpreter import INTERPRETER_LOCK, interpreting
 from ..kernels import finish as finishing
-from .call import MAX_B_PARTS, rows_view
+from .call import MAX_B_PARTS, GemmError, rows_view
 from .config import SharedMemory
 from .path import operand_layout
 
@@ -79,9 +80,9 @@ class Plan:
         self.allocated = [(o.name, shape, c.output_dtype(o), None if shape == (c.M, shape[-1]) else (c.M, shape[-1]))
                           for o in written if o.name not in c.user_out for shape in [c.output_shape(o)]]
         self.partials = _partial_shapes(c, cfg)
-        # (name, finishing step, the output's shape when it is not the finished [M] or [N] one)
-        self.finished = [(o.name, _FINISH[o.kind], None if len(shape) == 1 else shape) for o in p.outputs.values()
-                         if not (o.kind == "store" or o.segment) for shape in [c.output_shape(o)]]
+        # (name, finishing step, the output's shape)
+        self.finished = [(o.name, _FINISH[o.kind], c.output_shape(o)) for o in p.outputs.values()
+                         if not (o.kind == "store" or o.segment)]
         self.template, self.filled = self._arguments(c)
 
     def _arguments(self, c):
@@ -194,10 +195,25 @@ class Plan:
         outs, bufs = self.launch(a, b, operands, out)
         results = {name: pair[0] for name, pair in outs.items()}
         for name, finish_fn, shape in self.finished:
-            val = finish[name](*bufs[name]) if name in finish else finish_fn(*bufs[name])
-            val = val if shape is None else val.view(shape)
-            results[name] = val if name not in out else out[name].copy_(val)
+            results[name] = finished(name, bufs[name], shape, finish.get(name, finish_fn), out.get(name))
         return results
+
+
+def finished(name, partials, shape, finish_fn, out=None):
+    """Reduction ``name`` finished from its fp32 partials by ``finish_fn`` (codetta's, or the
+    caller's ``finish[name]``), written into ``out`` where one is given. A tensor it returns
+    must have the output's ``shape`` (or hold it flattened) and is returned in that shape;
+    anything else (several tensors: what follows the reduction, folded in) as it is."""
+    val = finish_fn(*partials)
+    if not isinstance(val, torch.Tensor):
+        if out is not None:
+            raise GemmError(f"finish[{name!r}] returned {type(val).__name__}, which cannot be written into out[{name!r}]")
+        return val
+    if tuple(val.shape) not in (shape, (math.prod(shape),)):
+        raise GemmError(f"finish[{name!r}] must return a tensor of shape {shape} (or flattened), got a tensor of "
+                        f"shape {tuple(val.shape)}")
+    val = val.reshape(shape)
+    return val if out is None else out.copy_(val)
 
 
 def _preparation(view, given, in_place):

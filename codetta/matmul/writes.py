@@ -13,22 +13,30 @@ from .memory import byte_span, same_elements, share_elements, spans_meet
 
 def written_in_place(program, operands, out) -> list:
     """[(what, tensor)] of the caller's tensors a call writes into: outputs given in ``out``, and
-    the operands of accumulating stores."""
-    written = [(f"out[{n!r}]", t) for n, t in out.items() if isinstance(t, torch.Tensor)]
+    the operands of accumulating stores. What is no dense tensor is left to the call's checks."""
+    written = [(f"out[{n!r}]", t) for n, t in out.items() if _dense(t)]
     if isinstance(program, Program):
         written += [(f"operand {o.name!r} (accumulated into)", operands[o.name]) for o in program.outputs.values()
-                    if o.kind == "store" and o.accumulate and isinstance(operands.get(o.name), torch.Tensor)]
+                    if o.kind == "store" and o.accumulate and _dense(operands.get(o.name))]
     return written
+
+
+def _dense(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.layout == torch.strided
 
 
 def check_untracked(written) -> None:
     """codetta.gemm records nothing for autograd: a tensor it would write in place while autograd
     tracks it (grad mode on, requires_grad) would keep a gradient that no longer fits its
-    values, so it is refused, as torch refuses an in-place write into a leaf that requires grad."""
-    if not torch.is_grad_enabled():
-        return
+    values, so it is refused, as torch refuses an in-place write into a leaf that requires grad;
+    likewise an inference tensor outside ``torch.inference_mode()`` (it counts no versions)."""
+    tracking, inference_mode = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
     for what, t in written:
-        if t.requires_grad:
+        if t.is_inference() and not inference_mode:
+            raise GemmError(f"codetta.gemm would write {what} in place, an inference tensor, outside "
+                            "torch.inference_mode(): PyTorch refuses that too (write it inside inference_mode, "
+                            "or pass a tensor made outside it)")
+        if tracking and t.requires_grad:
             raise GemmError(f"codetta.gemm would write {what} in place, which requires grad: codetta.gemm does not "
                             "track gradients (detach it, or call under torch.no_grad())")
 
@@ -60,7 +68,7 @@ def check_written_apart(program, a, b, operands, out):
     read = [("a", a, False)] + [(f"b[{i}]" if len(parts) > 1 else "b", t, False) for i, t in enumerate(parts)]
     read += [(f"operand {n!r}", operands.get(n), o.kind == "aux") for n, o in program.operands.items()
              if n not in accumulated]
-    read = [r for r in read if isinstance(r[1], torch.Tensor)]
+    read = [r for r in read if _dense(r[1])]
     everything = read + [(name, t, False) for name, t in written]
     spans = [byte_span(t) for _, t, _ in everything]
     for i in range(len(read), len(everything)):

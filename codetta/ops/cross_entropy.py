@@ -554,8 +554,9 @@ def _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size, l
              "16-bit weights when norm_weight is given)")
     if bias is not None and bias.dtype != weight.dtype:
         fail(f"bias has dtype {bias.dtype} but weight has {weight.dtype}: cast one so they match")
-    if norm_weight is not None and norm_weight.dtype not in (x.dtype, weight.dtype):
-        fail(f"norm_weight has dtype {norm_weight.dtype}; it must be x's ({x.dtype}) or the weight's ({weight.dtype})")
+    if norm_weight is not None and norm_weight.dtype not in (x.dtype, weight.dtype, torch.float32):
+        fail(f"norm_weight has dtype {norm_weight.dtype}; it must be x's ({x.dtype}), the weight's ({weight.dtype}) "
+             "or fp32")
     if reduction not in _REDUCTIONS:
         fail(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral) \
@@ -590,7 +591,7 @@ def linear_cross_entropy(x, weight, target, *, bias=None, ignore_index=-100, red
             norm_weight, x may be fp32 with 16-bit weights (a wide residual stream: the norm
             runs in fp32 and rounds h once, as under autocast).
         weight: [V, d], as nn.Linear stores it; bias: [V] or None, in the weight's dtype;
-            norm_weight: [d] or None, in x's or the weight's dtype.
+            norm_weight: [d] or None, in x's or the weight's dtype, or fp32 (Gemma's 1 + w).
         target: integer class indices of x's leading shape; ``ignore_index`` rows count nothing.
         reduction: "mean" (over the rows not ignored), "sum", or "none" (x's leading shape).
         chunk_size: rows per chunk (default :func:`default_chunk_size`: 2^30 bytes of
