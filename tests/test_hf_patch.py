@@ -387,6 +387,12 @@ def test_loss_options_the_model_takes():
     assert_same_training_step(ref, model, input_ids=ids, labels=ids[:, -3:], logits_to_keep=3)
     kept = torch.tensor([0, 4, 8], device=DEVICE)
     assert_same_training_step(ref, model, input_ids=ids, labels=ids[:, kept], logits_to_keep=kept)
+    if hasattr(importlib.import_module("transformers.modeling_utils"), "slice_logits_to_keep"):  # 2-d, or a mask
+        kept = torch.tensor([[0, 3, 5, 8], [1, 2, 7, 8]], device=DEVICE)
+        labels = torch.take_along_dim(ids, kept, 1)
+        assert_same_training_step(ref, model, input_ids=ids, labels=labels, logits_to_keep=kept)
+        mask = torch.rand(ids.shape, device=DEVICE) < 0.5
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids[mask], logits_to_keep=mask)
 
     def smoothed(logits, labels, vocab_size, **kwargs):
         shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]

@@ -28,6 +28,13 @@ try:
 except ImportError:  # no such module: nothing to compare the model's loss_function with
     ForCausalLMLoss = None
 
+try:  # the positions of the last hidden state whose logits the model computes, as it selects them
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:  # before transformers 5.2x: an int (the last k; 0: all) or a 1-d tensor of positions
+    def slice_logits_to_keep(hidden_states, logits_to_keep):
+        kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return hidden_states[:, kept, :]
+
 IGNORE_INDEX = -100
 
 
@@ -68,11 +75,9 @@ def fused_causal_lm_forward(model, input_ids=None, attention_mask=None, position
     ignore_index = kwargs.get("ignore_index", IGNORE_INDEX)  # as the model, which passes kwargs to its loss too
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    # the positions whose logits the model computes (logits_to_keep = k > 0: the last k; 0: all)
-    kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
     head = model.lm_head
     weight = head.weight  # read once, as the model's head reads it (a parametrization runs at each read)
-    hidden, bias = outputs.last_hidden_state[:, kept, :], head.bias
+    hidden, bias = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep), head.bias
     if model._codetta_patched["logits_scaling"]:  # Granite's logits (h W^T + b) / s, as (h / s) W^T + b / s
         scale = model.config.logits_scaling
         hidden, bias = hidden / scale, None if bias is None else bias / scale
