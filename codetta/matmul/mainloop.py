@@ -43,17 +43,21 @@ def tile_coords(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.cons
 @triton.jit
 def _a_tile(a_desc, off_m, off_k, A_KM: tl.constexpr):
     """A[off_m : off_m + BM, off_k : off_k + BK] through A's descriptor."""
-    if A_KM:
-        return a_desc.load([off_k, off_m]).T
-    return a_desc.load([off_m, off_k])
+    if A_KM:  # one return: the compiler types every return, also of the branch not taken
+        a = a_desc.load([off_k, off_m]).T
+    else:
+        a = a_desc.load([off_m, off_k])
+    return a
 
 
 @triton.jit
 def _b_tile(b_desc, off_n, off_k, B_KN: tl.constexpr):
     """B[off_k : off_k + BK, off_n : off_n + BN] through B's descriptor."""
     if B_KN:
-        return b_desc.load([off_k, off_n])
-    return b_desc.load([off_n, off_k]).T
+        b = b_desc.load([off_k, off_n])
+    else:
+        b = b_desc.load([off_n, off_k]).T
+    return b
 
 
 @triton.jit
