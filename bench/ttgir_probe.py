@@ -26,53 +26,21 @@ os.environ["TRITON_INTERPRET"] = "0"  # compile, do not interpret (before codett
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
-from codetta import epilogue as ep  # noqa: E402
-from codetta.epilogue.codegen import kernel_args, load_kernel  # noqa: E402
+from codetta import Config, epilogue as ep  # noqa: E402
+from codetta.matmul.aot import compile_gemm, compile_kernel  # noqa: E402
+from codetta.matmul.path import table_block_n  # noqa: E402
 from codetta.ops import rope, swiglu  # noqa: E402
 
-_CONSTEXPRS = ("BM", "BN", "BK", "GROUP_M", "STAGES", "EPI_SPLIT", "FLATTEN", "NUM_B", "B_PARTS", "A_KM", "B_KN",
-               "INTERPRET", "PRECISION")
 _COUNTED = {"layout conversions": r"ttg\.convert_layout", "dots": r"ttng\.warp_group_dot ",
             "TMA loads": r"async_tma_copy_global_to_local", "TMA stores": r"async_tma_copy_local_to_global"}
 
 
-def compile_sm90(program, *, BM=128, BN=256, BK=64, num_b=1, warps=8, stages=3, split=1, flatten=False, maxnreg=None):
+def compile_sm90(program, *, BM=128, BN=256, BK=64, num_b=1, warps=8, stages=3, split=1, flatten=False, ctas_per_sm=1):
     """``program``'s TMA kernel compiled for sm_90 with one config (a triton CompiledKernel)."""
-    kernel = load_kernel(program, "tma")
-    kinds = dict(kernel_args(program, "tma"))
-    consts = dict(BM=BM, BN=BN, BK=BK, GROUP_M=8, STAGES=stages, EPI_SPLIT=split, FLATTEN=flatten, NUM_B=num_b, B_PARTS="n",
-                  A_KM=False, B_KN=False, INTERPRET=False, PRECISION="tf32", stride_a0=0, stride_a1=0)
-    signature = {}
-    for name in kernel.arg_names:
-        if name in _CONSTEXPRS or name in ("stride_a0", "stride_a1"):
-            signature[name] = "constexpr"
-        elif name == "a":
-            signature[name] = f"tensordesc<bf16[{BM}, {BK}]>"
-        elif name in ("b0", "b1", "b2", "b3"):
-            used = int(name[1]) < num_b
-            signature[name] = f"tensordesc<bf16[{BN}, {BK}]>" if used else "constexpr"
-            if not used:
-                consts[name] = None
-        elif name in ("stride_b0", "stride_b1", "b_starts", "b_ends"):
-            signature[name] = tuple(["i32"] * num_b)
-        elif name in ("M", "N", "K"):
-            signature[name] = "i32"
-        else:
-            kind = kinds[name]
-            signature[name] = {"scalar": "fp32", "stride": "i64"}.get(kind, "*fp32")
-            if kind == "table_desc":  # RoPE's cos/sin: fp32 [BM, P] blocks
-                signature[name] = f"tensordesc<fp32[{BM}, {program.operands[name[: -len('_desc')]].period}]>"
-            elif kind.endswith("_desc"):
-                base = name[: -len("_desc")]
-                width = (program.outputs.get(base) or program.operands[base]).width
-                bn = BN // split
-                signature[name] = f"tensordesc<bf16[{BM}, {bn if width is ep.FULL else bn // 2}]>"
-    source = ASTSource(kernel, signature, {(kernel.arg_names.index(n),): v for n, v in consts.items()})
-    options = dict(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
-    return triton.compile(source, target=GPUTarget("cuda", 90, 128), options=options)
+    config = Config(BM=BM, BN=BN, BK=BK, STAGES=stages, num_warps=warps, EPI_SPLIT=split, FLATTEN=flatten,
+                    CTAS_PER_SM=ctas_per_sm)
+    return compile_gemm(program, "tma", config, num_b=num_b)
 
 
 def resources(compiled) -> dict:
@@ -92,10 +60,10 @@ CONFIGS = {  # name -> compile_sm90 keyword arguments
     "128x256 split 2 flattened": dict(split=2, flatten=True), "128x256 split 4": dict(split=4),
     "128x256 split 4, 4 stages": dict(split=4, stages=4), "128x128 8 warps": dict(BN=128, stages=4),
     # two CTAs per SM (Config.CTAS_PER_SM = 2): each under 113 KiB, and 8 warps capped at 128 registers
-    "128x128 4 warps, 2 per SM": dict(BN=128, warps=4, stages=2),
-    "128x128 4 warps split 2, 2 per SM": dict(BN=128, warps=4, stages=3, split=2),
-    "128x128 8 warps, 2 per SM": dict(BN=128, warps=8, stages=2, maxnreg=128),
-    "128x128 8 warps split 2, 2 per SM": dict(BN=128, warps=8, stages=3, split=2, maxnreg=128),
+    "128x128 4 warps, 2 per SM": dict(BN=128, warps=4, stages=2, ctas_per_sm=2),
+    "128x128 4 warps split 2, 2 per SM": dict(BN=128, warps=4, stages=3, split=2, ctas_per_sm=2),
+    "128x128 8 warps, 2 per SM": dict(BN=128, warps=8, stages=2, ctas_per_sm=2),
+    "128x128 8 warps split 2, 2 per SM": dict(BN=128, warps=8, stages=3, split=2, ctas_per_sm=2),
 }
 
 
@@ -118,8 +86,8 @@ def main():
         for config, kwargs in CONFIGS.items():
             if kwargs.get("flatten") and num_b > 1:
                 continue  # the launcher flattens only a B of one part
-            if kwargs.get("BN", 256) // kwargs.get("split", 1) < program.min_block_n():
-                continue  # nor gives an epilogue tiles narrower than its segments
+            if kwargs.get("BN", 256) // kwargs.get("split", 1) < max(program.min_block_n(), table_block_n(program)):
+                continue  # nor gives an epilogue tiles narrower than its segments or its tables' periods
             try:
                 compiled = compile_sm90(program, num_b=num_b, **kwargs)
             except Exception as exc:  # report and go on: this is a probe
@@ -134,12 +102,9 @@ def main():
 def compile_row_kernel(kernel, pointers: dict, scalars: dict, constexprs: dict, warps: int):
     """A memory-bound kernel of codetta.kernels compiled for sm_90: pointer arguments by element
     type, scalar arguments by type, the rest constexprs."""
-    signature = {name: "constexpr" for name in kernel.arg_names}
-    signature.update({name: f"*{ty}" for name, ty in pointers.items()})
-    signature.update(scalars)
-    names = kernel.arg_names
-    source = ASTSource(kernel, signature, {(names.index(n),): v for n, v in constexprs.items()})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 128), options=dict(num_warps=warps))
+    signature = {**{name: f"*{ty}" for name, ty in pointers.items()}, **scalars}
+    unnamed = {name: None for name in kernel.arg_names if name not in signature and name not in constexprs}
+    return compile_kernel(kernel, signature, {**unnamed, **constexprs}, dict(num_warps=warps))
 
 
 def row_kernels():
@@ -171,7 +136,7 @@ def row_kernels():
              zdz_part="fp32"),
         dict(M=i32, N=i32, n_rotated=i32, head_dim=i32, end0=i32, end1=i32, s_dqkv0=i64, s_dqkv1=i64, s_dqkv2=i64,
              s_qkv=i64, s_table=i64, s_dz=i64, s_part=i64),
-        dict(HALF_R=64, BLOCK_M=bm, BLOCK_P=bp, WITH_ZDZ=True, EMULATE_RNE=False), w)))
+        dict(HALF_R=64, HALF_SEGMENT=64, BLOCK_M=bm, BLOCK_P=bp, WITH_ZDZ=True, EMULATE_RNE=False), w)))
     bm, bn, w = softmax_k.GPU_BLOCK
     kernels.append((f"softmax gradient {bm}x{bn}", (
         softmax_k._softmax_grad_kernel,
