@@ -128,7 +128,7 @@ def row_kernels():
         swiglu_k._swiglu_backward_kernel,
         dict(dy_ptr="bf16", z_ptr="bf16", dz_ptr="bf16", part_ptr="fp32", y_ptr="bf16"),
         dict(M=i32, F=i32, dy_s0=i64, z_s0=i64, dz_s0=i64, part_s0=i64, y_s0=i64),
-        dict(BM=bm, BF=bf, STORE_Y=y, EMULATE_RNE=False), w)) for y in (False, True)]
+        dict(BM=bm, BF=bf, ACTIVATION="silu", STORE_Y=y, EMULATE_RNE=False), w)) for y in (False, True)]
     bm, bp, w = rope_k.GPU_BLOCK
     kernels.append((f"rope backward (head_dim 128) {bm}x{bp}", (
         rope_k._rope_backward_kernel,
