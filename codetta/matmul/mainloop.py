@@ -62,6 +62,7 @@ def _b_tile(b_desc, off_n, off_k, B_KN: tl.constexpr):
 
 @triton.jit
 def _mma(acc, a, b, INTERPRET: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a @ b in fp32."""
     if INTERPRET:  # Triton's interpreter multiplies raw bf16 bits: compute in fp32 there
         a = a.to(tl.float32)
         b = b.to(tl.float32)
@@ -147,10 +148,7 @@ def _dot_ptr(acc, a_ptr, stride_am, stride_ak, b_ptr, b_stride_k, b_step, rm, rk
         k_left = K - k * BK
         a = tl.load(a_p, mask=m_ok & (rk[None, :] < k_left), other=0.0)
         b = tl.load(b_p, mask=(rk[:, None] < k_left) & n_ok, other=0.0)
-        if INTERPRET:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = _mma(acc, a, b, INTERPRET, PRECISION)
         a_p += BK * stride_ak
         b_p += b_step
     return acc
