@@ -39,7 +39,8 @@ export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 case "$cmd" in
   demo) exec "$py" -m codetta demo "$@" ;;
   test)
-    # the whole suite, by default in one test process per core (pytest-xdist), naming its slowest tests
-    if [ $# -eq 0 ]; then set -- -n "$(nproc 2>/dev/null || echo 1)" --durations=20 "$here/tests"; fi
+    # the whole suite, by default in one test process per core (pytest-xdist; an idle process takes
+    # tests queued for a busy one: the slow ones do not end the run alone), naming its slowest tests
+    if [ $# -eq 0 ]; then set -- -n "$(nproc 2>/dev/null || echo 1)" --dist worksteal --durations=20 "$here/tests"; fi
     exec "$py" -m pytest -q --rootdir "$here" -c "$here/pyproject.toml" "$@" ;;
 esac
