@@ -1507,3 +1507,18 @@ def test_torch_compile_whole_patched_model_without_graph_break(backend):
     assert abs(loss.item() - loss_ref.item()) < 2e-5 * loss_ref.item()
     for name, p in model.named_parameters():
         assert ((p.grad - grads_ref[name]).norm() / grads_ref[name].norm()).item() < 2e-4, name
+
+
+def test_torch_compile_compiles_a_patched_model_once():
+    """The graph of a freshly patched model is reused by the next calls of the same shape: the
+    fused forward sets nothing its first traced call guards on (the layer's modules are checked
+    at patch time), so no second compile."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model = codetta.patch(tiny("LlamaForCausalLM"))
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    for _ in range(3):
+        compiled(input_ids=ids, labels=ids).loss.backward()
+    assert counter.frame_count == 1

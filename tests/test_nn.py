@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import codetta
 import codetta.nn as cnn
 from codetta.kernels import rmsnorm as rmsnorm_kernels
 from conftest import DEVICE
@@ -133,6 +134,30 @@ def test_compiled_decoder_equals_eager():
     torch.testing.assert_close(loss_c, loss, rtol=1e-5, atol=1e-6)
     for name, g in grads.items():
         assert rel(grads_c[name], g) < 1e-5, name
+
+
+def test_compiled_decoder_with_dynamic_shapes():
+    """torch.compile(dynamic=True) passes sizes and the operators' float defaults (branch_scale)
+    as symbols: one graph serves several batch sizes and lengths (PyTorch's size-1
+    specialization aside), each call equal to eager; and ops.rms_norm (the norm of Gemma 2's
+    sublayer outputs) keeps a dim marked dynamic symbolic."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model = make_model()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=True)
+    for i, shape in enumerate(((2, 7), (3, 5), (2, 9), (4, 6))):
+        ids = torch.randint(0, CFG.vocab_size, shape, device=DEVICE)
+        targets = torch.roll(ids, -1, dims=1)
+        torch.testing.assert_close(compiled(ids, targets), model(ids, targets), rtol=1e-5, atol=1e-6)
+        if i == 0:
+            graphs = counter.frame_count  # Dynamo's own restart of its first trace may count twice
+    assert counter.frame_count == graphs  # no graph for the other shapes
+    weight = torch.rand(CFG.hidden_size, device=DEVICE) + 0.5
+    x = torch.randn(3, 5, CFG.hidden_size, device=DEVICE)
+    torch._dynamo.mark_dynamic(x, 0)
+    norm = torch.compile(lambda t: codetta.ops.rms_norm(t, weight), backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(norm(x), F.rms_norm(x, (CFG.hidden_size,), weight, 1e-6), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("bad, match", [(dict(head_dim=24), "power of two"), (dict(head_dim=1), "2 or more"),

@@ -17,6 +17,7 @@ traces it without a graph break.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -39,13 +40,14 @@ def _rms_norm_op(x: Tensor, weight: Tensor, eps: float, dtype: torch.dtype) -> t
 
 @_rms_norm_op.register_fake
 def _(x, weight, eps, dtype):
-    return x.new_empty(x.shape, dtype=dtype), x.new_empty(x.shape[:-1].numel(), dtype=torch.float32)
+    # math.prod, not torch.Size.numel(), which makes symbolic sizes constants (a graph per shape)
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty(math.prod(x.shape[:-1]), dtype=torch.float32)
 
 
 @direct_op("codetta::rms_norm_backward")
 def _rms_norm_backward_op(dh: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
     """(dx in x's dtype, dg in the weight's)."""
-    dx = torch.empty(x.shape[:-1].numel(), x.shape[-1], device=x.device, dtype=x.dtype)
+    dx = torch.empty(math.prod(x.shape[:-1]), x.shape[-1], device=x.device, dtype=x.dtype)
     dx, dg = rmsnorm_backward(x, weight, rstd, dh, dx_out=dx)
     return dx.reshape(x.shape), dg.to(weight.dtype)
 

@@ -514,8 +514,10 @@ def linear_residual(a: Tensor, weight, residual: Tensor, norm_weight: Tensor | N
 
 
 def check_branch_scale(branch_scale) -> float:
-    """The branch scale as a float, or a clear error for anything but a finite real number."""
-    if isinstance(branch_scale, bool) or not isinstance(branch_scale, numbers.Real) or not math.isfinite(branch_scale):
+    """The branch scale as a float, or a clear error for anything but a finite real number
+    (checked by a comparison, which torch.compile(dynamic=True) traces on the symbolic float it
+    passes, where ``math.isfinite`` cannot be traced)."""
+    if isinstance(branch_scale, bool) or not isinstance(branch_scale, numbers.Real) or not abs(branch_scale) < math.inf:
         raise ValueError(f"branch_scale must be a finite real number, got {branch_scale!r}")
     return float(branch_scale)
 

@@ -16,7 +16,7 @@ import transformers
 from ...versions import MIN_TRANSFORMERS, release
 from .architectures import (ARCHITECTURES, MODEL_KINDS, UnsupportedModelError, architecture_of, check_model,
                             decoder_of, is_causal_lm, model_classes, why_rope_unfusable)
-from .layer import LayerPlan, WeakModule, fused_decoder_forward
+from .layer import LayerPlan, WeakModule, check_modules, fused_decoder_forward
 from .loss import fused_causal_lm_forward
 
 __all__ = ["ARCHITECTURES", "MODEL_KINDS", "UnsupportedModelError", "patch", "unpatch"]
@@ -122,6 +122,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
             if i + 1 < len(layers):  # this layer's last GEMM makes the next layer's norm statistics
                 plan.next_layer, plan.outgoing = WeakModule(layers[i + 1]), plans[i + 1].incoming
             layer._codetta_plan = plan
+            check_modules(layer, plan)
             layer.forward = FusedForward(fused_decoder_forward, layer, "_codetta_plan")
     if cross_entropy:
         model.forward = FusedForward(fused_causal_lm_forward, model, "_codetta_patched")

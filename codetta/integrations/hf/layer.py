@@ -164,6 +164,7 @@ class LayerPlan:
     unfusable: Optional[str] = None  # why the fused forward cannot read them, if it cannot
     hooked: Optional[str] = None  # the last module found with hooks the fused forward would skip (warned once)
     activation: Optional[str] = None  # the MLP activation's name for the epilogue (None: it runs as its module)
+    to_warn: tuple = ()  # what the last check of the modules found, for the next forward to say
     incoming: StatsHandoff = field(default_factory=StatsHandoff)  # stats of this layer's input
     # the next decoder layer, if any: weakly, so that a layer removed from the model after patching
     # (pruning) is freed, and no statistics are made for it
@@ -319,6 +320,31 @@ def attention_weights_requested() -> bool:
     return bool(collected) and "attentions" in collected
 
 
+def check_modules(layer, plan: LayerPlan) -> tuple:
+    """The modules the fused forward reads in the layer's place; where they (or their classes)
+    changed since the last check, whether it can read them and how the MLP's activation runs,
+    the warnings for it left in ``plan.to_warn``. Called at patch time too, so that a traced
+    forward (torch.compile) does not set them, which would make its graph's guards fail at the
+    next call."""
+    modules = fused_modules(layer, plan.arch)
+    seen = (modules, tuple(map(type, modules)))  # a class swapped in place (module.__class__ = ...) too
+    if seen == plan.modules:
+        return modules
+    plan.modules = seen
+    plan.unfusable = why_unfusable(modules, plan.arch, plan.classes)
+    act = layer.get_submodule(plan.arch.activation)
+    plan.activation = gate_activation(act)
+    if plan.unfusable is not None:
+        plan.to_warn = (f"codetta: a {type(layer).__name__} runs the model's own forward, unfused: {plan.unfusable}",)
+    elif plan.fuse_swiglu and plan.arch.gated_mlp and plan.activation is None:
+        plan.to_warn = (f"codetta: a {type(layer).__name__}'s MLP activation is a {type(act).__name__}, which the "
+                        "gate/up GEMM's epilogue does not compute (SiLU, GELU, ReLU): it runs as that module, "
+                        "between the norm-folded gate/up GEMM and the down projection",)
+    else:
+        plan.to_warn = ()
+    return modules
+
+
 def _fusable(layer, plan: LayerPlan, hidden_states) -> bool:
     """Whether the fused forward computes what the layer's own forward would: the modules it reads
     in their place are checked again whenever they change (PEFT wrapping a projection after
@@ -333,19 +359,11 @@ def _fusable(layer, plan: LayerPlan, hidden_states) -> bool:
         warn_unfused("fp64 (codetta's kernels take fp32, fp16 and bf16)")
         return False
 
-    modules = fused_modules(layer, plan.arch)
-    seen = (modules, tuple(map(type, modules)))  # a class swapped in place (module.__class__ = ...) too
-    if seen != plan.modules:
-        plan.modules = seen
-        plan.unfusable = why_unfusable(modules, plan.arch, plan.classes)
-        if plan.unfusable is not None:
-            warn_unfused(plan.unfusable)
-        act = layer.get_submodule(plan.arch.activation)
-        plan.activation = gate_activation(act)
-        if plan.fuse_swiglu and plan.arch.gated_mlp and plan.activation is None and plan.unfusable is None:
-            warnings.warn(f"codetta: a {type(layer).__name__}'s MLP activation is a {type(act).__name__}, which the "
-                          "gate/up GEMM's epilogue does not compute (SiLU, GELU, ReLU): it runs as that module, "
-                          "between the norm-folded gate/up GEMM and the down projection", stacklevel=3)
+    modules = check_modules(layer, plan)
+    if plan.to_warn:  # what the last check found, said by the forward that runs with it
+        for message in plan.to_warn:
+            warnings.warn(message, stacklevel=3)
+        plan.to_warn = ()
     if plan.unfusable is not None:
         return False
     attn = layer.self_attn
