@@ -98,8 +98,8 @@ def record_kernels(monkeypatch):
         if "EMULATE_RNE" in compiled:
             compiled["EMULATE_RNE"] = False  # the GPU's rounding, not the interpreter's emulation of it
         signature = {name: ty for name, ty in signature.items() if ty is not None}
-        name = (kernel.fn.__module__, kernel.fn.__name__)
-        seen[(name, str(signature), str(compiled), num_warps)] = ("row", name, signature, compiled, num_warps)
+        name = (kernel.fn.__module__, kernel.fn.__name__)  # one signature per kernel and constexprs
+        seen.setdefault((name, str(compiled), num_warps), ("row", name, signature, compiled, num_warps))
         return row_launch(kernel, grid, *args, num_warps=num_warps, **constexprs)
 
     plan_class, row_launch = launch.Plan, kernel_launch.launch
