@@ -20,7 +20,7 @@ import codetta
 from codetta import Config, ops
 from codetta.kernels import launch as kernel_launch
 from codetta.matmul import launch
-from codetta.matmul.path import table_block_n
+from codetta.matmul.path import b_arrangement, table_block_n
 from conftest import DEVICE
 
 _COMPILE = r'''
@@ -44,6 +44,7 @@ sys.exit(1 if failed else 0)
 '''
 
 MAINLOOP = [("n", 1), ("n", 3), ("k", 3), ("interleave", 2)]
+ONE_DESCRIPTOR = ["interleave_one", "interleave_one_swapped"]  # two W [N/2, K] (B not stored [K, N]) through TMA
 
 
 def compile_all(kernels, tmp_path):
@@ -60,14 +61,16 @@ def compile_all(kernels, tmp_path):
 
 def test_mainloop_compiles_for_hopper_in_every_layout(tmp_path):
     """The plain GEMM through TMA with A and B in each stored layout, B as one tensor, parts along
-    N, along K and interleaved (through pointers, where the strides are arguments, each
-    arrangement of B once); and the configs' options: a flattened loop, epilogue slices, two
+    N, along K and interleaved (by two descriptors, or one of both parts in either memory order;
+    through pointers, where the strides are arguments, each arrangement of B once); and the configs' options: a flattened loop, epilogue slices, two
     CTAs per SM (a register cap)."""
     plain = codetta.epilogue.Program("plain_gemm")
     plain.store("out", plain.acc)
     base = Config(BM=128, BN=256, BK=64)
     kernels = [("gemm", plain, "tma", base, dict(a_km=a_km, b_kn=b_kn, b_parts=parts, num_b=num_b))
                for a_km, b_kn, (parts, num_b) in itertools.product((False, True), (False, True), MAINLOOP)]
+    kernels += [("gemm", plain, "tma", base, dict(a_km=a_km, b_parts=parts, num_b=2))
+                for a_km, parts in itertools.product((False, True), ONE_DESCRIPTOR)]
     kernels += [("gemm", plain, "ptr", base, dict(b_parts=parts, num_b=num_b)) for parts, num_b in MAINLOOP]
     options = [Config(BM=128, BN=256, BK=64, FLATTEN=True), Config(BM=128, BN=256, BK=64, EPI_SPLIT=4),
                Config(BM=128, BN=128, BK=64, STAGES=2, CTAS_PER_SM=2), Config(BM=64, BN=128, BK=64, num_warps=4)]
@@ -88,7 +91,7 @@ def record_kernels(monkeypatch):
 
     def recording_plan(call, path, cfg):
         layout = dict(dtype=call.a.dtype, a_km=bool(call.layout[0]), b_kn=bool(call.layout[1]),
-                      b_parts=call.b_parts, num_b=len(call.parts))
+                      b_parts=b_arrangement(call, path), num_b=len(call.parts))
         seen[(call.program.fingerprint(), path, tuple(layout.values()))] = ("gemm", call.program, path, layout)
         return plan_class(call, path, cfg)
 

@@ -274,22 +274,35 @@ def test_explain_reports_path():
     assert codetta.explain(a5, torch.randn(5, 48, device=DEVICE))["path"] == "ptr"
 
 
+# How the TMA mainloop reads interleave(b0, b1) of two weights W [f, k] (b = W.t()): through one descriptor of
+# both, whichever lies below in memory; through two where they cannot share one.
+INTERLEAVED_READING = {"nk": "interleave_one", "nk_b1_below_b0": "interleave_one_swapped",
+                       "nk_row_strides_differ": "interleave", "nk_one_tensor_twice": "interleave", "kn": "interleave"}
+
+
+def interleaved_parts(layout, k, f):
+    rows = torch.randn(2, f, k + 8, device=DEVICE)
+    w0, w1 = rows[0, :, :k], rows[1, :, :k]  # row stride k + 8, w0 below w1
+    return {"nk": (w0.t(), w1.t()), "nk_b1_below_b0": (w1.t(), w0.t()),
+            "nk_row_strides_differ": (w0.t(), w1.contiguous().t()), "nk_one_tensor_twice": (w0.t(), w0.t()),
+            "kn": (torch.randn(k, f, device=DEVICE), torch.randn(k, f, device=DEVICE))}[layout]
+
+
 @pytest.mark.parametrize("path", ["tma", "ptr"])
-@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("layout", list(INTERLEAVED_READING))
 def test_interleaved_b(path, layout, monkeypatch):
     """interleave(b0, b1): column 2j from b0, 2j + 1 from b1 (gate/up side by side), no copy."""
     if path == "ptr":
         monkeypatch.setenv("CODETTA_PATH", "ptr")
     k, f = 40, 24
     x = torch.randn(27, k, device=DEVICE)
-    if layout == "nk":
-        b0, b1 = (torch.randn(f, k, device=DEVICE).t() for _ in range(2))
-    else:
-        b0, b1 = (torch.randn(k, f, device=DEVICE) for _ in range(2))
+    b0, b1 = interleaved_parts(layout, k, f)
     out = codetta.gemm(x, codetta.interleave(b0, b1))
     ref = x.double() @ torch.stack([b0, b1], dim=2).reshape(k, 2 * f).double()
     assert out.shape == (27, 2 * f)
     assert rel_err(out, ref) < 1e-5
+    plan = codetta.explain(x, codetta.interleave(b0, b1))
+    assert (plan["path"], plan["b_parts"]) == (path, INTERLEAVED_READING[layout] if path == "tma" else "interleave")
 
 
 def test_calls_from_several_threads_at_once():

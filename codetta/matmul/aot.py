@@ -45,18 +45,21 @@ def compile_gemm(program: Program, path: str, config: Config, *, dtype: torch.dt
                  target: GPUTarget = HOPPER):
     """``program``'s kernel on ``path`` ('tma' or 'ptr') compiled for ``target`` with ``config``,
     for A and B of ``dtype`` in the layout ``a_km`` (A stored [K, M]: wgrad), ``b_kn`` (B stored
-    [K, N]: dgrad) and ``num_b`` B parts read as one along ``b_parts`` ("n", "k" or
-    "interleave"), as :class:`codetta.matmul.plan.Plan` would launch it. Operands and aux tiles
+    [K, N]: dgrad) and ``num_b`` B parts read as one along ``b_parts`` ("n", "k", "interleave",
+    or "interleave_one[_swapped]": two parts through one descriptor), as :class:`codetta.matmul.plan.Plan` would launch it. Operands and aux tiles
     are taken in the GEMM's dtype, row and column vectors and tables in fp32."""
     elem, tma = _TYPES[dtype], path == "tma"
     cfg = config
     sig = {"M": "i32", "N": "i32", "K": "i32"}
     parts = ("i32",) * num_b
     sig.update(b_starts=parts, b_ends=parts)
+    one_descriptor = b_parts.startswith("interleave_one")
     if tma:
-        bn = cfg.BN // 2 if b_parts == "interleave" else cfg.BN
+        bn = cfg.BN // 2 if b_parts.startswith("interleave") else cfg.BN
         sig["a"] = _descriptor(elem, [cfg.BK, cfg.BM] if a_km else [cfg.BM, cfg.BK])
         sig.update({f"b{i}": _descriptor(elem, [cfg.BK, bn] if b_kn else [bn, cfg.BK]) for i in range(num_b)})
+        if one_descriptor:  # both parts through b0's; b1 is None
+            sig["b0"] = _descriptor(elem, [bn, 2, cfg.BK])
     else:
         sig["a"] = f"*{elem}"
         sig.update({f"b{i}": f"*{elem}" for i in range(num_b)})
@@ -67,7 +70,7 @@ def compile_gemm(program: Program, path: str, config: Config, *, dtype: torch.dt
                       EPI_SPLIT=cfg.EPI_SPLIT, FLATTEN=cfg.FLATTEN and tma and num_b == 1, NUM_B=num_b,
                       B_PARTS=b_parts, A_KM=a_km, B_KN=b_kn, INTERPRET=False,
                       PRECISION="ieee" if dtype == torch.float32 else "tf32",
-                      **{f"b{i}": None for i in range(num_b, MAX_B_PARTS)})
+                      **{f"b{i}": None for i in range(1 if one_descriptor else num_b, MAX_B_PARTS)})
     return compile_kernel(load_kernel(program, path), sig, constexprs, cfg.launch_options(), target)
 
 

@@ -28,7 +28,7 @@ from . import config as tile_configs, tuning
 from .call import Call, GemmError, Interleaved
 from .config import Config, candidates, interpreter_config
 from .memory import same_elements
-from .path import blocks_tma_ok, layouts, parts_fit, table_block_n, tiles_tma_ok
+from .path import b_arrangement, blocks_tma_ok, layouts, pair_order, parts_fit, table_block_n, tiles_tma_ok
 from .plan import Plan, device_index, finished, shared_memory
 from .writes import check_untracked, check_written_apart, count_writes, written_in_place
 
@@ -168,7 +168,7 @@ def _tuning_key(call, path):
     return "|".join(
         str(x)
         for x in (device, triton.__version__, p.name, p.fingerprint(), path, call.layout[0], call.layout[1],
-                  call.a.dtype, call.N, call.K, m_bucket, call.part_sizes, call.b_parts)
+                  call.a.dtype, call.N, call.K, m_bucket, call.part_sizes, b_arrangement(call, path))
     )
 
 
@@ -211,7 +211,7 @@ def _plan(a, b, program, operands, out, config):
         raise GemmError(f"config must be a codetta.Config, got {type(config).__name__}")
     parts = b if isinstance(b, (list, tuple)) else (b,)
     sig = (
-        program.fingerprint(), program.name, type(b), _meta(a), tuple(map(_meta, parts)),
+        program.fingerprint(), program.name, type(b), _meta(a), tuple(map(_meta, parts)), pair_order(b),
         tuple((k, _meta(v)) for k, v in operands.items()), tuple((k, _meta(v)) for k, v in out.items()),
         config, interpreting(), os.environ.get("CODETTA_PATH"),
     )
@@ -314,7 +314,10 @@ def _epilogue_smem(call):
 
 
 def explain(a, b, epilogue: Program | None = None, *, out=None, config=None, **operands):
-    """The path ('tma' or 'ptr') and config ``gemm`` would launch with these arguments (tunes if needed)."""
+    """The path ('tma' or 'ptr'), config and reading of B (``b_parts``: the mainloop's arrangement,
+    see :mod:`codetta.matmul.mainloop`) ``gemm`` would launch with these arguments (tunes if needed)."""
     plan = _plan(a, _without_empty_parts(b), epilogue if epilogue is not None else _plain_program(), operands,
                  _outputs_given(out, epilogue), config)
-    return {"path": None, "config": None} if plan is None else {"path": plan.path, "config": plan.cfg}
+    if plan is None:
+        return {"path": None, "config": None, "b_parts": None}
+    return {"path": plan.path, "config": plan.cfg, "b_parts": plan.b_parts}

@@ -20,7 +20,14 @@ B may come in up to four parts (``NUM_B``) read as one, without a copy; ``B_PART
 * ``"interleave"``: two parts [K, N/2] whose columns alternate (column 2j is column j of
   part 0, 2j + 1 column j of part 1): gate and up projections side by side, so that a
   SwiGLU epilogue finds each (gate, up) pair in adjacent columns. Two accumulators of
-  BN/2 columns share each A tile.
+  BN/2 columns share each A tile (two descriptors, or pointers).
+* ``"interleave_one"``: the same B, both parts stored [N/2, K] row-major with one row stride,
+  read through *one* descriptor ``[N/2, 2, K]`` whose middle stride is the distance from
+  part 0 to part 1 in memory: its [BN/2, 2, BK] box is the B tile with rows alternating
+  between the parts, reshaped in shared memory to [BN, BK], one dot of the full tile width
+  (as fast as a B of one tensor). A descriptor's strides are positive, so where part 1
+  lies below part 0 (``"interleave_one_swapped"``) the descriptor starts at part 1 and the
+  accumulator's column pairs are swapped back after the dot (within each thread's registers).
 """
 
 import triton
@@ -52,9 +59,13 @@ def _a_tile(a_desc, off_m, off_k, A_KM: tl.constexpr):
 
 @triton.jit
 def _b_tile(b_desc, off_n, off_k, B_KN: tl.constexpr):
-    """B[off_k : off_k + BK, off_n : off_n + BN] through B's descriptor."""
+    """B[off_k : off_k + BK, off_n : off_n + BN] through B's descriptor (a 3-d one: two parts
+    of B^T with rows alternating, ``"interleave_one"``)."""
     if B_KN:
         b = b_desc.load([off_k, off_n])
+    elif len(b_desc.block_shape) == 3:
+        rows = b_desc.load([off_n // 2, 0, off_k])
+        b = tl.reshape(rows, [2 * rows.shape[0], rows.shape[2]]).T
     else:
         b = b_desc.load([off_n, off_k]).T
     return b
@@ -115,9 +126,12 @@ def mma_tma(a_desc, b_descs, b_starts, b_ends, off_m, off_n, K,
     Parts along N: the tile's columns lie in one part (the launcher picks BN so).
     """
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if NUM_B == 1:
+    if NUM_B == 1 or B_PARTS == "interleave_one" or B_PARTS == "interleave_one_swapped":
         acc = _dot_tma(acc, a_desc, b_descs[0], off_m, off_n, 0, K, BK, A_KM, B_KN, False, INTERPRET, PRECISION,
                        STAGES)
+        if B_PARTS == "interleave_one_swapped":  # columns 2j read part 1, 2j + 1 part 0: swap them back
+            from_part1, from_part0 = tl.split(tl.reshape(acc, [BM, BN // 2, 2]))
+            acc = tl.reshape(tl.join(from_part0, from_part1), [BM, BN])
     elif B_PARTS == "interleave":
         acc0, acc1 = _dot2_tma(a_desc, b_descs[0], b_descs[1], off_m, off_n // 2, K, BM, BN // 2, BK, A_KM, B_KN,
                                INTERPRET, PRECISION, STAGES)

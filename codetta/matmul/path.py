@@ -11,7 +11,7 @@ import torch
 
 from ..epilogue.ir import FULL, HALF
 from ..interpreter import interpreting
-from .call import rows_view
+from .call import Interleaved, rows_view
 from .config import WIDEST_BN
 
 
@@ -58,6 +58,29 @@ def layouts(call):
     )
     # B^T row-major is nn.Linear's W [N, K]; B row-major [K, N] is "B_KN".
     return bool(a_t), (not b_t.pop()) if len(b_t) == 1 else False, tma
+
+
+def b_arrangement(call, path):
+    """How the mainloop reads B (its ``B_PARTS``, see :mod:`codetta.matmul.mainloop`): as the
+    call gives the parts ("n", "k", "interleave") or, for ``interleave(b0, b1)`` on the TMA path
+    with both parts stored [N/2, K] row-major with one row stride (nn.Linear weights, passed as
+    W.t()), through one descriptor of both: "interleave_one" where b0 lies below b1 in memory,
+    "interleave_one_swapped" where above (two parts at one address keep two descriptors)."""
+    if call.b_parts != "interleave" or path != "tma" or call.layout[1]:
+        return call.b_parts
+    first, second = (operand_layout(t)[1] for t in call.parts)
+    if first.stride(0) != second.stride(0) or first.data_ptr() == second.data_ptr():
+        return "interleave"
+    return "interleave_one" if first.data_ptr() < second.data_ptr() else "interleave_one_swapped"
+
+
+def pair_order(b):
+    """What of ``interleave(b0, b1)`` a launch plan depends on beyond each part's metadata: the
+    order of the parts in memory (see :func:`b_arrangement`); None for any other B."""
+    if not isinstance(b, Interleaved) or not all(isinstance(t, torch.Tensor) and t.layout == torch.strided for t in b):
+        return None
+    first, second = (t.data_ptr() for t in b)
+    return (first > second) - (first < second)
 
 
 def table_block_n(program):

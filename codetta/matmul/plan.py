@@ -17,7 +17,7 @@ from ..interpreter import INTERPRETER_LOCK, interpreting
 from ..kernels import finish as finishing
 from .call import MAX_B_PARTS, GemmError, rows_view
 from .config import SharedMemory
-from .path import operand_layout
+from .path import b_arrangement, operand_layout
 
 
 def device_index(device) -> int:
@@ -64,7 +64,8 @@ class Plan:
         self.M, self.K = c.M, c.K
         self.a_km, self.b_kn, _ = c.layout
         self.kernel, self.compiled = load_kernel(p, path), None
-        self.describe = TensorDescriptor.from_tensor  # checked, until the first launch has compiled
+        self.descriptor = TensorDescriptor  # checked, until the first launch has compiled
+        self.b_parts = b_arrangement(c, path)
         tiles = triton.cdiv(c.M, cfg.BM) * triton.cdiv(c.N, cfg.BN)
         self.grid = (num_programs(c.device, tiles, cfg.CTAS_PER_SM), 1, 1)
         self.options = cfg.launch_options()
@@ -96,9 +97,15 @@ class Plan:
             b_block = [cfg.BK, bn] if self.b_kn else [bn, cfg.BK]
             a_t = operand_layout(c.a)[0]
             fills["a"] = lambda a, b, o, w, q: self.describe(a.t() if a_t else a, a_block)
-            for i, part in enumerate(c.parts):
-                b_t = operand_layout(part)[0]  # the row-major store TMA reads
-                fills[f"b{i}"] = lambda a, b, o, w, q, i=i, b_t=b_t: self.describe(b[i].t() if b_t else b[i], b_block)
+            if self.b_parts.startswith("interleave_one"):  # one descriptor of both parts' W [N/2, K]
+                swapped = self.b_parts == "interleave_one_swapped"
+                fills["b0"] = lambda a, b, o, w, q: self._describe_pairs(b[1].t(), b[0].t(), [bn, 2, cfg.BK]) \
+                    if swapped else self._describe_pairs(b[0].t(), b[1].t(), [bn, 2, cfg.BK])
+            else:
+                for i, part in enumerate(c.parts):
+                    b_t = operand_layout(part)[0]  # the row-major store TMA reads
+                    fills[f"b{i}"] = lambda a, b, o, w, q, i=i, b_t=b_t: self.describe(b[i].t() if b_t else b[i],
+                                                                                      b_block)
             values.update(stride_a0=0, stride_a1=0, stride_b0=tuple(0 for _ in c.parts),
                           stride_b1=tuple(0 for _ in c.parts))
         else:
@@ -108,6 +115,8 @@ class Plan:
             values.update(stride_a0=c.a.stride(0), stride_a1=c.a.stride(1),
                           stride_b0=tuple(t.stride(0) for t in c.parts), stride_b1=tuple(t.stride(1) for t in c.parts))
         values.update({f"b{i}": None for i in range(len(c.parts), MAX_B_PARTS)})
+        if "b0" in fills and "b1" not in fills:
+            values["b1"] = None  # interleave_one: both parts through b0's descriptor
         values.update(b_starts=c.starts, b_ends=c.ends, M=c.M, N=c.N, K=c.K)
         partial_strides = {name: shape[1] for name, _, shape in self.partials}
         for name, kind in kernel_args(c.program, self.path):
@@ -136,11 +145,23 @@ class Plan:
                 values[name] = self._tile_stride(c, base, 0 if suffix == "s0" else 1)
         values.update(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, STAGES=cfg.STAGES, EPI_SPLIT=cfg.EPI_SPLIT,
                       FLATTEN=cfg.FLATTEN and self.path == "tma" and len(c.parts) == 1, NUM_B=len(c.parts),
-                      B_PARTS=c.b_parts, A_KM=self.a_km, B_KN=bool(self.b_kn), INTERPRET=interpreting(),
+                      B_PARTS=self.b_parts, A_KM=self.a_km, B_KN=bool(self.b_kn), INTERPRET=interpreting(),
                       PRECISION="ieee" if (interpreting() or c.a.dtype == torch.float32) else "tf32")
         names = self.kernel.arg_names
         template = [values.get(n) for n in names]
         return template, [(names.index(n), f) for n, f in fills.items()]
+
+    def describe(self, t, block):
+        """A TMA descriptor of the 2-d tensor ``t`` read in ``block`` tiles."""
+        return self.descriptor(t, t.shape, t.stride(), block)
+
+    def _describe_pairs(self, low, high, block):
+        """One TMA descriptor [R, 2, K] of two row-major [R, K] tensors with one row stride,
+        ``high`` above ``low`` in memory: element [r, p, k] is row r of ``low`` (p = 0) or of
+        ``high`` (p = 1); its stride along p is their distance, a multiple of 16 bytes as both
+        lie on 16-byte boundaries (TMA strides are positive and at most 2^40 bytes)."""
+        distance = (high.data_ptr() - low.data_ptr()) // low.element_size()
+        return self.descriptor(low, [low.shape[0], 2, low.shape[1]], [low.stride(0), distance, 1], block)
 
     def _tile_stride(self, c, base, dim):
         if base in c.operands:
@@ -186,7 +207,7 @@ class Plan:
                 self.kernel[self.grid](*args, **self.options)
         else:
             self.compiled = self.kernel[self.grid](*args, **self.options)
-            self.describe = _UncheckedDescriptor.of
+            self.descriptor = _UncheckedDescriptor
         return outs, bufs
 
     def execute(self, a, b, operands, out, finish):
@@ -233,10 +254,6 @@ class _UncheckedDescriptor(TensorDescriptor):
 
     def __post_init__(self):
         pass
-
-    @classmethod
-    def of(cls, t, block):
-        return cls(t, t.shape, t.stride(), block)
 
 
 def _partial_shapes(c, cfg):

@@ -6,16 +6,14 @@ With h = RMSNorm(x) (see :mod:`codetta.ops.rmsnorm`), W_g, W_u [F, d]:
 
 act is SiLU (SwiGLU) by default, or another of :mod:`codetta.ops.activations` (GELU: GeGLU).
 
-Forward: one GEMM reads u = x g against W_gu = [W_g; W_u] *row-interleaved* (row 2j is
-W_g's row j, row 2j + 1 W_u's), so that each (gate, up) pair sits in adjacent columns of a
-tile, where splitting the pairs is free (each thread holds adjacent accumulator columns);
-the epilogue scales rows by r, adds the biases (where the projections have them: Llama's
-``mlp_bias``; read as one interleaved [2F] column vector, 0 for a missing one), writes y and
-keeps z = [z_g | z_u] ([M, 2F], gate block then up block, biases included) for the
-backward. W_gu is a copy made per call (2 F d elements read and written, about 2% of the
-GEMM at d = 4096): ``codetta.interleave`` reads the two weights without a copy, but as two
-dots of half width per tile, which read each A tile from shared memory twice; on an H200
-that made the whole op 1.22x its GEMM time (an earlier ops_bench run).
+Forward: one GEMM reads u = x g against W_g and W_u *row-interleaved*
+(``codetta.interleave(W_g^T, W_u^T)``: B row 2j is W_g's row j, row 2j + 1 W_u's, read
+without a copy, through one TMA descriptor of both weights: :mod:`codetta.matmul.mainloop`),
+so that each (gate, up) pair sits in adjacent columns of a tile, where splitting the pairs is
+free (each thread holds adjacent accumulator columns); the epilogue scales rows by r, adds
+the biases (where the projections have them: Llama's ``mlp_bias``; read as one interleaved
+[2F] column vector, 0 for a missing one), writes y and keeps z = [z_g | z_u] ([M, 2F], gate
+block then up block, biases included) for the backward.
 
 Backward, given dy [M, F] (fp32 math; act' as :mod:`codetta.kernels.swiglu` lists it):
 
@@ -44,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import epilogue as ep
-from ..matmul import gemm
+from ..matmul import gemm, interleave
 from ..kernels.swiglu import swiglu_backward
 from .rmsnorm import _check_norm_inputs, given_stats, norm_operands, rmsnorm_linear_backward, rstd_like, used_rstd
 from .activations import check_activation, eager_activation, epilogue_activation
@@ -88,12 +86,11 @@ def bias_grads(sums: Tensor, b_gate: Optional[Tensor], b_up: Optional[Tensor]) -
 def swiglu_forward(x2: Tensor, u: Tensor, rstd: Tensor, w_gate: Tensor, w_up: Tensor, b_gate: Optional[Tensor],
                    b_up: Optional[Tensor], activation: str) -> tuple[Tensor, Tensor]:
     """(y [M, F], z [M, 2F]) of the rows x2 given their norm operands u and rstd (the module doc's forward)."""
-    d, f = x2.shape[-1], w_gate.shape[0]
+    f = w_gate.shape[0]
     z = x2.new_empty(x2.shape[0], 2 * f, dtype=w_gate.dtype)
-    w_gate_up = torch.stack((w_gate, w_up), dim=1).reshape(2 * f, d)  # rows g0, u0, g1, u1, ...
     biases = concat_biases((b_gate, b_up), (f, f))  # [b_g | b_u], z's column order
     operands = dict(rstd=rstd) if biases is None else dict(rstd=rstd, bias=_interleaved(biases))
-    out = gemm(u.reshape(x2.shape), w_gate_up.t(), _forward_program(biases is not None, activation),
+    out = gemm(u.reshape(x2.shape), interleave(w_gate.t(), w_up.t()), _forward_program(biases is not None, activation),
                out={"z_gate": z[:, :f], "z_up": z[:, f:]}, **operands)
     return out["y"], z
 
