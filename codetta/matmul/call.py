@@ -30,7 +30,10 @@ def interleave(b0, b1) -> Interleaved:
     """B for ``gemm`` with column 2j = ``b0[:, j]`` and 2j + 1 = ``b1[:, j]``, without a copy.
 
     E.g. ``gemm(h, interleave(w_gate.t(), w_up.t()), program)``: each (gate, up) pair of a
-    SwiGLU lands in adjacent columns of the same tile (``epilogue.pairs(acc)``).
+    SwiGLU lands in adjacent columns of the same tile (``epilogue.pairs(acc)``). Two weights
+    W [N, K] passed as ``W.t()`` with one row stride (nn.Linear's) are read through one TMA
+    descriptor of both, as fast as one B tensor; other layouts through two (``explain``'s
+    ``b_parts`` says which).
     """
     return Interleaved((b0, b1))
 
