@@ -75,6 +75,7 @@ def test_mainloop_compiles_for_hopper_in_every_layout(tmp_path):
     options = [Config(BM=128, BN=256, BK=64, FLATTEN=True), Config(BM=128, BN=256, BK=64, EPI_SPLIT=4),
                Config(BM=128, BN=128, BK=64, STAGES=2, CTAS_PER_SM=2), Config(BM=64, BN=128, BK=64, num_warps=4)]
     kernels += [("gemm", plain, "tma", cfg, dict(num_b=1)) for cfg in options]
+    kernels += [("gemm", plain, "tma", options[0], dict(b_parts="interleave_one_swapped", num_b=2))]
     kernels += [("gemm", plain, "ptr", base, dict(dtype=torch.float32)),
                 ("gemm", plain, "tma", base, dict(dtype=torch.float16))]
     compile_all(kernels, tmp_path)

@@ -305,6 +305,42 @@ def test_interleaved_b(path, layout, monkeypatch):
     assert (plan["path"], plan["b_parts"]) == (path, INTERLEAVED_READING[layout] if path == "tma" else "interleave")
 
 
+@pytest.mark.parametrize("layout", ["nk", "nk_b1_below_b0"])
+def test_interleaved_b_with_a_flattened_loop_and_a_pair_epilogue(layout):
+    """Two weights through one descriptor, one K loop per tile: a flattened tile loop (FLATTEN) and
+    an epilogue over the (b0, b1) column pairs, on epilogue slices."""
+    cfg = Config(BM=16, BN=32, BK=16, GROUP_M=2, STAGES=1, num_warps=4, EPI_SPLIT=2, FLATTEN=True) if INTERPRET \
+        else Config(BM=128, BN=128, BK=32, GROUP_M=8, STAGES=3, num_warps=8, EPI_SPLIT=2, FLATTEN=True)
+    m, k, f = (45, 40, 56) if INTERPRET else (700, 320, 1088)
+    p = ep.Program("interleaved_silu_glu")
+    gate, up = ep.pairs(p.acc)
+    p.store("y", ep.silu(gate) * up, dtype=torch.float32)
+    x = torch.randn(m, k, device=DEVICE)
+    b0, b1 = interleaved_parts(layout, k, f)
+    y = codetta.gemm(x, codetta.interleave(b0, b1), p, config=cfg)["y"]
+    ref = F.silu(x.double() @ b0.double()) * (x.double() @ b1.double())
+    assert codetta.explain(x, codetta.interleave(b0, b1), p, config=cfg)["b_parts"] == INTERLEAVED_READING[layout]
+    assert rel_err(y, ref) < 1e-5
+
+
+@pytest.mark.skipif(INTERPRET, reason="gigabytes of GPU memory between the weights")
+@pytest.mark.parametrize("b1_below_b0", [False, True])
+def test_interleaved_weights_far_apart_in_memory(b1_below_b0):
+    """The one descriptor of both weights strides from one to the other: more than 2^31
+    elements (4 GiB of bf16) apart, as two parameters may lie on an H200, it is still exact."""
+    k, f = 256, 384
+    gap = 5 << 29  # elements: 5 GiB of bf16
+    memory = torch.randn(gap + f * k, device=DEVICE, dtype=torch.bfloat16)
+    low, high = memory[: f * k].view(f, k), memory[gap:].view(f, k)
+    w0, w1 = (high, low) if b1_below_b0 else (low, high)
+    x = torch.randn(300, k, device=DEVICE, dtype=torch.bfloat16)
+    out = codetta.gemm(x, codetta.interleave(w0.t(), w1.t()))
+    ref = torch.stack([x.double() @ w0.double().t(), x.double() @ w1.double().t()], dim=2).reshape(300, 2 * f)
+    assert codetta.explain(x, codetta.interleave(w0.t(), w1.t()))["b_parts"] == \
+        ("interleave_one_swapped" if b1_below_b0 else "interleave_one")
+    assert rel_err(out, ref) < 1e-2
+
+
 def test_calls_from_several_threads_at_once():
     """Threads calling codetta.gemm at the same time each get their own, right result (under
     Triton's interpreter, whose kernels patch triton.language while they run, they take turns)."""

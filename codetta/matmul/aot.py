@@ -22,6 +22,7 @@ from ..epilogue.codegen import kernel_args, load_kernel
 from ..epilogue.ir import FULL, Program
 from .call import MAX_B_PARTS
 from .config import Config
+from .path import one_k_loop
 
 HOPPER = GPUTarget("cuda", 90, 128)  # sm_90, 128 threads per warp group
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -67,7 +68,7 @@ def compile_gemm(program: Program, path: str, config: Config, *, dtype: torch.dt
     for name, kind in kernel_args(program, path):
         sig[name] = _argument_type(program, name, kind, elem, cfg)
     constexprs = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, STAGES=cfg.STAGES,
-                      EPI_SPLIT=cfg.EPI_SPLIT, FLATTEN=cfg.FLATTEN and tma and num_b == 1, NUM_B=num_b,
+                      EPI_SPLIT=cfg.EPI_SPLIT, FLATTEN=cfg.FLATTEN and tma and one_k_loop(b_parts, num_b), NUM_B=num_b,
                       B_PARTS=b_parts, A_KM=a_km, B_KN=b_kn, INTERPRET=False,
                       PRECISION="ieee" if dtype == torch.float32 else "tf32",
                       **{f"b{i}": None for i in range(1 if one_descriptor else num_b, MAX_B_PARTS)})

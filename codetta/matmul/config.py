@@ -12,7 +12,7 @@ class Config:
     FLATTEN: compile the persistent tile loop and the K loop as one flattened loop
     (``tl.range(..., flatten=True)``), so that the loads of a tile's first K blocks are in
     flight while the previous tile's epilogue runs. It applies to a B of one part through
-    TMA descriptors (the launcher ignores it otherwise).
+    TMA descriptors, or two interleaved through one (the launcher ignores it otherwise).
 
     CTAS_PER_SM: programs of the persistent grid per SM. With 2, two CTAs share an SM and
     the warp schedulers interleave them: one runs its epilogue (memory traffic, no MMAs)

@@ -28,7 +28,8 @@ from . import config as tile_configs, tuning
 from .call import Call, GemmError, Interleaved
 from .config import Config, candidates, interpreter_config
 from .memory import same_elements
-from .path import b_arrangement, blocks_tma_ok, layouts, pair_order, parts_fit, table_block_n, tiles_tma_ok
+from .path import (b_arrangement, blocks_tma_ok, layouts, one_k_loop, pair_order, parts_fit, table_block_n,
+                   tiles_tma_ok)
 from .plan import Plan, device_index, finished, shared_memory
 from .writes import check_untracked, check_written_apart, count_writes, written_in_place
 
@@ -250,7 +251,8 @@ def _choose(call, config):
         return "ptr", interpreter_config(min_bn=min_bn, **size)
     size = dict(elem_bytes=call.a.element_size(), m=call.M, n=call.N,
                 smem=shared_memory(device_index(call.device)), **_epilogue_smem(call))
-    configs = candidates(n_parts_sizes=parts, flatten=len(call.parts) == 1, min_bn=tma_min_bn, **size) if tma else []
+    flatten = one_k_loop(b_arrangement(call, "tma"), len(call.parts))
+    configs = candidates(n_parts_sizes=parts, flatten=flatten, min_bn=tma_min_bn, **size) if tma else []
     path = "tma" if configs else "ptr"
     configs = configs or candidates(min_bn=min_bn, **size)
     if not configs:

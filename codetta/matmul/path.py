@@ -74,6 +74,12 @@ def b_arrangement(call, path):
     return "interleave_one" if first.data_ptr() < second.data_ptr() else "interleave_one_swapped"
 
 
+def one_k_loop(b_parts: str, num_b: int) -> bool:
+    """Whether the TMA mainloop reads B in one K loop per tile (B one tensor, or two parts through
+    one descriptor), where the tile loop can be flattened with it (``Config.FLATTEN``)."""
+    return num_b == 1 or b_parts.startswith("interleave_one")
+
+
 def pair_order(b):
     """What of ``interleave(b0, b1)`` a launch plan depends on beyond each part's metadata: the
     order of the parts in memory (see :func:`b_arrangement`); None for any other B."""

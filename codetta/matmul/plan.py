@@ -17,7 +17,7 @@ from ..interpreter import INTERPRETER_LOCK, interpreting
 from ..kernels import finish as finishing
 from .call import MAX_B_PARTS, GemmError, rows_view
 from .config import SharedMemory
-from .path import b_arrangement, operand_layout
+from .path import b_arrangement, one_k_loop, operand_layout
 
 
 def device_index(device) -> int:
@@ -144,7 +144,7 @@ class Plan:
             else:  # s0 / s1 of a tile: an operand's view or an output's [M, cols] view (contiguous unless given)
                 values[name] = self._tile_stride(c, base, 0 if suffix == "s0" else 1)
         values.update(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, STAGES=cfg.STAGES, EPI_SPLIT=cfg.EPI_SPLIT,
-                      FLATTEN=cfg.FLATTEN and self.path == "tma" and len(c.parts) == 1, NUM_B=len(c.parts),
+                      FLATTEN=cfg.FLATTEN and tma and one_k_loop(self.b_parts, len(c.parts)), NUM_B=len(c.parts),
                       B_PARTS=self.b_parts, A_KM=self.a_km, B_KN=bool(self.b_kn), INTERPRET=interpreting(),
                       PRECISION="ieee" if (interpreting() or c.a.dtype == torch.float32) else "tf32")
         names = self.kernel.arg_names
