@@ -324,21 +324,46 @@ def test_interleaved_b_with_a_flattened_loop_and_a_pair_epilogue(layout):
 
 
 @pytest.mark.skipif(INTERPRET, reason="gigabytes of GPU memory between the weights")
+@pytest.mark.parametrize("gib_apart, reading", [(1.5, "interleave_one"), (3, "interleave")])
 @pytest.mark.parametrize("b1_below_b0", [False, True])
-def test_interleaved_weights_far_apart_in_memory(b1_below_b0):
-    """The one descriptor of both weights strides from one to the other: more than 2^31
-    elements (4 GiB of bf16) apart, as two parameters may lie on an H200, it is still exact."""
-    k, f = 256, 384
-    gap = 5 << 29  # elements: 5 GiB of bf16
+def test_interleaved_weights_far_apart_in_memory(gib_apart, reading, b1_below_b0):
+    """Two weights GiBs apart, as two parameters may lie on an H200: one descriptor of both where
+    it spans less than 2^31 bytes, else two (Triton sums the span in a C int); exact either way."""
+    k, f = 128, 320
+    gap = int(gib_apart * 2**29)  # elements of bf16
     memory = torch.randn(gap + f * k, device=DEVICE, dtype=torch.bfloat16)
     low, high = memory[: f * k].view(f, k), memory[gap:].view(f, k)
     w0, w1 = (high, low) if b1_below_b0 else (low, high)
     x = torch.randn(300, k, device=DEVICE, dtype=torch.bfloat16)
     out = codetta.gemm(x, codetta.interleave(w0.t(), w1.t()))
     ref = torch.stack([x.double() @ w0.double().t(), x.double() @ w1.double().t()], dim=2).reshape(300, 2 * f)
-    assert codetta.explain(x, codetta.interleave(w0.t(), w1.t()))["b_parts"] == \
-        ("interleave_one_swapped" if b1_below_b0 else "interleave_one")
+    if reading == "interleave_one" and b1_below_b0:
+        reading = "interleave_one_swapped"
+    assert codetta.explain(x, codetta.interleave(w0.t(), w1.t()))["b_parts"] == reading
     assert rel_err(out, ref) < 1e-2
+
+
+def test_interleaved_parts_too_far_apart_for_one_descriptor_take_two(monkeypatch):
+    """Where one descriptor of both parts would span too many bytes, each part has its own."""
+    from codetta.matmul import path
+    k, f = 32, 24
+    x, w = torch.randn(27, k, device=DEVICE), torch.randn(2, f, k, device=DEVICE)
+    last_byte = w[1].data_ptr() - w[0].data_ptr() + (w[1].numel() - 1) * w.element_size()
+    for limit, reading in ((last_byte, "interleave"), (last_byte + 1, "interleave_one")):
+        monkeypatch.setattr(path, "_MAX_PAIR_SPAN", limit)
+        monkeypatch.setattr(launch, "_PLANS", {})
+        out = codetta.gemm(x, codetta.interleave(w[0].t(), w[1].t()))
+        assert codetta.explain(x, codetta.interleave(w[0].t(), w[1].t()))["b_parts"] == reading
+        assert rel_err(out, torch.stack([x.double() @ w[0].double().t(), x.double() @ w[1].double().t()], 2)
+                       .reshape(27, 2 * f)) < 1e-5
+
+
+@pytest.mark.parametrize("n_parts", [1, 3])
+def test_interleaved_of_other_than_two_parts_is_refused(n_parts):
+    from codetta.matmul.call import Interleaved
+    b = torch.randn(8, 4, device=DEVICE)
+    with pytest.raises(codetta.GemmError, match="interleave"):
+        codetta.gemm(torch.randn(2, 8, device=DEVICE), Interleaved((b,) * n_parts))
 
 
 def test_calls_from_several_threads_at_once():

@@ -212,7 +212,8 @@ def _plan(a, b, program, operands, out, config):
         raise GemmError(f"config must be a codetta.Config, got {type(config).__name__}")
     parts = b if isinstance(b, (list, tuple)) else (b,)
     sig = (
-        program.fingerprint(), program.name, type(b), _meta(a), tuple(map(_meta, parts)), pair_order(b),
+        program.fingerprint(), program.name, type(b), _meta(a), tuple(map(_meta, parts)),
+        pair_order(b) if isinstance(b, Interleaved) else None,
         tuple((k, _meta(v)) for k, v in operands.items()), tuple((k, _meta(v)) for k, v in out.items()),
         config, interpreting(), os.environ.get("CODETTA_PATH"),
     )

@@ -11,7 +11,7 @@ import torch
 
 from ..epilogue.ir import FULL, HALF
 from ..interpreter import interpreting
-from .call import Interleaved, rows_view
+from .call import rows_view
 from .config import WIDEST_BN
 
 
@@ -65,13 +65,15 @@ def b_arrangement(call, path):
     call gives the parts ("n", "k", "interleave") or, for ``interleave(b0, b1)`` on the TMA path
     with both parts stored [N/2, K] row-major with one row stride (nn.Linear weights, passed as
     W.t()), through one descriptor of both: "interleave_one" where b0 lies below b1 in memory,
-    "interleave_one_swapped" where above (two parts at one address keep two descriptors)."""
+    "interleave_one_swapped" where above. Two parts at one address, or so far apart that one
+    descriptor would span 2^31 bytes or more (see :func:`pair_order`), keep two descriptors."""
     if call.b_parts != "interleave" or path != "tma" or call.layout[1]:
         return call.b_parts
     first, second = (operand_layout(t)[1] for t in call.parts)
-    if first.stride(0) != second.stride(0) or first.data_ptr() == second.data_ptr():
+    order = pair_order(call.parts)
+    if first.stride(0) != second.stride(0) or order is None:
         return "interleave"
-    return "interleave_one" if first.data_ptr() < second.data_ptr() else "interleave_one_swapped"
+    return "interleave_one" if order > 0 else "interleave_one_swapped"
 
 
 def one_k_loop(b_parts: str, num_b: int) -> bool:
@@ -80,13 +82,26 @@ def one_k_loop(b_parts: str, num_b: int) -> bool:
     return num_b == 1 or b_parts.startswith("interleave_one")
 
 
-def pair_order(b):
-    """What of ``interleave(b0, b1)`` a launch plan depends on beyond each part's metadata: the
-    order of the parts in memory (see :func:`b_arrangement`); None for any other B."""
-    if not isinstance(b, Interleaved) or not all(isinstance(t, torch.Tensor) and t.layout == torch.strided for t in b):
+# One descriptor of two parts spans from the lower part's first byte to the upper part's last.
+# Below 2^31 bytes: Triton sums that span in a C int when it makes the descriptor (a workaround
+# for CUDA drivers up to 13.1 in its launcher), and TMA strides stop at 2^40 bytes.
+_MAX_PAIR_SPAN = 2**31
+
+
+def pair_order(parts):
+    """What of B's two parts ``interleave(b0, b1)`` a launch plan depends on beyond each part's
+    metadata (see :func:`b_arrangement`): 1 where b1 lies above b0 in memory, -1 where below, None
+    where one descriptor cannot read both (one address, a span of 2^31 bytes or more); None too
+    for any other B."""
+    if (not isinstance(parts, (list, tuple)) or len(parts) != 2
+            or not all(isinstance(t, torch.Tensor) and t.layout == torch.strided for t in parts)):
         return None
-    first, second = (t.data_ptr() for t in b)
-    return (first > second) - (first < second)
+    distance = parts[1].data_ptr() - parts[0].data_ptr()
+    upper = parts[1] if distance > 0 else parts[0]
+    last = sum((size - 1) * abs(stride) for size, stride in zip(upper.shape, upper.stride())) * upper.element_size()
+    if distance == 0 or abs(distance) + last >= _MAX_PAIR_SPAN:
+        return None
+    return 1 if distance > 0 else -1
 
 
 def table_block_n(program):
