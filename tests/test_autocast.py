@@ -8,6 +8,7 @@ model, and keep its residual stream in fp32 as the unpatched model does.
 """
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -87,10 +88,16 @@ def test_arguments_passed_by_name_are_cast_as_by_position(op, names, make):
     assert by_name.dtype == by_position.dtype and torch.equal(by_name, by_position)
 
 
-@pytest.mark.parametrize("name", ["LlamaForCausalLM", "Gemma2ForCausalLM", "Glm4ForCausalLM"])
-def test_patched_model_under_autocast_within_twice_eager_error(name):
+@pytest.mark.parametrize("name, params, autocast", [
+    ("LlamaForCausalLM", torch.float32, BF16), ("Gemma2ForCausalLM", torch.float32, BF16),
+    ("Glm4ForCausalLM", torch.float32, BF16), ("LlamaForCausalLM", torch.float16, BF16),
+    ("Glm4ForCausalLM", BF16, torch.float16),
+], ids=["llama", "gemma2", "glm4", "llama_fp16_params", "glm4_bf16_params_fp16_autocast"])
+def test_patched_model_under_autocast_within_twice_eager_error(name, params, autocast):
     """Llama, and the norms of the sublayers' outputs (codetta.ops.rms_norm) in the dtypes their
-    modules return: Gemma 2's in its input's (bf16), GLM-4's promoted with its fp32 weight."""
+    modules return: Gemma 2's in its input's (bf16), GLM-4's promoted with its fp32 weight. And
+    16-bit parameters under the other 16-bit dtype: the embeddings' output plus the first
+    residual branch make an fp32 stream in the model; fused from the first layer on."""
     transformers = pytest.importorskip("transformers")
     cls = getattr(transformers, name)
     config = cls.config_class(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
@@ -98,11 +105,11 @@ def test_patched_model_under_autocast_within_twice_eager_error(name):
                               eos_token_id=2, bos_token_id=1)
     torch.manual_seed(0)
     fp32 = cls(config).to(DEVICE)
-    eager, patched = copy.deepcopy(fp32), codetta.patch(copy.deepcopy(fp32))
+    eager, patched = copy.deepcopy(fp32).to(params), codetta.patch(copy.deepcopy(fp32).to(params))
     ids = torch.randint(0, 96, (4, 33), device=DEVICE)
 
-    def step(model, autocast):
-        with torch.autocast(DEVICE, dtype=BF16, enabled=autocast):
+    def step(model, enabled):
+        with torch.autocast(DEVICE, dtype=autocast, enabled=enabled):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         return loss.detach().double(), {n: p.grad.double() for n, p in model.named_parameters()}
@@ -112,8 +119,10 @@ def test_patched_model_under_autocast_within_twice_eager_error(name):
     streams = {}  # each layer's output: the residual stream
     for i, layer in enumerate(patched.model.layers):
         layer.register_forward_hook(lambda module, args, out, i=i: streams.setdefault(i, out))
-    loss, grads = step(patched, True)
-    assert all(p.grad.dtype == torch.float32 for p in patched.parameters())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="codetta")  # no layer falls back to the model's own forward
+        loss, grads = step(patched, True)
+    assert all(p.grad.dtype == params for p in patched.parameters())
     assert [s.dtype for s in streams.values()] == [torch.float32] * config.num_hidden_layers
     assert abs(loss - loss_ref) <= 2 * abs(loss_eager - loss_ref) + 1e-4 * abs(loss_ref)
     for name, g_ref in grads_ref.items():

@@ -361,27 +361,29 @@ def test_half_precision_within_twice_eager_error(dtype, reduction, options):
         assert err(got, ref) <= 2 * eager_err + 1e-6 * ref.abs().max().item(), (name, err(got, ref), eager_err)
 
 
+@pytest.mark.parametrize("norm_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_fp32_norm_weight_with_half_precision_x_and_weight(reduction):
-    """A final norm whose weight stays fp32 (Gemma's 1 + w) over a bf16 x and LM head, as
-    rms_norm and rmsnorm_linear take it: the loss and every gradient within 2x the error of
-    the eager model (the norm in fp32, its output rounded to bf16, as transformers' norms do),
-    against fp64; the norm weight's gradient fp32."""
+def test_other_norm_weight_dtype_with_half_precision_x_and_weight(reduction, norm_dtype):
+    """A final norm whose weight stays fp32 (Gemma's 1 + w), or fp16 (an fp16 model under bf16
+    autocast, which casts x and the LM head only), over a bf16 x and LM head, as rms_norm and
+    rmsnorm_linear take it: the loss and every gradient within 2x the error of the eager model
+    (the norm in fp32, its output rounded to bf16, as transformers' norms do), against fp64; the
+    norm weight's gradient in its dtype."""
     inputs = make(lead=(2, 20), d=32, vocab=131, norm=True, ignored=3, dtype=torch.bfloat16)
-    inputs["norm_weight"] = inputs["norm_weight"].detach().float().requires_grad_()
+    inputs["norm_weight"] = inputs["norm_weight"].detach().to(norm_dtype).requires_grad_()
     grad_output = random_grad_output(reduction, inputs["target"])
     loss, grads = ours(inputs, reduction, grad_output)
     ref_loss, ref_grads = pytorch(inputs, reduction, grad_output=grad_output)
 
     def eager(x, weight, norm_weight):
-        h = F.rms_norm(x.float(), (x.shape[-1],), norm_weight, EPS).to(x.dtype)
+        h = F.rms_norm(x.float(), (x.shape[-1],), norm_weight.float(), EPS).to(x.dtype)
         flat = F.linear(h, weight).float().flatten(0, -2)
         return F.cross_entropy(flat, inputs["target"].flatten(), reduction=reduction).view(grad_output.shape)
 
     wrt = [inputs[name].detach().requires_grad_() for name in ("x", "weight", "norm_weight")]
     eager_loss = eager(*wrt)
     eager_grads = dict(zip(("x", "weight", "norm_weight"), torch.autograd.grad(eager_loss, wrt, grad_output)))
-    assert grads["norm_weight"].dtype == torch.float32 and grads["x"].dtype == torch.bfloat16
+    assert grads["norm_weight"].dtype == norm_dtype and grads["x"].dtype == torch.bfloat16
 
     def err(t, ref):
         return (t.double() - ref).abs().max().item()

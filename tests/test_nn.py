@@ -190,15 +190,19 @@ def test_input_ids_must_be_batch_by_sequence():
         make_model()(torch.zeros(5, dtype=torch.long, device=DEVICE))
 
 
-def test_under_autocast_within_twice_the_error_of_the_unfused_model_under_autocast():
-    """fp32 parameters under bf16 autocast: the GEMMs run on bf16 operands and the residual
-    stream stays fp32, as in the unfused model under autocast; codetta must be within 2x that
-    model's error (both against float64), and the fp32 parameters get fp32 gradients."""
+@pytest.mark.parametrize("params, autocast", [(torch.float32, torch.bfloat16), (torch.float16, torch.bfloat16),
+                                              (torch.bfloat16, torch.float16)], ids=["fp32", "fp16", "bf16"])
+def test_under_autocast_within_twice_the_error_of_the_unfused_model_under_autocast(params, autocast):
+    """Parameters under autocast (fp32 ones, as usual; or 16-bit ones under the other 16-bit
+    dtype, whose norm weights autocast leaves as they are): the GEMMs run on operands in
+    autocast's dtype and the residual stream is what the unfused model under autocast makes of
+    it; codetta must be within 2x that model's error (both against float64), and each parameter
+    gets its gradient in its own dtype."""
     ids = torch.randint(0, CFG.vocab_size, (2, 16), device=DEVICE)
     targets = torch.roll(ids, -1, dims=1)
 
-    def loss_and_grads(model, fn, autocast):
-        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+    def loss_and_grads(model, fn, enabled):
+        with torch.autocast(DEVICE, dtype=autocast, enabled=enabled):
             loss = fn(model)
         loss.backward()
         return loss.double(), {n: p.grad.double() for n, p in model.named_parameters()}
@@ -207,10 +211,10 @@ def test_under_autocast_within_twice_the_error_of_the_unfused_model_under_autoca
         return F.cross_entropy(reference_logits(model, ids).flatten(0, 1).float(), targets.flatten())
 
     loss64, grads64 = loss_and_grads(make_model().double(), unfused, False)
-    loss_ac, grads_ac = loss_and_grads(make_model(), unfused, True)
-    model = make_model()
+    loss_ac, grads_ac = loss_and_grads(make_model().to(params), unfused, True)
+    model = make_model().to(params)
     loss, grads = loss_and_grads(model, lambda m: m(ids, targets), True)
-    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    assert all(p.grad.dtype == params for p in model.parameters())
     assert abs(loss - loss64) <= 2 * abs(loss_ac - loss64) + 1e-4 * abs(loss64)
     for name, g64 in grads64.items():
         assert rel(grads[name], g64) <= 2 * rel(grads_ac[name], g64) + 1e-6, name

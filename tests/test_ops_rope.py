@@ -254,6 +254,18 @@ def test_integer_arguments_of_any_integral_type():
     assert torch.equal(q, rmsnorm_qkv_rope(*tensors, pos, inv_freq, head_dim=16)[0])
 
 
+def test_positions_of_a_single_token_in_any_shape():
+    """A 1-d x is one token: its position as a 0-d tensor or a flat [1] gives one result; a batch
+    of tokens takes flat positions [M] as well as positions shaped like its leading dims."""
+    tensors, _, pos, inv_freq = make(6, 16, 16, 2, 1, 16, False, 64)
+    x, rest = tensors[0], tensors[1:]
+    one = [rmsnorm_qkv_rope(x[3], *rest, p, inv_freq, head_dim=16)[0] for p in (pos[3], pos[3:4])]
+    assert torch.equal(one[0], one[1])
+    batched = rmsnorm_qkv_rope(x.view(2, 3, -1), *rest, pos, inv_freq, head_dim=16)[0]
+    assert torch.equal(batched, rmsnorm_qkv_rope(x.view(2, 3, -1), *rest, pos.view(2, 3), inv_freq, head_dim=16)[0])
+    torch.testing.assert_close(one[0], batched.view(6, -1)[3], rtol=1e-5, atol=1e-6)
+
+
 def test_angles_beat_fp32_tables_at_long_positions():
     """At positions near 2^20, fp32 angle tables (as HF builds them) are off by ~1e-2 rad; codetta is not."""
     m, d, head_dim = 16, 32, 64

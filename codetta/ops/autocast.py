@@ -9,8 +9,9 @@ to their pieces: when autocast is on for the device of the first argument, the G
 operands named (activations fed to a matmul, weights, biases) are cast to autocast's dtype
 (a differentiable cast: fp32 parameters get fp32 gradients), and the operator runs with
 autocast off. The residual stream (``streams``) keeps fp32, which the operators take with
-16-bit weights (:mod:`codetta.ops.rmsnorm`), and is cast only when it is 16-bit of another
-dtype. Norm weights are not cast: the epilogues read them in fp32, as the model's own fp32
+16-bit weights (:mod:`codetta.ops.rmsnorm`); a 16-bit stream of the other dtype (an fp16
+model under bf16 autocast) becomes fp32, as the model's first residual add (fp16 + bf16)
+makes it. Norm weights are not cast: the epilogues read them in fp32, as the model's own fp32
 norm does (``linear_cross_entropy``'s x is a stream only with its optional final norm;
 without one, x is the GEMM's operand and is cast). Arguments that must keep their precision (RoPE's ``inv_freq``, positions, targets)
 are not named; of the norm statistics ``stats = (u, rstd)`` handed between operators only
@@ -45,7 +46,7 @@ def _autocast_enabled(device: str) -> bool:
 def casts_under_autocast(*names: str, streams: tuple = (), streams_if: tuple = ()):
     """Decorator for an operator's public function: under autocast on the first argument's
     device, the arguments ``names`` are cast to autocast's dtype, and those in ``streams``
-    unless they are fp32 (see the module doc); ``streams_if``: (name, other) pairs, ``name``
+    to fp32 where they are 16-bit of another dtype (see the module doc); ``streams_if``: (name, other) pairs, ``name``
     a stream when the argument ``other`` is given (not None), else cast as ``names``."""
 
     def decorate(fn):
@@ -75,8 +76,8 @@ def casts_under_autocast(*names: str, streams: tuple = (), streams_if: tuple = (
                     bound.arguments[name] = _cast(bound.arguments[name], dtype)
             for name in (*streams, *(n for n, stream in given.items() if stream)):
                 value = bound.arguments.get(name)
-                if isinstance(value, torch.Tensor) and value.dtype != torch.float32:
-                    bound.arguments[name] = _cast(value, dtype)
+                if isinstance(value, torch.Tensor) and value.dtype not in (torch.float32, dtype):
+                    bound.arguments[name] = _cast(value, torch.float32)
             with torch.autocast(device, enabled=False):
                 return fn(*bound.args, **bound.kwargs)
 

@@ -546,17 +546,17 @@ def _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size, l
             fail(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
         if tuple(t.shape) != shape:
             fail(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    # The GEMMs run on the weight's dtype; x and norm_weight may be wider (fp32) with a final norm,
-    # which rounds its output once to the weight's dtype (a wide residual stream, as under autocast).
+    # The GEMMs run on the weight's dtype; x may be wider (fp32) with a final norm, which rounds its
+    # output once to the weight's dtype (a wide residual stream, as under autocast); the norm runs in
+    # fp32 whatever its weight's dtype (which autocast leaves as it is: an fp16 model under bf16).
     stream = norm_weight is not None and x.dtype == torch.float32 and weight.dtype in (torch.float16, torch.bfloat16)
     if weight.dtype != x.dtype and not stream:
         fail(f"weight has dtype {weight.dtype} but x has {x.dtype}: cast one so they match (x may be fp32 with "
              "16-bit weights when norm_weight is given)")
     if bias is not None and bias.dtype != weight.dtype:
         fail(f"bias has dtype {bias.dtype} but weight has {weight.dtype}: cast one so they match")
-    if norm_weight is not None and norm_weight.dtype not in (x.dtype, weight.dtype, torch.float32):
-        fail(f"norm_weight has dtype {norm_weight.dtype}; it must be x's ({x.dtype}), the weight's ({weight.dtype}) "
-             "or fp32")
+    if norm_weight is not None and norm_weight.dtype not in _DTYPES:
+        fail(f"norm_weight has dtype {norm_weight.dtype}; expected one of {_DTYPES}")
     if reduction not in _REDUCTIONS:
         fail(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral) \

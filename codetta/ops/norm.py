@@ -78,13 +78,14 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, *, dtype: Optional[to
     ``dtype`` (default x's); differentiable in x and weight.
 
     Equals ``F.rms_norm(x.float(), (d,), weight.float(), eps).to(dtype)``. x: [..., d] in fp16,
-    bf16 or fp32; weight: [d], in x's dtype or fp32 (e.g. Gemma's 1 + w made in fp32).
+    bf16 or fp32; weight: [d], in any of those (e.g. Gemma's 1 + w made in fp32, or an fp16 model's
+    weight beside x that bf16 autocast made); its gradient comes in its dtype.
     """
     if not isinstance(x, Tensor) or x.dim() < 1 or x.dtype not in _DTYPES:
         raise ValueError(f"rms_norm: x must be a tensor [..., d] in {_DTYPES}, got "
                          + (f"{x.dtype} {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__))
-    if not isinstance(weight, Tensor) or weight.shape != x.shape[-1:] or weight.dtype not in (x.dtype, torch.float32):
-        raise ValueError(f"rms_norm: weight must be a [{x.shape[-1]}] tensor in x's dtype {x.dtype} or fp32, got "
+    if not isinstance(weight, Tensor) or weight.shape != x.shape[-1:] or weight.dtype not in _DTYPES:
+        raise ValueError(f"rms_norm: weight must be a [{x.shape[-1]}] tensor in one of {_DTYPES}, got "
                          + (f"{weight.dtype} {tuple(weight.shape)}" if isinstance(weight, Tensor) else
                             type(weight).__name__))
     if weight.device != x.device:

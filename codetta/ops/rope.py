@@ -316,7 +316,7 @@ def _token_positions(positions: Tensor, lead: torch.Size) -> Tensor:
                          f"{positions.dtype if isinstance(positions, Tensor) else type(positions).__name__}")
     if positions.shape == lead:
         return positions
-    if positions.dim() == 1 and len(lead) > 1 and positions.numel() == lead.numel():
+    if positions.dim() == 1 and len(lead) != 1 and positions.numel() == lead.numel():  # flat [M] (M = 1: a 1-d x)
         return positions.reshape(lead)
     try:
         if torch.broadcast_shapes(positions.shape, lead) == lead:

@@ -371,11 +371,14 @@ def _fusable(layer, plan: LayerPlan, hidden_states) -> bool:
         warn_unfused("q_norm and k_norm have different epsilons (the fused QK-norm takes one)")
         return False
     # a stream the kernels cannot take with these weights (bf16 inputs_embeds given to an fp32 model):
-    # the model's own layer upcasts it (its norm and residual add make an fp32 stream for the next layer)
+    # the model's own layer upcasts it (its norm and residual add make an fp32 stream for the next layer);
+    # under autocast the operators make a 16-bit stream of the other dtype fp32 (codetta.ops.autocast)
     operand, device_type = stored_weight(layer.get_submodule(plan.arch.projections[0])).dtype, hidden_states.device.type
+    stream = hidden_states.dtype
     if torch.is_autocast_enabled(device_type):
         operand = torch.get_autocast_dtype(device_type)
-    if not stream_fits(hidden_states.dtype, operand):
+        stream = torch.float32 if stream in (torch.float16, torch.bfloat16) and stream != operand else stream
+    if not stream_fits(stream, operand):
         warn_unfused(f"its input is {hidden_states.dtype} and its GEMMs run in {operand}")
         return False
     rate = max(plan.arch.residual_dropout_rates(layer), default=0.0)
