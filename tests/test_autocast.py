@@ -231,6 +231,8 @@ def test_stream_dtypes_that_do_not_fit_are_refused():
         ops.rmsnorm_linear(x.to(BF16), g, w)
     with pytest.raises(ValueError, match="residual is torch.float16 but a is torch.bfloat16"):
         ops.linear_residual(x[:, :6].to(BF16), w.t().to(BF16), x.half())
+    with torch.autocast(DEVICE, dtype=BF16), pytest.raises(ValueError, match="x is torch.float64"):
+        ops.rmsnorm_linear(x.double(), g, w)  # autocast leaves fp64 as it is, as torch.autocast does
 
 
 def test_fp32_stream_ops_pass_opcheck():

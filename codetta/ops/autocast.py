@@ -46,8 +46,9 @@ def _autocast_enabled(device: str) -> bool:
 def casts_under_autocast(*names: str, streams: tuple = (), streams_if: tuple = ()):
     """Decorator for an operator's public function: under autocast on the first argument's
     device, the arguments ``names`` are cast to autocast's dtype, and those in ``streams``
-    to fp32 where they are 16-bit of another dtype (see the module doc); ``streams_if``: (name, other) pairs, ``name``
-    a stream when the argument ``other`` is given (not None), else cast as ``names``."""
+    to fp32 where they are 16-bit of another dtype (see the module doc); ``streams_if``: (name,
+    other) pairs, ``name`` a stream when the argument ``other`` is given (not None), else cast as
+    ``names``."""
 
     def decorate(fn):
         signature = inspect.signature(fn)
@@ -76,7 +77,8 @@ def casts_under_autocast(*names: str, streams: tuple = (), streams_if: tuple = (
                     bound.arguments[name] = _cast(bound.arguments[name], dtype)
             for name in (*streams, *(n for n, stream in given.items() if stream)):
                 value = bound.arguments.get(name)
-                if isinstance(value, torch.Tensor) and value.dtype not in (torch.float32, dtype):
+                if isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16) \
+                        and value.dtype != dtype:
                     bound.arguments[name] = _cast(value, torch.float32)
             with torch.autocast(device, enabled=False):
                 return fn(*bound.args, **bound.kwargs)
