@@ -98,9 +98,9 @@ class Plan:
             a_t = operand_layout(c.a)[0]
             fills["a"] = lambda a, b, o, w, q: self.describe(a.t() if a_t else a, a_block)
             if self.b_parts.startswith("interleave_one"):  # one descriptor of both parts' W [N/2, K]
-                swapped = self.b_parts == "interleave_one_swapped"
-                fills["b0"] = lambda a, b, o, w, q: self._describe_pairs(b[1].t(), b[0].t(), [bn, 2, cfg.BK]) \
-                    if swapped else self._describe_pairs(b[0].t(), b[1].t(), [bn, 2, cfg.BK])
+                low, high = (1, 0) if self.b_parts == "interleave_one_swapped" else (0, 1)
+                fills["b0"] = lambda a, b, o, w, q: self._describe_pairs(b[low].t(), b[high].t(), [bn, 2, cfg.BK])
+                values["b1"] = None
             else:
                 for i, part in enumerate(c.parts):
                     b_t = operand_layout(part)[0]  # the row-major store TMA reads
@@ -115,8 +115,6 @@ class Plan:
             values.update(stride_a0=c.a.stride(0), stride_a1=c.a.stride(1),
                           stride_b0=tuple(t.stride(0) for t in c.parts), stride_b1=tuple(t.stride(1) for t in c.parts))
         values.update({f"b{i}": None for i in range(len(c.parts), MAX_B_PARTS)})
-        if "b0" in fills and "b1" not in fills:
-            values["b1"] = None  # interleave_one: both parts through b0's descriptor
         values.update(b_starts=c.starts, b_ends=c.ends, M=c.M, N=c.N, K=c.K)
         partial_strides = {name: shape[1] for name, _, shape in self.partials}
         for name, kind in kernel_args(c.program, self.path):
