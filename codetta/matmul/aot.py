@@ -47,8 +47,9 @@ def compile_gemm(program: Program, path: str, config: Config, *, dtype: torch.dt
     """``program``'s kernel on ``path`` ('tma' or 'ptr') compiled for ``target`` with ``config``,
     for A and B of ``dtype`` in the layout ``a_km`` (A stored [K, M]: wgrad), ``b_kn`` (B stored
     [K, N]: dgrad) and ``num_b`` B parts read as one along ``b_parts`` ("n", "k", "interleave",
-    or "interleave_one[_swapped]": two parts through one descriptor), as :class:`codetta.matmul.plan.Plan` would launch it. Operands and aux tiles
-    are taken in the GEMM's dtype, row and column vectors and tables in fp32."""
+    or "interleave_one[_swapped]": two parts through one descriptor), as
+    :class:`codetta.matmul.plan.Plan` would launch it. Operands and aux tiles are taken in the
+    GEMM's dtype, row and column vectors and tables in fp32."""
     elem, tma = _TYPES[dtype], path == "tma"
     cfg = config
     sig = {"M": "i32", "N": "i32", "K": "i32"}

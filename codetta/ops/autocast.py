@@ -43,6 +43,12 @@ def _autocast_enabled(device: str) -> bool:
         return False
 
 
+def stream_under_autocast(stream: torch.dtype, autocast: torch.dtype) -> torch.dtype:
+    """The dtype a residual stream of dtype ``stream`` takes in the operators under autocast to
+    ``autocast``: fp32 for a 16-bit stream of the other dtype (see the module doc), else its own."""
+    return torch.float32 if stream in (torch.float16, torch.bfloat16) and stream != autocast else stream
+
+
 def casts_under_autocast(*names: str, streams: tuple = (), streams_if: tuple = ()):
     """Decorator for an operator's public function: under autocast on the first argument's
     device, the arguments ``names`` are cast to autocast's dtype, and those in ``streams``
@@ -77,9 +83,8 @@ def casts_under_autocast(*names: str, streams: tuple = (), streams_if: tuple = (
                     bound.arguments[name] = _cast(bound.arguments[name], dtype)
             for name in (*streams, *(n for n, stream in given.items() if stream)):
                 value = bound.arguments.get(name)
-                if isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16) \
-                        and value.dtype != dtype:
-                    bound.arguments[name] = _cast(value, torch.float32)
+                if isinstance(value, torch.Tensor):
+                    bound.arguments[name] = value.to(stream_under_autocast(value.dtype, dtype))
             with torch.autocast(device, enabled=False):
                 return fn(*bound.args, **bound.kwargs)
 

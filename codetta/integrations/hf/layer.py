@@ -41,6 +41,7 @@ import torch
 from torch.nn.utils import parametrize
 
 from ...ops import linear_residual, rms_norm, rmsnorm_linear, rmsnorm_qkv_rope, rmsnorm_swiglu, swiglu_mlp
+from ...ops.autocast import stream_under_autocast
 from ...ops.rmsnorm import NormStats, stream_fits
 from ...ops.rope import angles_need_grad
 from . import checkpointing
@@ -377,7 +378,7 @@ def _fusable(layer, plan: LayerPlan, hidden_states) -> bool:
     stream = hidden_states.dtype
     if torch.is_autocast_enabled(device_type):
         operand = torch.get_autocast_dtype(device_type)
-        stream = torch.float32 if stream in (torch.float16, torch.bfloat16) and stream != operand else stream
+        stream = stream_under_autocast(stream, operand)
     if not stream_fits(stream, operand):
         warn_unfused(f"its input is {hidden_states.dtype} and its GEMMs run in {operand}")
         return False
