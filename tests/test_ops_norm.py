@@ -96,6 +96,17 @@ def test_no_rows():
     assert h.shape == (0, 16) and torch.equal(w.grad, torch.zeros(16, device=DEVICE))
 
 
+def test_meta_tensors_get_the_shapes_forward_and_backward():
+    """On the meta device rms_norm gives shapes and dtypes as F.rms_norm does, like the other
+    operators (test_direct_ops.py); a probe found it refusing them."""
+    x = torch.randn(2, 3, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(16, device="meta", requires_grad=True)
+    h = rms_norm(x, w, EPS)
+    assert h.is_meta and h.shape == x.shape and h.dtype == torch.bfloat16
+    h.sum().backward()
+    assert (x.grad.shape, x.grad.dtype, w.grad.shape, w.grad.dtype) == (x.shape, x.dtype, w.shape, w.dtype)
+
+
 @pytest.mark.parametrize("args, message", [
     (lambda x, w: (x.double(), w.double()), "x must be a tensor"),
     (lambda x, w: (x, w[:-1]), "weight must be a \\[16\\] tensor"),

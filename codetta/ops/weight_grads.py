@@ -154,7 +154,9 @@ def weight_grad(dz: Tensor, h: Tensor, into: Optional[Tensor]) -> Tensor:
 def for_autograd(dws: list[Tensor], weights: list[Tensor]) -> list[Optional[Tensor]]:
     """The gradients of :func:`weight_grads` to hand autograd, one per weight: the stacked tensor cut
     into per-weight row blocks (views of it: autograd keeps them as the weights' .grad without a
-    copy), None for those already added into .grad."""
+    copy), None for those already added into .grad (their empty placeholder), and an empty tensor
+    of its shape for a weight without elements (as eager PyTorch gives it)."""
     if len(dws) == 1 and len(weights) > 1:
         return list(dws[0].split([w.shape[0] for w in weights]))
-    return [None if dw.numel() == 0 else dw for dw in dws]
+    return [w.new_empty(w.shape) if w.numel() == 0 else None if dw.numel() == 0 else dw
+            for dw, w in zip(dws, weights)]
