@@ -406,6 +406,30 @@ def test_odd_n_with_pairs_is_refused():
         codetta.gemm(dyadic(8, 5), dyadic(5, 7), p)
 
 
+@pytest.mark.parametrize("segment", [3, 6, 0, 1, -2, 4.0, True, "4"])
+def test_segments_that_are_no_power_of_two_are_refused(segment):
+    p = ep.Program("bad_segment")
+    for use in (lambda: ep.pairs(p.acc, segment), lambda: ep.segment_sum(p.acc, segment),
+                lambda: p.row_sum("o", p.acc, segment=segment), lambda: ep.join(*ep.pairs(p.acc), segment)):
+        with pytest.raises(EpilogueError, match=rf"program 'bad_segment': .* segment must be an integer power of two >= 2, got {segment!r}"):
+            use()
+
+
+def test_numpy_integer_segments_are_taken():
+    """A numpy integer is a segment like a Python int (found by a probe: refused as no power of two)."""
+    import numpy as np
+
+    p = ep.Program("numpy_segment")
+    first, second = ep.pairs(p.acc, np.int64(4))
+    p.store("y", ep.join(second, first, np.int32(4)))
+    p.row_sum("s", p.acc, segment=np.int64(4))
+    a, b = dyadic(5, 8), dyadic(8, 8)
+    acc = (a @ b).reshape(5, 2, 2, 2)
+    got = codetta.gemm(a, b, p)
+    torch.testing.assert_close(got["y"], acc.flip(2).reshape(5, 8))  # halves of each segment of 4 swapped
+    torch.testing.assert_close(got["s"], acc.reshape(5, 2, 4).sum(-1))
+
+
 @pytest.mark.parametrize("use", ["row_sum", "segment_sum", "pairs", "half_segment"])
 def test_n_not_a_multiple_of_the_segment_is_refused(use):
     """Segments of 4 columns with N = 6 (or pairs over N/2 = 3 with segments of 4): refused, naming both."""
@@ -862,6 +886,8 @@ def test_reference_executor_checks_operand_names():
         ep.run_reference(p, a, b, {})
     with pytest.raises(EpilogueError, match="has no operand"):
         ep.run_reference(p, a, b, {"r": dyadic(6), "typo": 1.0})
+    with pytest.raises(EpilogueError, match="compute_dtype must be a floating point dtype"):
+        ep.run_reference(p, a, b, {"r": dyadic(6)}, compute_dtype=torch.int32)  # would truncate a and b
 
 
 def test_reference_executor_checks_operands_as_gemm_does():

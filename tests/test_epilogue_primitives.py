@@ -144,6 +144,21 @@ def test_numeric_constants_of_any_real_type():
         ep.where(p.acc == 0, p.acc, 1.0)
 
 
+def test_constants_are_fp32_as_in_the_reference():
+    """A constant is rounded to fp32, as the reference takes it: 1e300 is inf there, not an fp64
+    value carrying its expression into fp64 (found by a probe: Triton types a Python float
+    outside fp32's normal range as fp64, and where() of two such constants gave +-1 here)."""
+    p = ep.Program("constants_beyond_fp32")
+    p.store("y", ep.where(p.acc > 0, 1e300, -1e300) * 1e-300, dtype=torch.float32)  # fp32: inf * 0
+    p.store("z", ep.where(p.acc > 0, 1e-40, -1e-40) * 1e30, dtype=torch.float32)  # an fp32 subnormal
+    a, b = torch.randn(5, 8, device=DEVICE), torch.randn(8, 16, device=DEVICE)
+    got, ref = codetta.gemm(a, b, p), ep.run_reference(p, a, b, {})
+    assert torch.isnan(got["y"]).all() and torch.isnan(ref["y"]).all()
+    if DEVICE == "cpu":  # a GPU may flush fp32 subnormals to zero
+        assert torch.equal(got["z"], ref["z"])
+        assert not torch.equal(got["z"].abs(), torch.full_like(got["z"], 1e-10))  # 1e-10: computed in fp64
+
+
 @pytest.mark.parametrize("segment", [2, 8, 16])
 def test_pairs_then_combine(segment, ab):
     """2 -> 1: column j of each segment with j + S/2 (S = 2: adjacent columns)."""
@@ -235,6 +250,10 @@ def test_finish_replaces_a_reductions_finishing_step(ab):
     assert len(seen) == 1 and seen[0][1] == N  # [row tiles, N] partials
     empty = codetta.gemm(a[:0], b, p, finish=finish)
     assert empty["rstd"].shape == (0,) and empty["csum"].shape == (N,)
+    # explain takes gemm's arguments, finish= too (checked as gemm checks it)
+    assert codetta.explain(a, b, p, finish=finish) == codetta.explain(a, b, p)
+    with pytest.raises(codetta.GemmError, match="has no reduction 'nope'"):
+        codetta.explain(a, b, p, finish={"nope": sum})
 
 
 @pytest.mark.parametrize("rows", [M, 0], ids=["rows", "no_rows"])

@@ -156,12 +156,22 @@ def _broadcast(name, node, rows, cols):
     return f"(tl.zeros([{rows}, {cols}], tl.float32) + {name})"  # a Python or Triton scalar
 
 
+_FP32_TINY = 2.0**-126  # fp32's smallest normal
+
+
 def _const(x):
+    """A constant as fp32 code, as the reference executor takes it: rounded to fp32 (beyond its
+    range, an infinity). Triton types a Python float as fp32 only if it is 0, inf, nan or an fp32
+    normal; any other (1e300, 1e-40) would be fp64 and carry its expression into fp64, so an fp32
+    subnormal is written as an fp32 tensor."""
+    x = torch.tensor(x, dtype=torch.float32).item()
     if math.isnan(x):
         return 'float("nan")'
     if math.isinf(x):
         return 'float("inf")' if x > 0 else 'float("-inf")'
-    return repr(float(x))
+    if x != 0 and abs(x) < _FP32_TINY:
+        return f"tl.full([1, 1], {x!r}, tl.float32)"
+    return repr(x)
 
 
 def _epilogue(program: Program, w: _Writer, path: str):

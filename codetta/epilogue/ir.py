@@ -284,14 +284,18 @@ def round_to(x, dtype):
     return Expr(p, "round_to", (x,), attrs=(dtype,), rows=x.rows, width=x.width)
 
 
-def _check_segment(p, what, x, segment, need_width=None):
+def _check_segment(p, what, x, segment, need_width=None) -> int:
+    """``segment`` as a Python int (numpy's integers too), checked: a power of two >= 2."""
+    if isinstance(segment, numbers.Integral) and not isinstance(segment, bool):
+        segment = int(segment)
     if not isinstance(segment, int) or segment < 2 or segment % 2 or segment & (segment - 1):
         raise EpilogueError(
-            f"program {p.name!r}: {what} segment must be a power of two >= 2, got {segment!r}"
+            f"program {p.name!r}: {what} segment must be an integer power of two >= 2, got {segment!r}"
         )
     if x.width is None or (need_width is not None and x.width is not need_width):
         want = "the N columns" if need_width is FULL else "columns"
         raise EpilogueError(f"program {p.name!r}: {what} needs a value that varies over {want}")
+    return segment
 
 
 def pairs(x, segment=2):
@@ -301,7 +305,7 @@ def pairs(x, segment=2):
     column j pairs with j + S/2 (the ``rotate_half`` layout of RoPE, S = head_dim).
     """
     p = _program_of(x)
-    _check_segment(p, "pairs()", x, segment, FULL)
+    segment = _check_segment(p, "pairs()", x, segment, FULL)
     split = Expr(p, "pairs", (x,), attrs=(segment,), rows=x.rows, width=HALF)
     first = Expr(p, "pair_item", (split,), attrs=(0,), rows=x.rows, width=HALF)
     second = Expr(p, "pair_item", (split,), attrs=(1,), rows=x.rows, width=HALF)
@@ -316,13 +320,13 @@ def join(first, second, segment=2):
     if width is not HALF:
         raise EpilogueError(f"program {p.name!r}: join() needs values over the N/2 column pairs")
     probe = first if first.width is HALF else second
-    _check_segment(p, "join()", probe, segment)
+    segment = _check_segment(p, "join()", probe, segment)
     return Expr(p, "join", (first, second), attrs=(segment,), rows=rows, width=FULL)
 
 
 def _segment_reduce(kind, x, segment):
     p = _program_of(x)
-    _check_segment(p, f"segment_{kind}()", x, segment)
+    segment = _check_segment(p, f"segment_{kind}()", x, segment)
     return Expr(p, f"segment_{kind}", (x,), attrs=(segment,), rows=x.rows, width=x.width)
 
 
@@ -529,7 +533,7 @@ class Program:
 
     def _row_reduction(self, kind, name, value, segment):
         if segment is not None:
-            _check_segment(self, f"{kind}()", value, segment)
+            segment = _check_segment(self, f"{kind}()", value, segment)
         self._output(Output(name, kind, value, dtype=torch.float32, segment=segment))
 
     def row_sum(self, name, value, segment=None):

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from .ir import FULL, Program
+from .ir import FULL, EpilogueError, Program
 
 _UNARY = {
     "neg": torch.neg,
@@ -105,6 +105,9 @@ def run_reference(program: Program, a, b, operands, compute_dtype=torch.float32)
     """
     from ..matmul.call import Call
 
+    if not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
+        raise EpilogueError(f"run_reference: compute_dtype must be a floating point dtype (torch.float32 like "
+                            f"the kernels, torch.float64), got {compute_dtype}")
     Call(a, b, program, dict(operands), {}, for_kernel=False)  # the checks codetta.gemm makes, on any device
     cd = compute_dtype
     lead = tuple(a.shape[:-1])

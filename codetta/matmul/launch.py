@@ -316,9 +316,11 @@ def _epilogue_smem(call):
     return dict(staged_bytes=max(aux + stored, default=None), aux_bytes=sum(aux))
 
 
-def explain(a, b, epilogue: Program | None = None, *, out=None, config=None, **operands):
+def explain(a, b, epilogue: Program | None = None, *, out=None, config=None, finish=None, **operands):
     """The path ('tma' or 'ptr'), config and reading of B (``b_parts``: the mainloop's arrangement,
-    see :mod:`codetta.matmul.mainloop`) ``gemm`` would launch with these arguments (tunes if needed)."""
+    see :mod:`codetta.matmul.mainloop`) ``gemm`` would launch with these arguments (tunes if needed;
+    ``finish`` runs after the kernel and changes none of them)."""
+    _finishers(finish, epilogue if epilogue is not None else _plain_program())
     plan = _plan(a, _without_empty_parts(b), epilogue if epilogue is not None else _plain_program(), operands,
                  _outputs_given(out, epilogue), config)
     if plan is None:
