@@ -1,6 +1,5 @@
 """Whether codetta's kernels run in Triton's CPU interpreter."""
 
-import functools
 import os
 import threading
 
@@ -13,15 +12,18 @@ from .versions import release
 INTERPRETER_LOCK = threading.Lock()
 
 
-@functools.lru_cache(maxsize=None)
+# Read at codetta's import, once (codetta/__init__.py sets it first where there is no GPU), as
+# Triton reads it when it decorates the kernels. A module constant, not a cached function:
+# torch.compile takes it as a constant (it warns about tracing through functools' caches).
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on", "y")
+
+
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, or true, yes, on,
-    y: Triton's own reading). Triton decides that when it decorates the kernels, at import; so
-    it is read once."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on", "y")
+    y: Triton's own reading)."""
+    return _INTERPRETING
 
 
-@functools.lru_cache(maxsize=None)
 def interpreter_problem():
     """Why Triton's interpreter cannot run codetta's kernels with the installed packages, or None.
     Triton 3.6 and earlier convert one-element numpy arrays to Python scalars, which numpy 2.4

@@ -141,6 +141,10 @@ class Decoder(nn.Module):
         stats = None  # the first layer's QKV operator makes its norm's statistics itself (inside the custom op)
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
+            if type(next_norm) not in (Tensor, nn.Parameter):
+                # none, or under FSDP2 still sharded (a DTensor) until the next layer's own forward:
+                # that layer then makes its norm's statistics itself
+                next_norm = None
             x, stats = layer(x, stats, positions, inv_freq, next_norm)
         return x
 

@@ -740,11 +740,9 @@ def test_an_interpreter_that_fails_under_this_numpy_is_named(triton_version, num
     0-dimensional arrays): codetta says which versions clash instead."""
     import numpy
     import triton
-    from codetta import interpreter
 
     monkeypatch.setattr(triton, "__version__", triton_version)
     monkeypatch.setattr(numpy, "__version__", numpy_version)
-    interpreter.interpreter_problem.cache_clear()
     try:
         # a program of its own: a new plan, so the call is checked
         p = ep.Program("interpreter_versions_" + f"{triton_version}_{numpy_version}".replace(".", "_"))
@@ -758,7 +756,6 @@ def test_an_interpreter_that_fails_under_this_numpy_is_named(triton_version, num
             torch.testing.assert_close(codetta.gemm(a, b, p)["y"], 2.0 * (a.double() @ b.double()).float())
     finally:
         monkeypatch.undo()
-        interpreter.interpreter_problem.cache_clear()
 
 
 def test_patch_without_transformers_says_what_to_install():
