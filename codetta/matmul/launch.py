@@ -320,9 +320,9 @@ def explain(a, b, epilogue: Program | None = None, *, out=None, config=None, fin
     """The path ('tma' or 'ptr'), config and reading of B (``b_parts``: the mainloop's arrangement,
     see :mod:`codetta.matmul.mainloop`) ``gemm`` would launch with these arguments (tunes if needed;
     ``finish`` runs after the kernel and changes none of them)."""
-    _finishers(finish, epilogue if epilogue is not None else _plain_program())
-    plan = _plan(a, _without_empty_parts(b), epilogue if epilogue is not None else _plain_program(), operands,
-                 _outputs_given(out, epilogue), config)
+    program = epilogue if epilogue is not None else _plain_program()
+    _finishers(finish, program)
+    plan = _plan(a, _without_empty_parts(b), program, operands, _outputs_given(out, epilogue), config)
     if plan is None:
         return {"path": None, "config": None, "b_parts": None}
     return {"path": plan.path, "config": plan.cfg, "b_parts": plan.b_parts}
