@@ -89,6 +89,19 @@ MODELS = {
     "gemma3_qk_norm_rope_per_layer_type": ("Gemma3ForCausalLM", dict(  # and Gemma 3's head_dim of 256
         pad_token_id=0, eos_token_id=2, bos_token_id=1, sliding_window=6, final_logit_softcapping=0.5,
         layer_types=["sliding_attention", "full_attention"], head_dim=256, query_pre_attn_scalar=256)),
+    # mixtures of experts (the MLP run as the model's module, the routers' load-balancing loss in the fused loss),
+    # with a dense layer (fused) where the family has them
+    "moe_mixtral_router_loss": ("MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+                                                           output_router_logits=True, router_aux_loss_coef=0.3)),
+    "moe_qwen2_shared_expert_dense_layer": ("Qwen2MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+        mlp_only_layers=[1], output_router_logits=True, router_aux_loss_coef=0.3)),
+    "moe_qwen3_qk_norm_sparse_step": ("Qwen3MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=3, moe_intermediate_size=24, decoder_sparse_step=2, norm_topk_prob=True,
+        output_router_logits=True, router_aux_loss_coef=0.3)),
+    "moe_ernie4_5_dense_first_layer_biases": ("Ernie4_5_MoeForCausalLM", dict(
+        moe_num_experts=4, moe_k=2, moe_intermediate_size=24, moe_num_shared_experts=1, moe_layer_start_index=1,
+        use_bias=True, output_router_logits=True, router_aux_loss_coef=0.3)),
 }
 NEW_FAMILIES = [key for key in MODELS if not key.startswith(("llama", "mistral", "qwen", "gqa"))]
 
@@ -666,8 +679,11 @@ ATTENTION_FAMILIES = [key for key in NEW_FAMILIES if not key.startswith(("gemma_
 def test_generate_in_the_other_families(key):
     """Greedy generation with the KV cache, left-padded: the same tokens as the unpatched model
     (NoPE layers, query scaling by position, interleaved RoPE, per-layer windows, Gemma 2's and 3's
-    soft caps and rotary frequencies per layer type included)."""
+    soft caps and rotary frequencies per layer type included; mixtures of experts without their
+    router loss, which transformers' own code fails to compute at a cached step)."""
     name, overrides = MODELS[key]
+    if key.startswith("moe_"):
+        overrides = dict(overrides, output_router_logits=False)
     ref = tiny(name, **overrides).eval()
     model = codetta.patch(copy.deepcopy(ref))
     ids = torch.randint(1, VOCAB, (2, 7), device=DEVICE)
@@ -791,7 +807,7 @@ def count_calls(monkeypatch, target):
 
 
 @pytest.mark.parametrize("every_n_layers", [1, 2])
-@pytest.mark.parametrize("name", ["LlamaForCausalLM", "GemmaForCausalLM"])
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "GemmaForCausalLM", "MixtralForCausalLM"])
 def test_gradient_checkpointing_recomputes_the_fused_layers(name, every_n_layers, monkeypatch):
     """Loss and gradients as the unpatched model's, and each checkpointed layer's fused forward run
     again in the backward (its activations not kept: transformers checkpoints in the layer's
@@ -826,6 +842,56 @@ def test_norm_statistics_handed_across_layers(name, monkeypatch):
     assert len(calls) == 1
     assert all(layer._codetta_plan.incoming.stats is None and layer._codetta_plan.incoming.norm_weight is None
                for layer in model.model.layers)
+
+
+def test_mixture_of_experts_runs_its_own_module(monkeypatch):
+    """A mixture of experts runs as the model's module (hooks on it run, and do not unfuse the
+    layer) on the MLP norm's output; a dense layer's MLP is fused and makes the next layer's norm
+    statistics, an expert layer's plain residual add makes none (that layer computes its own)."""
+    ref = tiny("Qwen2MoeForCausalLM", num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+               shared_expert_intermediate_size=40, mlp_only_layers=[1])
+    model = codetta.patch(copy.deepcopy(ref))
+    inputs = []
+    for m in (ref, model):
+        m.model.layers[0].mlp.register_forward_hook(lambda module, args, out: inputs.append(args[0].detach()))
+    stats_calls = count_calls(monkeypatch, "codetta.ops.rmsnorm.rmsnorm_stats")
+    ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    assert [layer._codetta_plan.mlp_fused for layer in model.model.layers] == [False, True, False]
+    assert all(layer._codetta_plan.unfusable is None and layer._codetta_plan.hooked is None
+               for layer in model.model.layers)
+    assert len(inputs) == 2 and (inputs[1] - inputs[0]).abs().max() < 1e-5  # the norm's output, as the model's
+    assert len(stats_calls) == 2  # layers 0 and 1 (after an expert layer); layer 2's come from layer 1's down GEMM
+
+
+@pytest.mark.parametrize("asked", [None, False, True])
+def test_mixture_of_experts_router_loss_as_the_model_adds_it(asked):
+    """``output_router_logits`` (the argument, else the config's) adds the routers' load-balancing
+    loss to the fused loss, also with num_items_in_batch and a padding mask; aux_loss and
+    router_logits come out as the model's, and the tuple of return_dict=False keeps the model's
+    layout with the logits None in their place."""
+    ref = tiny("MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+               router_aux_loss_coef=0.3)
+    model = codetta.patch(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    batch = dict(input_ids=ids, attention_mask=mask, labels=ids, output_router_logits=asked, num_items_in_batch=11)
+    assert_same_training_step(ref, model, **batch)
+    out, expected = model(**batch), ref(**batch)
+    assert out.logits is None and (out.aux_loss is None) == (asked is False) == (expected.aux_loss is None)
+    if asked is not False:
+        torch.testing.assert_close(out.aux_loss, expected.aux_loss, rtol=1e-5, atol=1e-6)
+        assert len(out.router_logits) == len(expected.router_logits) == 2
+        for got, want in zip(out.router_logits, expected.router_logits):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    as_tuple, expected_tuple = model(**batch, return_dict=False), ref(**batch, return_dict=False)
+    assert len(as_tuple) == len(expected_tuple) and as_tuple[2 if asked is not False else 1] is None
+    assert [type(t) for t in as_tuple if t is not None] == [type(t) for t in expected_tuple if not isinstance(
+        t, torch.Tensor) or t.dim() != 3]
+    torch.testing.assert_close(as_tuple[0], expected_tuple[0], rtol=1e-5, atol=1e-6)
 
 
 def test_parameters_and_state_dict_unchanged_and_unpatch():

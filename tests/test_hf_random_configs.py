@@ -10,7 +10,8 @@ any value, head_dim independent of hidden), and each family's own features drawn
 (sliding windows per layer type, SmolLM3's layers without RoPE, Ministral 3's query scaling by
 position, Ernie 4.5's biases, Phi-3's and GLM's partial RoPE, Seed-OSS's biases, Granite's
 multipliers, Gemma's norm weight 1 + w, the MLP's activation in Gemma, Llama and Arcee, whose
-MLP has no gate; Gemma 2's and GLM-4's norms around each sublayer, Gemma 2's and 3's soft caps). CODETTA_HF_EXAMPLES sets how many are drawn per family (2 by
+MLP has no gate; Gemma 2's and GLM-4's norms around each sublayer, Gemma 2's and 3's soft caps; the mixtures of
+experts' routers, shared experts and dense layers). CODETTA_HF_EXAMPLES sets how many are drawn per family (2 by
 default: hypothesis's first draw is the minimal config, hidden size 1 and one token, the
 second a random one; with the first four families, 40 of each test passed on the CPU, and on the H200 80 of the fp32 test and 40 of the bf16 one:
 bench/results/h200_hf_random_configs.log; Gemma and Llama with their activations drawn, 10
@@ -63,10 +64,19 @@ def patched_classes(family):
             if family_and_kind(getattr(transformers, prefix + kind, type)) == (family, kind)]
 
 
+# A mixture of experts' config names for (the experts, the experts per token, an expert's width)
+EXPERTS = {"Mixtral": ("num_local_experts", "num_experts_per_tok", "intermediate_size"),
+           "Qwen2Moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+           "Qwen3Moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+           "Ernie4_5_Moe": ("moe_num_experts", "moe_k", "moe_intermediate_size")}
+
+
 @st.composite
-def models(draw, family, min_hidden=1):
+def models(draw, family, min_hidden=1, all_experts=False):
     """(class name, config keyword arguments) of a model of the family, its hidden size at least
-    ``min_hidden`` (where the family's heads allow)."""
+    ``min_hidden`` (where the family's heads allow); with ``all_experts`` a mixture of experts
+    sends each token to every expert (its top-k choice is discontinuous: where two experts' router
+    logits nearly tie, any rounding may pick either)."""
     name = draw(st.sampled_from(patched_classes(family)))
     kv_heads, group = draw(st.integers(1, 3)), draw(st.integers(1, 3))
     head_dim = draw(st.sampled_from([8, 16, 32, 12, 24]))  # 12, 24: the model's own RoPE (not a power of two)
@@ -133,10 +143,42 @@ def models(draw, family, min_hidden=1):
         config["use_bidirectional_attention"] = draw(st.booleans())
     if family == "Arcee":  # its MLP has no gate: act(h W_u^T) W_d^T, the activation as the model's module
         config["hidden_act"] = draw(st.sampled_from(["relu2", "silu", "gelu"]))
+    if family in EXPERTS:  # the MLP a mixture of experts (run as the model's module), some layers' dense (fused)
+        config.update(draw(experts(family, layers, all_experts)))
     if family == "SeedOss":  # its dropouts (0.1 by default) off: they draw masks (and the residual one runs unfused)
         config.update(attention_bias=draw(st.booleans()), attention_out_bias=draw(st.booleans()),
                       mlp_bias=draw(st.booleans()), residual_dropout=0.0, attention_dropout=0.0)
     return name, config
+
+
+@st.composite
+def experts(draw, family, layers, all_experts):
+    """The config of a mixture of experts: how many experts, how many per token, their width, the
+    router's load-balancing loss (on or off, its weight; on only where a layer has experts:
+    transformers' own fails without), which layers have a dense MLP (Qwen2-MoE's and Qwen3-MoE's
+    ``mlp_only_layers`` and sparse step, Ernie 4.5 MoE's first sparse layer), shared experts
+    (Qwen2-MoE's gated one, Ernie's), biases."""
+    count, per_token, width = EXPERTS[family]
+    n = draw(st.integers(1, 4))
+    config = {count: n, per_token: n if all_experts else draw(st.integers(1, n)), width: draw(st.integers(3, 40)),
+              "router_aux_loss_coef": draw(st.sampled_from([0.001, 0.5])),
+              # transformers' experts implementations that take any width (grouped_mm wants 16-byte strides)
+              "experts_implementation": draw(st.sampled_from(["eager", "batched_mm"]))}
+    sparse = list(range(layers))
+    if family in ("Qwen2Moe", "Qwen3Moe"):
+        config.update(decoder_sparse_step=draw(st.integers(1, 2)), norm_topk_prob=draw(st.booleans()),
+                      mlp_only_layers=draw(st.lists(st.integers(0, layers - 1), max_size=layers, unique=True)))
+        sparse = [i for i in sparse if i not in config["mlp_only_layers"] and (i + 1) % config["decoder_sparse_step"] == 0]
+    if family == "Qwen2Moe":
+        config.update(shared_expert_intermediate_size=draw(st.integers(3, 40)), qkv_bias=draw(st.booleans()))
+    if family == "Qwen3Moe":
+        config["attention_bias"] = draw(st.booleans())
+    if family == "Ernie4_5_Moe":
+        config.update(moe_num_shared_experts=draw(st.integers(0, 2)), moe_layer_start_index=draw(st.integers(0, 1)),
+                      use_bias=draw(st.booleans()))
+        sparse = sparse[config["moe_layer_start_index"]:]
+    config["output_router_logits"] = bool(sparse) and draw(st.booleans())
+    return config
 
 
 @st.composite
@@ -312,7 +354,7 @@ def test_random_bf16_config_within_twice_the_unpatched_error(family, data):
     # a few roundings, not statistics: measured on the CPU (bare 1-layer Llama, 30 draws),
     # patched/unpatched errors of the final norm's weight spread 0.28-4.5x at hidden size 3
     # (the patched model's input to that norm the more accurate), 0.61-2.0x at 12, 0.62-1.3x at 48
-    name, config = data.draw(models(family, min_hidden=16))
+    name, config = data.draw(models(family, min_hidden=16, all_experts=True))
     ids, mask, labels, seed = data.draw(batches(config["vocab_size"]))
     note(f"{name} {config}; batch {tuple(ids.shape)} seed {seed}")
     ref = build(name, config)

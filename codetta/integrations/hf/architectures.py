@@ -8,7 +8,9 @@ VaultGemma's MLP norm is ``pre_feedforward_layernorm``: ``Architecture.mlp_norm`
 ``o_proj`` (optionally ``q_norm``, ``k_norm``: QK-norm, RMSNorms over ``head_dim`` with one
 epsilon) and an ``mlp``: ``gate_proj``, ``up_proj`` (or one ``gate_up_proj``: Phi-3, GLM),
 ``down_proj`` and an activation of the gate (or, without a gate, of the up projection:
-Arcee). A new family of that shape is one more entry in :data:`ARCHITECTURES`.
+Arcee); in a family with a mixture of experts (``Architecture.moe``) the MLP may be any
+module instead, which runs as itself. A new family of that shape is one more entry in
+:data:`ARCHITECTURES`.
 
 The fused forward reads the projections' ``weight`` and ``bias`` and the norms' ``weight``
 and epsilon directly, and replaces the forwards of the layer, its attention and its MLP.
@@ -94,6 +96,11 @@ class Architecture:
     # ``{type}_attention_scaling``, the type the config's ``layer_types`` gives the layer: Gemma 3's
     # local and global layers) rather than one ``inv_freq`` and ``attention_scaling``
     rotary_per_layer_type: bool = False
+    # Whether the layer's MLP may be a mixture of experts (Mixtral's MixtralSparseMoeBlock, ...: any
+    # MLP but the family's dense ``XMLP``, see :func:`mlp_is_fused`), which runs as its own module on
+    # the MLP norm's output, and the causal LM adds its router's load-balancing loss to the loss
+    # (``output_router_logits``: the modeling module's ``load_balancing_loss_func``)
+    moe: bool = False
 
     @property
     def projections(self) -> tuple:
@@ -217,6 +224,10 @@ ARCHITECTURES = {
                            output_norms=GEMMA2_OUTPUT_NORMS),
     "VaultGemma": Architecture(norm_weight_offset=1.0, norm_eps="eps", sliding_window="module", attention_softcap=True,
                                logit_softcap=True, mlp_norm="pre_feedforward_layernorm"),
+    "Mixtral": Architecture(sliding_window="config", moe=True),
+    "Qwen2Moe": Architecture(moe=True),
+    "Qwen3Moe": Architecture(qk_norm=True, sliding_window="module", moe=True),
+    "Ernie4_5_Moe": Architecture(interleaved_rope=True, moe=True),
 }
 # The classes of a family that codetta patches: the causal LM (its decoder layers, and its LM head +
 # loss), the bare decoder stack and the other task heads on it (their decoder layers).
@@ -257,7 +268,7 @@ class ModelClasses:
 
     layer: type
     attention: type
-    mlp: type
+    mlp: type | None  # the dense MLP (None in a family of experts only: Mixtral)
     rms_norm: type
     rotary: type  # the rotary embedding (inv_freq, attention_scaling)
 
@@ -270,12 +281,13 @@ class ModelClasses:
 def model_classes(model) -> ModelClasses:
     """The classes of the modeling module that defines the model's class: for LlamaForCausalLM,
     LlamaDecoderLayer, LlamaAttention, LlamaMLP, LlamaRMSNorm and LlamaRotaryEmbedding of
-    ``modeling_llama``."""
+    ``modeling_llama``; a family with a mixture of experts may have no dense MLP class."""
     modeling = sys.modules[type(model).__module__]
     family, _ = family_and_kind(type(model))
     found = {family + role: getattr(modeling, family + role, None)
              for role in ("DecoderLayer", "Attention", "MLP", "RMSNorm", "RotaryEmbedding")}
-    missing = [name for name, cls in found.items() if not isinstance(cls, type)]
+    optional = {family + "MLP"} if ARCHITECTURES[family].moe else set()
+    missing = [name for name, cls in found.items() if not isinstance(cls, type) and name not in optional]
     if missing:
         raise UnsupportedModelError(f"{type(model).__name__} is not defined beside {missing} (a transformers "
                                     "modeling module). Nothing was patched.")
@@ -286,17 +298,29 @@ _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 RESIDUAL_DROPOUTS = ("resid_attn_dropout", "resid_mlp_dropout")
 
 
-def _fused_paths(arch: Architecture) -> tuple:
+def mlp_is_fused(layer, arch: Architecture, classes: ModelClasses) -> bool:
+    """Whether the fused forward computes the layer's MLP itself, reading its projections: in a
+    family of dense MLPs, always (an MLP of another class makes the layer unfusable, see
+    :func:`why_unfusable`); in a family with a mixture of experts, where the MLP is the family's
+    dense one (Qwen2-MoE's ``mlp_only_layers``, Ernie 4.5 MoE's first layers); any other MLP
+    runs as its own module."""
+    return not arch.moe or (classes.mlp is not None and type(layer.mlp).forward is classes.mlp.forward)
+
+
+def _fused_paths(arch: Architecture, mlp_fused: bool) -> tuple:
     """The modules whose forward the fused forward computes itself (the attention, the MLP and its
-    activation), the projections and norms whose parameters it reads, the dropouts it skips."""
-    return ("self_attn", "mlp", arch.activation, *arch.projections, *arch.norms, *(_QK_NORMS if arch.qk_norm else ()),
+    activation, where :func:`mlp_is_fused`; else it calls the MLP), the projections and norms whose
+    parameters it reads, the dropouts it skips."""
+    attention = tuple(path for path in arch.projections if path.startswith("self_attn."))
+    mlp = ("mlp", arch.activation, *(path for path in arch.projections if path.startswith("mlp."))) if mlp_fused else ()
+    return ("self_attn", *attention, *mlp, *arch.norms, *(_QK_NORMS if arch.qk_norm else ()),
             *(RESIDUAL_DROPOUTS if arch.residual_dropout == "modules" else ()))
 
 
-def fused_modules(layer, arch: Architecture) -> tuple:
+def fused_modules(layer, arch: Architecture, mlp_fused: bool) -> tuple:
     """The modules of a layer whose forward the fused forward computes in their place, reading
     their parameters."""
-    return tuple(layer.get_submodule(path) for path in _fused_paths(arch))
+    return tuple(layer.get_submodule(path) for path in _fused_paths(arch, mlp_fused))
 
 
 def is_plain_linear(module) -> bool:
@@ -367,10 +391,10 @@ def hooks_between(layer, next_layer) -> bool:
             or bool(next_layer._forward_pre_hooks) or global_hooks(backward=False))
 
 
-def hooked_module(modules: tuple, arch: Architecture):
-    """The path of one of a layer's :func:`fused_modules` (whose forwards the fused forward skips)
+def hooked_module(modules: tuple, arch: Architecture, mlp_fused: bool):
+    """The path of one of a layer's :func:`fused_modules` whose forward the fused forward skips
     that :func:`is_hooked`, or None."""
-    for path, module in zip(_fused_paths(arch), modules):
+    for path, module in zip(_fused_paths(arch, mlp_fused), modules):
         if is_hooked(module):
             return path
     return None
@@ -381,10 +405,10 @@ def class_name(module) -> str:
     return f"{type(module).__module__}.{type(module).__qualname__}"
 
 
-def why_unfusable(modules: tuple, arch: Architecture, classes: ModelClasses):
+def why_unfusable(modules: tuple, arch: Architecture, classes: ModelClasses, mlp_fused: bool):
     """None when the fused forward computes what these :func:`fused_modules` compute, else why not."""
     own = {"self_attn": classes.attention, "mlp": classes.mlp}
-    for path, module in zip(_fused_paths(arch), modules):
+    for path, module in zip(_fused_paths(arch, mlp_fused), modules):
         if path in arch.projections:
             if not is_plain_linear(module):
                 return f"{path} is a {class_name(module)}, not a plain torch.nn.Linear"
@@ -458,10 +482,11 @@ def check_model(model, arch: Architecture, classes: ModelClasses):
             raise UnsupportedModelError(f"{what} has a forward of its own (not {classes.layer.__name__}'s), which the "
                                         "fused forward would replace; a wrapper of the layer (activation checkpointing, "
                                         "FSDP) is added after patching. Nothing was patched.")
+        _need(layer, "mlp", what)
+        mlp_fused = mlp_is_fused(layer, arch, classes)
         for path in (*(f"{norm}.{attribute}" for norm in arch.norms for attribute in ("weight", arch.norm_eps)),
-                     "self_attn.head_dim", "self_attn.scaling", *arch.projections, arch.activation,
+                     "self_attn.head_dim", "self_attn.scaling", *_fused_paths(arch, mlp_fused),
                      *(("self_attn.attn_logit_softcapping",) if arch.attention_softcap else ()),
-                     *(RESIDUAL_DROPOUTS if arch.residual_dropout == "modules" else ()),
                      *(("self_attn.residual_dropout", "mlp.residual_dropout") if arch.residual_dropout == "rates" else ()),
                      *(("residual_multiplier",) if arch.multipliers else ())):
             _need(layer, path, what)
@@ -482,7 +507,7 @@ def check_model(model, arch: Architecture, classes: ModelClasses):
         elif attn.q_proj.out_features % attn.head_dim:
             raise UnsupportedModelError(f"{what}: q_proj's {attn.q_proj.out_features} outputs are no whole number of "
                                         f"heads of {attn.head_dim}. Nothing was patched.")
-        if arch.fused_gate_up and layer.mlp.gate_up_proj.out_features % 2:
+        if arch.fused_gate_up and mlp_fused and layer.mlp.gate_up_proj.out_features % 2:
             raise UnsupportedModelError(f"{what}: gate_up_proj's {layer.mlp.gate_up_proj.out_features} outputs are no "
                                         "gate and up halves. Nothing was patched.")
 

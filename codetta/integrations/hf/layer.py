@@ -14,6 +14,9 @@
 With a norm on each sublayer's output (Gemma 2, GLM-4) those norms run as
 :func:`codetta.ops.rms_norm` before the residual adds (:func:`_sandwiched_residuals`); the
 input norm and the MLP's are folded into the QKV and gate/up GEMMs, nothing is handed on.
+A mixture of experts (Mixtral, Qwen2-MoE, ...) runs as the model's own module on the MLP
+norm's output made by :func:`codetta.ops.rms_norm` (:func:`_expert_residuals`); the input
+norm, RoPE and the O-projection's residual add are fused as above.
 
 The next layer's input norm reads s' (a :class:`StatsHandoff` between the two layers)
 when it is given exactly x2, unchanged, as in the model's own layer loop; otherwise (the
@@ -46,7 +49,8 @@ from ...ops.rmsnorm import NormStats, stream_fits
 from ...ops.rope import angles_need_grad
 from . import checkpointing
 from .architectures import (Architecture, ModelClasses, fused_modules, gate_activation, hooked_module, hooks_between,
-                            is_hooked, stored_weight, why_rotary_dims_unfit, why_rotary_unfusable, why_unfusable)
+                            is_hooked, mlp_is_fused, stored_weight, why_rotary_dims_unfit, why_rotary_unfusable,
+                            why_unfusable)
 
 try:  # transformers' collector of recorded outputs (output_attentions=True, output_hidden_states=True)
     from transformers.utils.output_capturing import _active_collector
@@ -162,6 +166,7 @@ class LayerPlan:
     fuse_rope: bool
     fuse_swiglu: bool
     modules: tuple = ()  # the layer's modules and their classes as last seen (architectures.fused_modules)
+    mlp_fused: bool = True  # whether the fused forward computes the MLP (architectures.mlp_is_fused), or calls it
     unfusable: Optional[str] = None  # why the fused forward cannot read them, if it cannot
     hooked: Optional[str] = None  # the last module found with hooks the fused forward would skip (warned once)
     activation: Optional[str] = None  # the MLP activation's name for the epilogue (None: it runs as its module)
@@ -327,17 +332,18 @@ def check_modules(layer, plan: LayerPlan) -> tuple:
     the warnings for it left in ``plan.to_warn``. Called at patch time too, so that a traced
     forward (torch.compile) does not set them, which would make its graph's guards fail at the
     next call."""
-    modules = fused_modules(layer, plan.arch)
+    mlp_fused = mlp_is_fused(layer, plan.arch, plan.classes)
+    modules = fused_modules(layer, plan.arch, mlp_fused)
     seen = (modules, tuple(map(type, modules)))  # a class swapped in place (module.__class__ = ...) too
-    if seen == plan.modules:
+    if seen == plan.modules and mlp_fused == plan.mlp_fused:
         return modules
-    plan.modules = seen
-    plan.unfusable = why_unfusable(modules, plan.arch, plan.classes)
-    act = layer.get_submodule(plan.arch.activation)
-    plan.activation = gate_activation(act)
+    plan.modules, plan.mlp_fused = seen, mlp_fused
+    plan.unfusable = why_unfusable(modules, plan.arch, plan.classes, mlp_fused)
+    act = layer.get_submodule(plan.arch.activation) if mlp_fused else None
+    plan.activation = None if act is None else gate_activation(act)
     if plan.unfusable is not None:
         plan.to_warn = (f"codetta: a {type(layer).__name__} runs the model's own forward, unfused: {plan.unfusable}",)
-    elif plan.fuse_swiglu and plan.arch.gated_mlp and plan.activation is None:
+    elif plan.fuse_swiglu and plan.arch.gated_mlp and mlp_fused and plan.activation is None:
         plan.to_warn = (f"codetta: a {type(layer).__name__}'s MLP activation is a {type(act).__name__}, which the "
                         "gate/up GEMM's epilogue does not compute (SiLU, GELU, ReLU): it runs as that module, "
                         "between the norm-folded gate/up GEMM and the down projection",)
@@ -386,7 +392,7 @@ def _fusable(layer, plan: LayerPlan, hidden_states) -> bool:
     if layer.training and rate > 0:
         warn_unfused(f"its residual dropout (p = {rate}) is on in training (the fused residual add has no dropout)")
         return False
-    hooked = hooked_module(modules, plan.arch)
+    hooked = hooked_module(modules, plan.arch, plan.mlp_fused)
     if hooked is not None and hooked != plan.hooked:
         warn_unfused(f"{hooked} has hooks or its own forward, which the fused forward would skip")
     plan.hooked = hooked
@@ -417,6 +423,8 @@ def _fused_layer(layer, x, attention_mask, position_ids, use_cache, position_emb
     a = _attention(attn, plan, q, k, v, attention_mask, dict(position_ids=position_ids, use_cache=use_cache, **kwargs))
     if arch.output_norms:
         return _sandwiched_residuals(layer, plan, x, a)
+    if not plan.mlp_fused:
+        return _expert_residuals(layer, plan, x, a)
     return _residuals(layer, plan, x, a)
 
 
@@ -475,12 +483,26 @@ def _sandwiched_residuals(layer, plan: LayerPlan, x, a):
     arch, attn, mlp = plan.arch, layer.self_attn, layer.mlp
     attn_out_norm, mlp_out_norm = (layer.get_submodule(path) for path in arch.output_norms)
     mlp_in_norm = layer.get_submodule(arch.mlp_norm)
-    x1 = x + _output_norm(arch, attn_out_norm, attn.o_proj(a))
+    x1 = x + _norm_like_module(arch, attn_out_norm, attn.o_proj(a))
     y = _mlp_hidden(layer, plan, x1, arch.norm_weight(mlp_in_norm), arch.norm_epsilon(mlp_in_norm), None)
-    return x1 + _output_norm(arch, mlp_out_norm, mlp.down_proj(y))
+    return x1 + _norm_like_module(arch, mlp_out_norm, mlp.down_proj(y))
 
 
-def _output_norm(arch: Architecture, norm, t):
+def _expert_residuals(layer, plan: LayerPlan, x, a):
+    """x2 from the layer's input x and the attention's output a where the MLP runs as its own
+    module (a mixture of experts: its router reads the normalized input, each token's experts
+    their rows of it; ``Architecture.moe``):
+
+        x1 = a W_o^T + x                    linear_residual
+        x2 = x1 + MLP(RMSNorm(x1))          the norm by :func:`codetta.ops.rms_norm`
+
+    The norm's output is made whole for the module: nothing is folded or handed on."""
+    attn, norm = layer.self_attn, layer.get_submodule(plan.arch.mlp_norm)
+    x1 = linear_residual(a, attn.o_proj.weight, x, bias=attn.o_proj.bias)
+    return x1 + layer.mlp(_norm_like_module(plan.arch, norm, x1))
+
+
+def _norm_like_module(arch: Architecture, norm, t):
     """What the RMSNorm module ``norm`` returns for t, by :func:`codetta.ops.rms_norm` (one row
     kernel each way, rounded once) in the dtype the module returns: t's for Gemma's norm (1 + w
     in fp32, ``type_as`` its input), else t's and its weight's promoted (Llama's norm multiplies

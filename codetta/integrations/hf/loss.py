@@ -9,16 +9,19 @@ point. Without labels, or in eval mode (an evaluation loop reads the logits, and
 backward to keep memory for), the model's own forward runs. Granite divides its logits by
 ``config.logits_scaling``: the loss takes h / s and b / s, which give the same logits. Gemma 2,
 Gemma 3 and VaultGemma cap their logits to s tanh(logits / s) (``config.final_logit_softcapping``,
-where not None): so does the loss.
+where not None): so does the loss. A mixture of experts (Mixtral, ...) adds its routers'
+load-balancing loss where ``output_router_logits`` (the argument, else the config's) asks for
+it, by its modeling module's ``load_balancing_loss_func``, as its own forward does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
 import torch.nn.functional as F
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from ...ops import linear_cross_entropy
 from .architectures import class_name, is_hooked, is_plain_linear, stored_weight
@@ -70,6 +73,10 @@ def fused_causal_lm_forward(model, input_ids=None, attention_mask=None, position
     shift_labels = kwargs.pop("shift_labels", None)
     num_items = kwargs.pop("num_items_in_batch", None)
     return_dict = kwargs.pop("return_dict", None)
+    load_balancing_loss = model._codetta_patched["load_balancing_loss"]  # None but in a mixture of experts
+    if load_balancing_loss is not None:
+        asked = kwargs.pop("output_router_logits", None)
+        kwargs["output_router_logits"] = model.config.output_router_logits if asked is None else asked
     outputs = model.model(return_dict=True, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
     ignore_index = kwargs.get("ignore_index", IGNORE_INDEX)  # as the model, which passes kwargs to its loss too
@@ -87,8 +94,17 @@ def fused_causal_lm_forward(model, input_ids=None, attention_mask=None, position
     if num_items is not None:
         loss = loss / num_items
     # the base model's outputs but its last hidden state (the cache's field is named as the installed transformers names it)
-    result = CausalLMOutputWithPast(loss=loss, logits=None,
-                                    **{k: v for k, v in outputs.items() if k != "last_hidden_state"})
+    fields = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
+    if load_balancing_loss is None:
+        result = CausalLMOutputWithPast(loss=loss, logits=None, **fields)
+    else:
+        aux_loss = None
+        if kwargs["output_router_logits"]:
+            aux_loss = load_balancing_loss(outputs.router_logits, model.num_experts, model.num_experts_per_tok,
+                                           attention_mask)
+            loss = loss + model.router_aux_loss_coef * aux_loss.to(loss.device)
+        result = MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=None, **fields)
     if return_dict is False:  # to_tuple() drops None fields: keep the logits' place, as callers unpack by position
-        return (loss, None, *result.to_tuple()[1:])
+        return tuple(getattr(result, f.name) for f in dataclasses.fields(result)
+                     if f.name == "logits" or getattr(result, f.name) is not None)
     return result
