@@ -102,6 +102,10 @@ MODELS = {
     "moe_ernie4_5_dense_first_layer_biases": ("Ernie4_5_MoeForCausalLM", dict(
         moe_num_experts=4, moe_k=2, moe_intermediate_size=24, moe_num_shared_experts=1, moe_layer_start_index=1,
         use_bias=True, output_router_logits=True, router_aux_loss_coef=0.3)),
+    "moe_glm4_qk_norm_partial_rope_no_router_loss": ("Glm4MoeForCausalLM", dict(
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1, first_k_dense_replace=1,
+        use_qk_norm=True, partial_rotary_factor=0.5, attention_bias=True, routed_scaling_factor=2.5,
+        output_router_logits=True)),
 }
 NEW_FAMILIES = [key for key in MODELS if not key.startswith(("llama", "mistral", "qwen", "gqa"))]
 

@@ -68,7 +68,8 @@ def patched_classes(family):
 EXPERTS = {"Mixtral": ("num_local_experts", "num_experts_per_tok", "intermediate_size"),
            "Qwen2Moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
            "Qwen3Moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
-           "Ernie4_5_Moe": ("moe_num_experts", "moe_k", "moe_intermediate_size")}
+           "Ernie4_5_Moe": ("moe_num_experts", "moe_k", "moe_intermediate_size"),
+           "Glm4Moe": ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")}
 
 
 @st.composite
@@ -113,7 +114,7 @@ def models(draw, family, min_hidden=1, all_experts=False):
     if family == "Ministral3":  # q scaled by 1 + beta log(1 + floor(position / original max)), in the batch's span
         config["rope_parameters"]["llama_4_scaling_beta"] = draw(st.sampled_from([0.1, 0.5]))
         config["rope_parameters"].setdefault("original_max_position_embeddings", draw(st.integers(2, 8)))
-    if family in ("Phi3", "Glm", "Glm4"):  # RoPE on the first dims of each head (0.75: 6 of 8, 9 -> 10 of 12, ...)
+    if family in ("Phi3", "Glm", "Glm4", "Glm4Moe"):  # RoPE on the first dims of each head (0.75: 6 of 8, 9 -> 10 of 12, ...)
         config["rope_parameters"]["partial_rotary_factor"] = draw(st.sampled_from([0.25, 0.5, 0.75, 1.0]))
     if family == "Phi3":
         config["sliding_window"] = draw(st.sampled_from([None, 3, 8]))
@@ -156,10 +157,10 @@ def experts(draw, family, layers, all_experts):
     """The config of a mixture of experts: how many experts, how many per token, their width, the
     router's load-balancing loss (on or off, its weight; on only where a layer has experts:
     transformers' own fails without), which layers have a dense MLP (Qwen2-MoE's and Qwen3-MoE's
-    ``mlp_only_layers`` and sparse step, Ernie 4.5 MoE's first sparse layer), shared experts
-    (Qwen2-MoE's gated one, Ernie's), biases."""
+    ``mlp_only_layers`` and sparse step, Ernie 4.5 MoE's and GLM-4.5's first sparse layer), shared
+    experts (Qwen2-MoE's gated one, Ernie's, GLM-4.5's), biases."""
     count, per_token, width = EXPERTS[family]
-    n = draw(st.integers(1, 4))
+    n = draw(st.integers(2 if family == "Glm4Moe" else 1, 4))  # GLM-4.5's router sums each group's top two
     config = {count: n, per_token: n if all_experts else draw(st.integers(1, n)), width: draw(st.integers(3, 40)),
               "router_aux_loss_coef": draw(st.sampled_from([0.001, 0.5])),
               # transformers' experts implementations that take any width (grouped_mm wants 16-byte strides)
@@ -177,6 +178,10 @@ def experts(draw, family, layers, all_experts):
         config.update(moe_num_shared_experts=draw(st.integers(0, 2)), moe_layer_start_index=draw(st.integers(0, 1)),
                       use_bias=draw(st.booleans()))
         sparse = sparse[config["moe_layer_start_index"]:]
+    if family == "Glm4Moe":  # its first layers dense, QK-norm or not, a shared expert, the routing weights scaled
+        config.update(first_k_dense_replace=draw(st.integers(0, 1)), use_qk_norm=draw(st.booleans()),
+                      n_shared_experts=draw(st.integers(0, 1)), routed_scaling_factor=draw(st.sampled_from([1.0, 2.5])),
+                      norm_topk_prob=draw(st.booleans()), attention_bias=draw(st.booleans()))
     config["output_router_logits"] = bool(sparse) and draw(st.booleans())
     return config
 

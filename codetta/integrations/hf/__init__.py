@@ -77,7 +77,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
     Models: the causal LMs of the families in :data:`.architectures.ARCHITECTURES` (Llama, Mistral,
     Qwen2, Qwen3, Ministral, Ministral3, Cwm, SmolLM3, Helium, Ernie4_5, Phi3, Glm, SeedOss,
     Granite, Gemma, Arcee, Gemma2, Gemma3 (its text models), Glm4, VaultGemma; the mixtures of
-    experts Mixtral, Qwen2Moe, Qwen3Moe, Ernie4_5_Moe, whose experts run as the model's module:
+    experts Mixtral, Qwen2Moe, Qwen3Moe, Ernie4_5_Moe, Glm4Moe, whose experts run as the model's module:
     ``LlamaForCausalLM``, ...),
     their bare decoder stacks (``LlamaModel``, ...) and the other heads transformers puts on them
     (``...ForSequenceClassification``, ``...ForTokenClassification``, ``...ForQuestionAnswering``).
@@ -132,7 +132,8 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
     model._codetta_patched = dict(rms_norm=rms_norm, rope=rope and rms_norm, swiglu=swiglu and rms_norm,
                                   cross_entropy=cross_entropy, logits_scaling=arch.multipliers,
                                   logit_softcap=arch.logit_softcap,
-                                  load_balancing_loss=classes.modeling.load_balancing_loss_func if arch.moe else None)
+                                  moe=arch.moe,
+                                  load_balancing_loss=classes.modeling.load_balancing_loss_func if arch.router_loss else None)
     return model
 
 

@@ -44,7 +44,9 @@ from .. import UnsupportedModelError
 class Architecture:
     """What differs between the supported families."""
 
-    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before RoPE (fused with RoPE)
+    # Whether the attention normalizes q and k per head before RoPE (Qwen3: fused with RoPE): True, or the
+    # name of the attention's attribute that says whether it does (GLM-4.5's ``use_qk_norm``)
+    qk_norm: bool | str = False
     # Where the attention module takes the ``sliding_window`` it passes to the attention function:
     # None (it passes none: Llama), "config" (``config.sliding_window``: Mistral) or "module" (its
     # own ``sliding_window``, set per layer type: Qwen2, Qwen3).
@@ -98,9 +100,11 @@ class Architecture:
     rotary_per_layer_type: bool = False
     # Whether the layer's MLP may be a mixture of experts (Mixtral's MixtralSparseMoeBlock, ...: any
     # MLP but the family's dense ``XMLP``, see :func:`mlp_is_fused`), which runs as its own module on
-    # the MLP norm's output, and the causal LM adds its router's load-balancing loss to the loss
-    # (``output_router_logits``: the modeling module's ``load_balancing_loss_func``)
+    # the MLP norm's output (the causal LM's output then a ``MoeCausalLMOutputWithPast``), and whether
+    # the causal LM adds its routers' load-balancing loss to the loss where ``output_router_logits``
+    # asks (the modeling module's ``load_balancing_loss_func``: Mixtral, ...; not GLM-4.5)
     moe: bool = False
+    router_loss: bool = False
 
     @property
     def projections(self) -> tuple:
@@ -121,6 +125,10 @@ class Architecture:
     def activation(self) -> str:
         """The path of the MLP's activation module."""
         return "mlp.activation_fn" if self.fused_gate_up else "mlp.act_fn"
+
+    def has_qk_norm(self, attn) -> bool:
+        """Whether this attention module normalizes q and k per head before RoPE."""
+        return self.qk_norm is True or (bool(self.qk_norm) and bool(getattr(attn, self.qk_norm)))
 
     def qkv_weights(self, attn) -> tuple[tuple, tuple]:
         """((W_q, W_k, W_v), (b_q, b_k, b_v)) of the attention module, each bias possibly None;
@@ -224,10 +232,11 @@ ARCHITECTURES = {
                            output_norms=GEMMA2_OUTPUT_NORMS),
     "VaultGemma": Architecture(norm_weight_offset=1.0, norm_eps="eps", sliding_window="module", attention_softcap=True,
                                logit_softcap=True, mlp_norm="pre_feedforward_layernorm"),
-    "Mixtral": Architecture(sliding_window="config", moe=True),
-    "Qwen2Moe": Architecture(moe=True),
-    "Qwen3Moe": Architecture(qk_norm=True, sliding_window="module", moe=True),
-    "Ernie4_5_Moe": Architecture(interleaved_rope=True, moe=True),
+    "Mixtral": Architecture(sliding_window="config", moe=True, router_loss=True),
+    "Qwen2Moe": Architecture(moe=True, router_loss=True),
+    "Qwen3Moe": Architecture(qk_norm=True, sliding_window="module", moe=True, router_loss=True),
+    "Ernie4_5_Moe": Architecture(interleaved_rope=True, moe=True, router_loss=True),
+    "Glm4Moe": Architecture(qk_norm="use_qk_norm", partial_rotary=True, moe=True),
 }
 # The classes of a family that codetta patches: the causal LM (its decoder layers, and its LM head +
 # loss), the bare decoder stack and the other task heads on it (their decoder layers).
@@ -307,20 +316,21 @@ def mlp_is_fused(layer, arch: Architecture, classes: ModelClasses) -> bool:
     return not arch.moe or (classes.mlp is not None and type(layer.mlp).forward is classes.mlp.forward)
 
 
-def _fused_paths(arch: Architecture, mlp_fused: bool) -> tuple:
+def _fused_paths(layer, arch: Architecture, classes: ModelClasses) -> tuple:
     """The modules whose forward the fused forward computes itself (the attention, the MLP and its
     activation, where :func:`mlp_is_fused`; else it calls the MLP), the projections and norms whose
     parameters it reads, the dropouts it skips."""
     attention = tuple(path for path in arch.projections if path.startswith("self_attn."))
-    mlp = ("mlp", arch.activation, *(path for path in arch.projections if path.startswith("mlp."))) if mlp_fused else ()
-    return ("self_attn", *attention, *mlp, *arch.norms, *(_QK_NORMS if arch.qk_norm else ()),
+    mlp = ("mlp", arch.activation, *(path for path in arch.projections if path.startswith("mlp."))) \
+        if mlp_is_fused(layer, arch, classes) else ()
+    return ("self_attn", *attention, *mlp, *arch.norms, *(_QK_NORMS if arch.has_qk_norm(layer.self_attn) else ()),
             *(RESIDUAL_DROPOUTS if arch.residual_dropout == "modules" else ()))
 
 
-def fused_modules(layer, arch: Architecture, mlp_fused: bool) -> tuple:
-    """The modules of a layer whose forward the fused forward computes in their place, reading
-    their parameters."""
-    return tuple(layer.get_submodule(path) for path in _fused_paths(arch, mlp_fused))
+def fused_modules(layer, arch: Architecture, classes: ModelClasses) -> dict:
+    """{path: module} of the modules of a layer whose forward the fused forward computes in their
+    place, reading their parameters."""
+    return {path: layer.get_submodule(path) for path in _fused_paths(layer, arch, classes)}
 
 
 def is_plain_linear(module) -> bool:
@@ -391,10 +401,9 @@ def hooks_between(layer, next_layer) -> bool:
             or bool(next_layer._forward_pre_hooks) or global_hooks(backward=False))
 
 
-def hooked_module(modules: tuple, arch: Architecture, mlp_fused: bool):
-    """The path of one of a layer's :func:`fused_modules` whose forward the fused forward skips
-    that :func:`is_hooked`, or None."""
-    for path, module in zip(_fused_paths(arch, mlp_fused), modules):
+def hooked_module(modules: dict):
+    """The path of one of a layer's :func:`fused_modules` that :func:`is_hooked`, or None."""
+    for path, module in modules.items():
         if is_hooked(module):
             return path
     return None
@@ -405,10 +414,10 @@ def class_name(module) -> str:
     return f"{type(module).__module__}.{type(module).__qualname__}"
 
 
-def why_unfusable(modules: tuple, arch: Architecture, classes: ModelClasses, mlp_fused: bool):
+def why_unfusable(modules: dict, arch: Architecture, classes: ModelClasses):
     """None when the fused forward computes what these :func:`fused_modules` compute, else why not."""
     own = {"self_attn": classes.attention, "mlp": classes.mlp}
-    for path, module in zip(_fused_paths(arch, mlp_fused), modules):
+    for path, module in modules.items():
         if path in arch.projections:
             if not is_plain_linear(module):
                 return f"{path} is a {class_name(module)}, not a plain torch.nn.Linear"
@@ -483,15 +492,17 @@ def check_model(model, arch: Architecture, classes: ModelClasses):
                                         "fused forward would replace; a wrapper of the layer (activation checkpointing, "
                                         "FSDP) is added after patching. Nothing was patched.")
         _need(layer, "mlp", what)
+        if isinstance(arch.qk_norm, str):
+            _need(layer, f"self_attn.{arch.qk_norm}", what)
         mlp_fused = mlp_is_fused(layer, arch, classes)
         for path in (*(f"{norm}.{attribute}" for norm in arch.norms for attribute in ("weight", arch.norm_eps)),
-                     "self_attn.head_dim", "self_attn.scaling", *_fused_paths(arch, mlp_fused),
+                     "self_attn.head_dim", "self_attn.scaling", *_fused_paths(layer, arch, classes),
                      *(("self_attn.attn_logit_softcapping",) if arch.attention_softcap else ()),
                      *(("self_attn.residual_dropout", "mlp.residual_dropout") if arch.residual_dropout == "rates" else ()),
                      *(("residual_multiplier",) if arch.multipliers else ())):
             _need(layer, path, what)
         attn = layer.self_attn
-        if arch.qk_norm:
+        if arch.has_qk_norm(attn):
             for path in ("q_norm.weight", f"q_norm.{arch.norm_eps}", "k_norm.weight", f"k_norm.{arch.norm_eps}"):
                 _need(attn, path, what)
             norms = (attn.q_norm, attn.k_norm)

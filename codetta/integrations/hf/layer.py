@@ -271,7 +271,7 @@ def _rotated_qkv(layer, plan: LayerPlan, x, norm, position_ids, position_embeddi
                       stacklevel=5)
     if rope is not None:
         qk_norm = {}
-        if plan.arch.qk_norm:  # the modules' own weights: their gradients land there
+        if arch.has_qk_norm(attn):  # the modules' own weights: their gradients land there
             qk_norm = dict(q_norm_weight=arch.norm_weight(attn.q_norm), k_norm_weight=arch.norm_weight(attn.k_norm),
                            qk_norm_eps=arch.norm_epsilon(attn.q_norm))
         return rmsnorm_qkv_rope(x, g1, *weights, head_dim=attn.head_dim, bias=biases,
@@ -280,7 +280,7 @@ def _rotated_qkv(layer, plan: LayerPlan, x, norm, position_ids, position_embeddi
     q, k, v = (z if b is None else z + b for z, b in zip(torch.split(qkv, [w.shape[0] for w in weights], dim=-1),
                                                           biases))
     heads = (*x.shape[:-1], -1, attn.head_dim)
-    if plan.arch.qk_norm:
+    if arch.has_qk_norm(attn):
         q, k = attn.q_norm(q.reshape(heads)), attn.k_norm(k.reshape(heads))
     if rotates:
         cos, sin = position_embeddings
@@ -326,24 +326,24 @@ def attention_weights_requested() -> bool:
     return bool(collected) and "attentions" in collected
 
 
-def check_modules(layer, plan: LayerPlan) -> tuple:
+def check_modules(layer, plan: LayerPlan) -> dict:
     """The modules the fused forward reads in the layer's place; where they (or their classes)
     changed since the last check, whether it can read them and how the MLP's activation runs,
     the warnings for it left in ``plan.to_warn``. Called at patch time too, so that a traced
     forward (torch.compile) does not set them, which would make its graph's guards fail at the
     next call."""
-    mlp_fused = mlp_is_fused(layer, plan.arch, plan.classes)
-    modules = fused_modules(layer, plan.arch, mlp_fused)
-    seen = (modules, tuple(map(type, modules)))  # a class swapped in place (module.__class__ = ...) too
-    if seen == plan.modules and mlp_fused == plan.mlp_fused:
+    modules = fused_modules(layer, plan.arch, plan.classes)
+    # a module replaced, or a class swapped in place (module.__class__ = ...)
+    seen = (tuple(modules.items()), tuple(map(type, modules.values())))
+    if seen == plan.modules:
         return modules
-    plan.modules, plan.mlp_fused = seen, mlp_fused
-    plan.unfusable = why_unfusable(modules, plan.arch, plan.classes, mlp_fused)
-    act = layer.get_submodule(plan.arch.activation) if mlp_fused else None
+    plan.modules, plan.mlp_fused = seen, mlp_is_fused(layer, plan.arch, plan.classes)
+    plan.unfusable = why_unfusable(modules, plan.arch, plan.classes)
+    act = modules.get(plan.arch.activation)
     plan.activation = None if act is None else gate_activation(act)
     if plan.unfusable is not None:
         plan.to_warn = (f"codetta: a {type(layer).__name__} runs the model's own forward, unfused: {plan.unfusable}",)
-    elif plan.fuse_swiglu and plan.arch.gated_mlp and mlp_fused and plan.activation is None:
+    elif plan.fuse_swiglu and plan.arch.gated_mlp and act is not None and plan.activation is None:
         plan.to_warn = (f"codetta: a {type(layer).__name__}'s MLP activation is a {type(act).__name__}, which the "
                         "gate/up GEMM's epilogue does not compute (SiLU, GELU, ReLU): it runs as that module, "
                         "between the norm-folded gate/up GEMM and the down projection",)
@@ -374,7 +374,7 @@ def _fusable(layer, plan: LayerPlan, hidden_states) -> bool:
     if plan.unfusable is not None:
         return False
     attn = layer.self_attn
-    if plan.arch.qk_norm and plan.arch.norm_epsilon(attn.q_norm) != plan.arch.norm_epsilon(attn.k_norm):  # changed
+    if plan.arch.has_qk_norm(attn) and plan.arch.norm_epsilon(attn.q_norm) != plan.arch.norm_epsilon(attn.k_norm):
         warn_unfused("q_norm and k_norm have different epsilons (the fused QK-norm takes one)")
         return False
     # a stream the kernels cannot take with these weights (bf16 inputs_embeds given to an fp32 model):
@@ -392,7 +392,7 @@ def _fusable(layer, plan: LayerPlan, hidden_states) -> bool:
     if layer.training and rate > 0:
         warn_unfused(f"its residual dropout (p = {rate}) is on in training (the fused residual add has no dropout)")
         return False
-    hooked = hooked_module(modules, plan.arch, plan.mlp_fused)
+    hooked = hooked_module(modules)
     if hooked is not None and hooked != plan.hooked:
         warn_unfused(f"{hooked} has hooks or its own forward, which the fused forward would skip")
     plan.hooked = hooked

@@ -9,9 +9,10 @@ point. Without labels, or in eval mode (an evaluation loop reads the logits, and
 backward to keep memory for), the model's own forward runs. Granite divides its logits by
 ``config.logits_scaling``: the loss takes h / s and b / s, which give the same logits. Gemma 2,
 Gemma 3 and VaultGemma cap their logits to s tanh(logits / s) (``config.final_logit_softcapping``,
-where not None): so does the loss. A mixture of experts (Mixtral, ...) adds its routers'
-load-balancing loss where ``output_router_logits`` (the argument, else the config's) asks for
-it, by its modeling module's ``load_balancing_loss_func``, as its own forward does.
+where not None): so does the loss. A mixture of experts returns a ``MoeCausalLMOutputWithPast``
+(with the router logits where asked for); Mixtral's and the others of ``Architecture.router_loss``
+add their routers' load-balancing loss where ``output_router_logits`` (the argument, else the
+config's) asks for it, by the modeling module's ``load_balancing_loss_func``, as their own forward does.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def fused_causal_lm_forward(model, input_ids=None, attention_mask=None, position
     shift_labels = kwargs.pop("shift_labels", None)
     num_items = kwargs.pop("num_items_in_batch", None)
     return_dict = kwargs.pop("return_dict", None)
-    load_balancing_loss = model._codetta_patched["load_balancing_loss"]  # None but in a mixture of experts
+    load_balancing_loss = model._codetta_patched["load_balancing_loss"]  # None where the model adds no router loss
     if load_balancing_loss is not None:
         asked = kwargs.pop("output_router_logits", None)
         kwargs["output_router_logits"] = model.config.output_router_logits if asked is None else asked
@@ -95,15 +96,12 @@ def fused_causal_lm_forward(model, input_ids=None, attention_mask=None, position
         loss = loss / num_items
     # the base model's outputs but its last hidden state (the cache's field is named as the installed transformers names it)
     fields = {k: v for k, v in outputs.items() if k != "last_hidden_state"}
-    if load_balancing_loss is None:
-        result = CausalLMOutputWithPast(loss=loss, logits=None, **fields)
-    else:
-        aux_loss = None
-        if kwargs["output_router_logits"]:
-            aux_loss = load_balancing_loss(outputs.router_logits, model.num_experts, model.num_experts_per_tok,
-                                           attention_mask)
-            loss = loss + model.router_aux_loss_coef * aux_loss.to(loss.device)
-        result = MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=None, **fields)
+    if load_balancing_loss is not None and kwargs["output_router_logits"]:
+        fields["aux_loss"] = load_balancing_loss(outputs.router_logits, model.num_experts, model.num_experts_per_tok,
+                                                 attention_mask)
+        loss = loss + model.router_aux_loss_coef * fields["aux_loss"].to(loss.device)
+    output = MoeCausalLMOutputWithPast if model._codetta_patched["moe"] else CausalLMOutputWithPast
+    result = output(loss=loss, logits=None, **fields)
     if return_dict is False:  # to_tuple() drops None fields: keep the logits' place, as callers unpack by position
         return tuple(getattr(result, f.name) for f in dataclasses.fields(result)
                      if f.name == "logits" or getattr(result, f.name) is not None)
