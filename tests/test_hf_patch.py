@@ -106,6 +106,10 @@ MODELS = {
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1, first_k_dense_replace=1,
         use_qk_norm=True, partial_rotary_factor=0.5, attention_bias=True, routed_scaling_factor=2.5,
         output_router_logits=True)),
+    "moe_dots1_qk_norm_sliding_layers_grouped_router": ("Dots1ForCausalLM", dict(
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1, first_k_dense_replace=1,
+        n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, attention_bias=True, sliding_window=6,
+        max_window_layers=1, output_router_logits=True)),
 }
 NEW_FAMILIES = [key for key in MODELS if not key.startswith(("llama", "mistral", "qwen", "gqa"))]
 
