@@ -110,6 +110,9 @@ MODELS = {
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1, first_k_dense_replace=1,
         n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, attention_bias=True, sliding_window=6,
         max_window_layers=1, output_router_logits=True)),
+    "moe_solar_open_grouped_router": ("SolarOpenForCausalLM", dict(
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=2, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, attention_bias=True, output_router_logits=True)),
 }
 NEW_FAMILIES = [key for key in MODELS if not key.startswith(("llama", "mistral", "qwen", "gqa"))]
 

@@ -70,7 +70,9 @@ EXPERTS = {"Mixtral": ("num_local_experts", "num_experts_per_tok", "intermediate
            "Qwen3Moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
            "Ernie4_5_Moe": ("moe_num_experts", "moe_k", "moe_intermediate_size"),
            "Glm4Moe": ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"),
-           "Dots1": ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")}
+           "Dots1": ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"),
+           "SolarOpen": ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")}
+GROUPED_ROUTERS = ("Glm4Moe", "Dots1", "SolarOpen")
 
 
 @st.composite
@@ -159,11 +161,10 @@ def experts(draw, family, layers, all_experts):
     router's load-balancing loss (on or off, its weight; on only where a layer has experts:
     transformers' own fails without), which layers have a dense MLP (Qwen2-MoE's and Qwen3-MoE's
     ``mlp_only_layers`` and sparse step; the first layers of Ernie 4.5 MoE, GLM-4.5 and dots.llm1),
-    shared experts (Qwen2-MoE's gated one, Ernie's, GLM-4.5's, dots.llm1's), expert groups,
+    shared experts (Qwen2-MoE's gated one, Ernie's, GLM-4.5's, dots.llm1's, Solar Open's), expert groups,
     biases, sliding windows."""
     count, per_token, width = EXPERTS[family]
-    # GLM-4.5's and dots.llm1's routers sum each group's top two
-    n = draw(st.integers(2 if family in ("Glm4Moe", "Dots1") else 1, 4))
+    n = draw(st.integers(2 if family in GROUPED_ROUTERS else 1, 4))  # the router sums each group's top two
     config = {count: n, per_token: n if all_experts else draw(st.integers(1, n)), width: draw(st.integers(3, 40)),
               "router_aux_loss_coef": draw(st.sampled_from([0.001, 0.5])),
               # transformers' experts implementations that take any width (grouped_mm wants 16-byte strides)
@@ -181,19 +182,19 @@ def experts(draw, family, layers, all_experts):
         config.update(moe_num_shared_experts=draw(st.integers(0, 2)), moe_layer_start_index=draw(st.integers(0, 1)),
                       use_bias=draw(st.booleans()))
         sparse = sparse[config["moe_layer_start_index"]:]
-    if family == "Glm4Moe":  # its first layers dense, QK-norm or not, a shared expert, the routing weights scaled
-        config.update(first_k_dense_replace=draw(st.integers(0, 1)), use_qk_norm=draw(st.booleans()),
-                      n_shared_experts=draw(st.integers(0, 1)), routed_scaling_factor=draw(st.sampled_from([1.0, 2.5])),
-                      norm_topk_prob=draw(st.booleans()), attention_bias=draw(st.booleans()))
-    if family == "Dots1":  # its first layers dense, a shared expert, expert groups, sliding windows from a layer on
+    if family in GROUPED_ROUTERS:  # DeepSeek-V3's router: groups of experts, scaled weights; shared experts
         groups = draw(st.sampled_from([g for g in (1, 2) if n % g == 0 and n // g >= 2]))
-        config.update(first_k_dense_replace=draw(st.integers(0, 1)), n_shared_experts=draw(st.integers(1, 2)),
-                      n_group=groups, topk_group=groups if all_experts else draw(st.integers(1, groups)),
+        config.update(n_group=groups, topk_group=groups if all_experts else draw(st.integers(1, groups)),
+                      n_shared_experts=draw(st.integers(0 if family == "Glm4Moe" else 1, 2)),
                       routed_scaling_factor=draw(st.sampled_from([1.0, 2.5])), norm_topk_prob=draw(st.booleans()),
-                      attention_bias=draw(st.booleans()), sliding_window=draw(st.sampled_from([None, 3, 8])),
-                      max_window_layers=draw(st.integers(0, layers)))
-    if family in ("Glm4Moe", "Dots1"):
+                      attention_bias=draw(st.booleans()))
+    if family in ("Glm4Moe", "Dots1"):  # their first layers dense
+        config["first_k_dense_replace"] = draw(st.integers(0, 1))
         sparse = sparse[config["first_k_dense_replace"]:]
+    if family == "Glm4Moe":
+        config["use_qk_norm"] = draw(st.booleans())
+    if family == "Dots1":  # sliding windows from a layer on
+        config.update(sliding_window=draw(st.sampled_from([None, 3, 8])), max_window_layers=draw(st.integers(0, layers)))
     config["output_router_logits"] = bool(sparse) and draw(st.booleans())
     return config
 

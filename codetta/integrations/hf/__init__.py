@@ -77,9 +77,8 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
     Models: the causal LMs of the families in :data:`.architectures.ARCHITECTURES` (Llama, Mistral,
     Qwen2, Qwen3, Ministral, Ministral3, Cwm, SmolLM3, Helium, Ernie4_5, Phi3, Glm, SeedOss,
     Granite, Gemma, Arcee, Gemma2, Gemma3 (its text models), Glm4, VaultGemma; the mixtures of
-    experts Mixtral, Qwen2Moe, Qwen3Moe, Ernie4_5_Moe, Glm4Moe, Dots1, whose experts run as the model's
-    module:
-    ``LlamaForCausalLM``, ...),
+    experts Mixtral, Qwen2Moe, Qwen3Moe, Ernie4_5_Moe, Glm4Moe, Dots1, SolarOpen, whose experts run
+    as the model's module: ``LlamaForCausalLM``, ...),
     their bare decoder stacks (``LlamaModel``, ...) and the other heads transformers puts on them
     (``...ForSequenceClassification``, ``...ForTokenClassification``, ``...ForQuestionAnswering``).
 

@@ -238,6 +238,7 @@ ARCHITECTURES = {
     "Ernie4_5_Moe": Architecture(interleaved_rope=True, moe=True, router_loss=True),
     "Glm4Moe": Architecture(qk_norm="use_qk_norm", partial_rotary=True, moe=True),
     "Dots1": Architecture(qk_norm=True, sliding_window="module", moe=True),
+    "SolarOpen": Architecture(moe=True),
 }
 # The classes of a family that codetta patches: the causal LM (its decoder layers, and its LM head +
 # loss), the bare decoder stack and the other task heads on it (their decoder layers).
