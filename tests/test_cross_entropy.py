@@ -223,6 +223,18 @@ def test_bad_softcap(value):
         linear_cross_entropy(inputs["x"], inputs["weight"], inputs["target"], softcap=value)
 
 
+def test_numpy_scalars_taken_as_numbers():
+    """label_smoothing, z_loss and softcap as NumPy scalars (as F.cross_entropy takes them): the
+    loss of the same Python floats."""
+    import numpy as np
+    inputs = make(ignored=1)
+    options = dict(label_smoothing=0.25, z_loss=1e-2, softcap=0.75)  # exact in fp32
+    as_numpy = {name: np.float32(value) for name, value in options.items()}
+    with torch.no_grad():
+        loss = linear_cross_entropy(inputs["x"], inputs["weight"], inputs["target"], **as_numpy)
+    close(loss, pytorch(inputs, **options)[0])
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_single_row_vocab_131(reduction):
     check(make(lead=(1,), d=16, vocab=131, bias=True, norm=True), reduction)

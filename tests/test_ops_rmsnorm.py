@@ -3,6 +3,7 @@
 References are written the usual unfused way (F.rms_norm, F.linear) in float64.
 """
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -289,8 +290,14 @@ def test_stats_keep_their_x_alive():
     (lambda x, g, w: rmsnorm_linear(x, g, w, eps="1e-6"), "eps must be a number"),
     (lambda x, g, w: rmsnorm_linear(x, g.long(), w), "norm_weight must be floating point"),
     (lambda x, g, w: linear_residual(x, w, x[:, :5], bias=torch.zeros(5, dtype=torch.long, device=DEVICE)),
-     "bias must be floating point"),
-    (lambda x, g, w: linear_residual(x, w, x[:, :5], g.long()[:5]), "norm_weight must be floating point"),
+     r"bias must be a floating point \[5\] tensor"),
+    (lambda x, g, w: linear_residual(x, w, x[:, :5], g.long()[:5]), r"norm_weight must be a floating point \[5\]"),
+    # not tensors at all: named, as the other operators name them
+    (lambda x, g, w: linear_residual(x, w, x[:, :5], 1.0), "norm_weight must be a floating point .* got float"),
+    (lambda x, g, w: linear_residual(x, w, x[:, :5], bias=np.zeros(5, np.float32)), "bias must be .* got ndarray"),
+    (lambda x, g, w: linear_residual(x.numpy(force=True), w, x[:, :5]), "a must be a tensor"),
+    (lambda x, g, w: linear_residual(x, None, x[:, :5]), "weight 0 must be a tensor"),
+    (lambda x, g, w: linear_residual(x, w, [0.0] * 5), "residual must be a tensor"),
 ])
 def test_bad_arguments_are_named(call, message):
     x, g, w = torch.randn(4, 8, device=DEVICE), torch.ones(8, device=DEVICE), torch.randn(5, 8, device=DEVICE)

@@ -567,9 +567,9 @@ def _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size, l
                                    or chunk_size < 1):
         fail(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     for name, value, high in (("label_smoothing", label_smoothing, 1.0), ("z_loss", z_loss, math.inf)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= high:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value <= high:
             fail(f"{name} must be a number in [0, {high}], got {value!r}")
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
                                 or not 0.0 < softcap < math.inf):
         fail(f"softcap must be None or a positive finite number, got {softcap!r}")
 

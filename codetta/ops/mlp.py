@@ -51,7 +51,7 @@ from .rmsnorm import (NormStats, _check_norm_inputs, _linear_residual_op, _weigh
                       given_stats, rmsnorm_linear_backward, rstd_like, scaled, used_rstd)
 from .swiglu import _rmsnorm_swiglu_op, bias_grad_sums, bias_grads, rmsnorm_swiglu_reference
 from .weight_grads import for_autograd, run_backward, stacked_like, weight_grad
-from .shapes import check_biases, rows
+from .shapes import check_biases, check_vector, rows
 
 
 @direct_op("codetta::swiglu_mlp")
@@ -160,9 +160,8 @@ def swiglu_mlp(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_d
         raise ValueError(f"w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} differ")
     if w_down.shape != (d, f) or w_down.dtype != w_gate.dtype:
         raise ValueError(f"w_down must be [{d}, {f}] of {w_gate.dtype}, got {tuple(w_down.shape)} {w_down.dtype}")
-    if next_norm_weight is not None and (next_norm_weight.shape != (d,) or not next_norm_weight.is_floating_point()):
-        raise ValueError(f"next_norm_weight must be floating point [{d}], got {tuple(next_norm_weight.shape)} "
-                         f"{next_norm_weight.dtype}")
+    if next_norm_weight is not None:
+        check_vector("next_norm_weight", next_norm_weight, d, x.device)
     biases = check_biases(bias, ("b_gate", "b_up", "b_down"), (f, f, d), x.device)
     u, rstd = given_stats(x, stats, w_gate.dtype, norm_weight, eps)
     x2, u2, rstd2, *_ = _mlp_op(x, norm_weight, w_gate, w_up, w_down, float(eps), u, rstd, next_norm_weight,

@@ -74,7 +74,7 @@ from ..matmul.memory import merged_leading_dims
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .weight_grads import for_autograd, run_backward, stacked_like, weight_grads
-from .shapes import rows
+from .shapes import check_vector, rows
 
 # ---------------------------------------------------------------------------------------
 # Programs
@@ -497,6 +497,9 @@ def linear_residual(a: Tensor, weight, residual: Tensor, norm_weight: Tensor | N
         to :func:`rmsnorm_linear` (they carry no gradient of their own).
     """
     weights = _as_list(weight)
+    for name, t in (("a", a), ("residual", residual), *((f"weight {i}", w) for i, w in enumerate(weights))):
+        if not isinstance(t, Tensor) or t.dim() < 1:
+            raise ValueError(f"{name} must be a tensor of at least 1 dim, got {type(t).__name__}")
     if residual.shape[:-1] != a.shape[:-1] or residual.shape[-1] != sum(w.shape[0] for w in weights):
         raise ValueError(f"residual {tuple(residual.shape)} does not match a {tuple(a.shape)} @ W^T")
     for w in weights:
@@ -506,8 +509,8 @@ def linear_residual(a: Tensor, weight, residual: Tensor, norm_weight: Tensor | N
         raise ValueError(f"residual is {residual.dtype} but a is {a.dtype}: the residual must be in a's dtype, "
                          "or fp32 with 16-bit a and weights")
     for name, vec in (("norm_weight", norm_weight), ("bias", bias)):
-        if vec is not None and (vec.shape != (residual.shape[-1],) or not vec.is_floating_point()):
-            raise ValueError(f"{name} must be floating point [{residual.shape[-1]}], got {tuple(vec.shape)} {vec.dtype}")
+        if vec is not None:
+            check_vector(name, vec, residual.shape[-1], residual.device)
     check_eps(eps=eps)
     x, u, rstd = _linear_residual_op(a, weights, residual, bias, norm_weight, float(eps), check_branch_scale(branch_scale))
     return x if norm_weight is None else (x, NormStats.of(u, rstd, x, norm_weight, eps))

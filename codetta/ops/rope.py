@@ -77,7 +77,7 @@ from .rmsnorm import (_check_norm_inputs, _weight_t, check_eps, given_stats, nor
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .weight_grads import for_autograd, run_backward, stacked_like
-from .shapes import check_biases, concat_biases, rows
+from .shapes import check_biases, check_vector, concat_biases, rows
 
 
 def _pair_segment(rotary_dim: int, interleaved: bool) -> int:
@@ -449,11 +449,7 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
             raise ValueError(f"QK-norm needs a head_dim that is a power of two (the epilogue sums whole heads as "
                              f"power-of-two segments), got {head_dim}")
         for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
-            if not isinstance(w, Tensor) or w.shape != (head_dim,):
-                raise ValueError(f"{name} must be a tensor [head_dim = {head_dim}], got "
-                                 f"{tuple(w.shape) if isinstance(w, Tensor) else type(w).__name__}")
-            if w.device != x.device:
-                raise ValueError(f"{name} is on {w.device} but x is on {x.device}")
+            check_vector(name, w, head_dim, x.device)
     if cos_sin is None:
         cos, sin = _tables_of_positions(positions, inv_freq, rotary_dim, attention_scaling, x)
     else:

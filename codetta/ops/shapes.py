@@ -15,6 +15,13 @@ def rows(t: Tensor) -> Tensor:
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
+def check_vector(name: str, t, n: int, device) -> None:
+    """``t`` must be a floating point [n] tensor on ``device`` (a norm weight, a bias)."""
+    if not isinstance(t, Tensor) or t.shape != (n,) or not t.is_floating_point() or t.device != device:
+        got = f"{tuple(t.shape)} {t.dtype} {t.device}" if isinstance(t, Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be a floating point [{n}] tensor on {device}, got {got}")
+
+
 def check_biases(bias, names: tuple[str, ...], dims: tuple[int, ...], device) -> tuple:
     """``bias`` (None, or a tuple of one optional vector per name) checked: each a floating point
     vector of its projection's outputs (``dims``) on ``device``; returned as a tuple (Nones without)."""
@@ -24,10 +31,8 @@ def check_biases(bias, names: tuple[str, ...], dims: tuple[int, ...], device) ->
         got = f"{len(bias)} entries" if isinstance(bias, (tuple, list)) else f"a {type(bias).__name__}"
         raise ValueError(f"bias must be a tuple ({', '.join(names)}), each a tensor or None, got {got}")
     for name, b, n in zip(names, bias, dims):
-        if b is not None and (not isinstance(b, Tensor) or b.shape != (n,) or not b.is_floating_point()
-                              or b.device != device):
-            got = f"{tuple(b.shape)} {b.dtype} {b.device}" if isinstance(b, Tensor) else type(b).__name__
-            raise ValueError(f"{name} must be a floating point [{n}] tensor on {device}, got {got}")
+        if b is not None:
+            check_vector(name, b, n, device)
     return tuple(bias)
 
 
