@@ -388,6 +388,33 @@ def test_num_items_in_batch_and_shift_labels():
     assert_same_training_step(ref, model, input_ids=ids, shift_labels=shifted, labels=ids)
 
 
+def test_labels_flattened_as_the_model_flattens_them():
+    """The model's loss flattens its logits and labels: a batch of one may come with 1-d labels
+    (and shift_labels); labels of another count of tokens are refused, as by the model."""
+    ref = tiny("Qwen2ForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (1, 11), device=DEVICE)
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids[0])
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids[0], shift_labels=torch.roll(ids[0], -1))
+    for m in (ref, model):
+        with pytest.raises(ValueError):
+            m(input_ids=ids, labels=ids[0, :7])
+
+
+def test_a_second_backward_of_the_fused_loss_says_how_to_unfuse_it():
+    """The fused loss hands out gradients computed in its forward once: a second backward through
+    it (retain_graph=True) is refused, naming codetta.patch's cross_entropy=False, whose loss (the
+    model's own) takes it."""
+    ids = torch.randint(0, VOCAB, (2, 6), device=DEVICE)
+    loss = codetta.patch(tiny("LlamaForCausalLM"))(input_ids=ids, labels=ids).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"backpropagated already.*codetta.patch\(model, cross_entropy=False\)"):
+        loss.backward()
+    loss = codetta.patch(tiny("LlamaForCausalLM"), cross_entropy=False)(input_ids=ids, labels=ids).loss
+    loss.backward(retain_graph=True)
+    loss.backward()
+
+
 def test_a_batch_without_targets_and_num_items_in_batch_zero():
     """The Trainer's num_items_in_batch is 0 when an accumulated batch has no target token (completion-
     only fine-tuning, a truncated response): the loss is nan, every gradient exactly 0 (not nan: one
@@ -1065,6 +1092,11 @@ def test_unsupported_models_and_options_are_refused_untouched():
     with pytest.raises(UnsupportedModelError, match="forward of its own.*added after patching"):
         codetta.patch(custom_layer)
     assert all("forward" not in layer.__dict__ for layer in custom_layer.model.layers)
+    llama = tiny("LlamaForCausalLM")
+    for wrapper, inner in ((torch.compile(llama), "_orig_mod"), (torch.nn.DataParallel(llama), "module")):
+        with pytest.raises(UnsupportedModelError, match=rf"a wrapper of a LlamaForCausalLM: .*model\.{inner}\)"):
+            codetta.patch(wrapper)
+    assert all("forward" not in layer.__dict__ for layer in llama.model.layers)
     sharded = tiny("LlamaForCausalLM")  # FSDP2's fully_shard(model) swaps in a class of its own
     sharded.__class__ = type("FSDPLlamaForCausalLM", (transformers.LlamaForCausalLM,), {})
     with pytest.raises(UnsupportedModelError, match="subclass of LlamaForCausalLM.*patch, then wrap"):

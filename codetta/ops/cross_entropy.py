@@ -486,7 +486,8 @@ def _autograd_backward(ctx, grad_loss, *_grad_gradients):
                 "codetta::linear_cross_entropy: this loss was backpropagated already. Its gradients are computed "
                 "in the forward and handed out (scaled in place) by the first backward, so a second backward through "
                 "the same graph (retain_graph=True) cannot give them again: compute the loss again, or use "
-                "reduction='none' (its backward recomputes the logits) and reduce the losses yourself")
+                "reduction='none' (its backward recomputes the logits) and reduce the losses yourself; a model "
+                "patched by codetta.patch computes its loss unfused with codetta.patch(model, cross_entropy=False)")
         ctx.gradients_handed_out = True
         dx, dw, db, dg, any_counted = ctx.saved_tensors
         # PyTorch gives ignored rows no gradient whatever grad_output is: with no target counted, every

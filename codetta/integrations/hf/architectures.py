@@ -439,11 +439,17 @@ def architecture_of(model) -> Architecture:
     found = family_and_kind(type(model))
     if found is None:
         base = next((c.__name__ for c in type(model).__mro__[1:] if family_and_kind(c)), None)
+        # torch.compile's OptimizedModule keeps the model as _orig_mod, DataParallel and DDP as module
+        wrapped = next((name for name in ("_orig_mod", "module") if isinstance(getattr(model, name, None), torch.nn.Module)
+                        and family_and_kind(type(getattr(model, name)))), None)
         if type(model).__name__ in MULTIMODAL:
             why = (" (a multimodal model: patch its text decoder, its language_model, a Gemma3TextModel; or use "
                    "Gemma3ForCausalLM for text)")
         elif family_and_kind(type(model), any_module=True):  # e.g. a model's remote code (trust_remote_code=True)
             why = f" from {type(model).__module__}, not transformers' own class of that name, whose forward codetta computes"
+        elif wrapped:
+            why = (f" (a wrapper of a {type(getattr(model, wrapped)).__name__}: patch the model before wrapping it, "
+                   f"or the model it wraps, model.{wrapped})")
         elif base:
             why = (f" (a subclass of {base}: codetta patches transformers' classes themselves, not a subclass that "
                    "may compute otherwise; a wrapper's, as FSDP2's fully_shard(model) makes, is patched before "

@@ -90,8 +90,11 @@ def fused_causal_lm_forward(model, input_ids=None, attention_mask=None, position
         scale = model.config.logits_scaling
         hidden, bias = hidden / scale, None if bias is None else bias / scale
     softcap = model.config.final_logit_softcapping if model._codetta_patched["logit_softcap"] else None
-    loss = linear_cross_entropy(hidden, weight, shift_labels.to(weight.device), bias=bias, ignore_index=ignore_index,
-                                reduction="mean" if num_items is None else "sum", softcap=softcap)
+    # the rows and the labels flattened, as the model's loss flattens its logits and labels (a batch
+    # of one may come with 1-d labels)
+    loss = linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), weight, shift_labels.reshape(-1).to(weight.device),
+                                bias=bias, ignore_index=ignore_index, reduction="mean" if num_items is None else "sum",
+                                softcap=softcap)
     if num_items is not None:
         loss = loss / num_items
     # the base model's outputs but its last hidden state (the cache's field is named as the installed transformers names it)
