@@ -280,6 +280,9 @@ def test_scalar_takes_any_real_number_within_float_range():
     assert torch.equal(codetta.gemm(a, b, operand_program(), **{**ops, "s": np.int64(1)})["y"], ref + 0.5)
     with pytest.raises(EpilogueError, match=r"'s' .*: 10+ is beyond a float's range"):
         codetta.gemm(a, b, operand_program(), **{**ops, "s": 10**400})
+    codetta.gemm(a, b, operand_program(), **{**ops, "s": 2})  # a plan kept for an int s checks each value
+    with pytest.raises(EpilogueError, match=r"'s' .*: 10+ is beyond a float's range"):
+        codetta.gemm(a, b, operand_program(), **{**ops, "s": 10**400})
 
 
 def test_bool_operand_is_refused():
@@ -310,6 +313,35 @@ def test_mixing_full_and_half_widths_is_refused_at_build_time(combine):
     g, _ = ep.pairs(p.acc)
     with pytest.raises(EpilogueError, match=r"program 'mixed': .* \(width mismatch\)"):
         combine(p, g)
+
+
+@pytest.mark.parametrize("use", [
+    lambda p, c: c + 1.0, lambda p, c: ep.exp(c), lambda p, c: ep.maximum(p.acc, c), lambda p, c: ep.fma(c, p.acc, 1.0),
+    lambda p, c: ep.round_to(c, torch.bfloat16), lambda p, c: ep.pairs(c), lambda p, c: ep.join(*ep.pairs(p.acc)) + c,
+    lambda p, c: ep.join(ep.pairs(p.acc)[0] > 0, ep.pairs(p.acc)[1]), lambda p, c: ep.segment_sum(c, 4),
+    lambda p, c: ep.segment_max(c, 4), lambda p, c: ep.where(c, c, 0.0),
+], ids=["add", "exp", "maximum", "fma", "round_to", "pairs", "add_after_join", "join", "segment_sum", "segment_max",
+        "where_branch"])
+def test_booleans_computed_with_as_numbers_are_refused(use):
+    """A comparison's result is a boolean: only where(), the logical operators and not take it;
+    anything computing with it as a number is refused when built (a boolean tile would reach
+    arithmetic the generated kernel cannot do)."""
+    p = ep.Program("bools")
+    with pytest.raises(EpilogueError, match=r"program 'bools': .*(of a boolean value; use where|between numbers)"):
+        use(p, p.acc > 0)
+
+
+def test_booleans_stored_or_reduced_and_logic_of_numbers_are_refused():
+    p = ep.Program("logic")
+    for write in (lambda c: p.store("y", c), lambda c: p.row_sum("s", c), lambda c: p.col_sum("s", c)):
+        with pytest.raises(EpilogueError, match=r"program 'logic': output '.' is boolean; use where\(\)"):
+            write(p.acc > 0)
+    with pytest.raises(EpilogueError, match="'not' needs a boolean value"):
+        ~p.acc
+    with pytest.raises(EpilogueError, match="'and' needs two boolean values"):
+        (p.acc > 0) & p.acc
+    with pytest.raises(EpilogueError, match=r"accumulate must be a bool, got 'yes'"):
+        p.store("y", p.acc, accumulate="yes")
 
 
 @pytest.mark.parametrize("build", [lambda: ep.maximum(1.0, 2.0), lambda: ep.join(1.0, 2.0), lambda: ep.fma(1.0, 2.0, 3.0)],

@@ -195,13 +195,19 @@ def _broadcast(program, op, *values):
     return any(v.rows for v in values), (widths.pop() if widths else None)
 
 
+def _numbers(p, op, *values) -> None:
+    """Refuse a boolean (a comparison's) among values that ``op`` computes with as numbers."""
+    if any(v.is_bool for v in values):
+        raise EpilogueError(f"program {p.name!r}: {op} of a boolean value; use where()")
+
+
 def _unary(op, x):
     p = _program_of(x)
     if op == "not":
         if not x.is_bool:
             raise EpilogueError(f"program {p.name!r}: 'not' needs a boolean value")
-    elif x.is_bool:
-        raise EpilogueError(f"program {p.name!r}: {op} of a boolean value; use where()")
+    else:
+        _numbers(p, op, x)
     return Expr(p, op, (x,), rows=x.rows, width=x.width, is_bool=op == "not")
 
 
@@ -212,8 +218,8 @@ def _binary(op, x, y):
     if op in LOGICAL:
         if not (x.is_bool and y.is_bool):
             raise EpilogueError(f"program {p.name!r}: {op!r} needs two boolean values")
-    elif x.is_bool or y.is_bool:
-        raise EpilogueError(f"program {p.name!r}: {op} of a boolean value; use where()")
+    else:
+        _numbers(p, op, x, y)
     return Expr(p, op, (x, y), rows=rows, width=width, is_bool=op in COMPARISONS + LOGICAL)
 
 
@@ -272,6 +278,7 @@ def fma(x, y, z):
     """x * y + z with one rounding."""
     p = _program_of(x, y, z)
     x, y, z = (_as_expr(p, v) for v in (x, y, z))
+    _numbers(p, "fma()", x, y, z)
     rows, width = _broadcast(p, "fma", x, y, z)
     return Expr(p, "fma", (x, y, z), rows=rows, width=width)
 
@@ -281,11 +288,14 @@ def round_to(x, dtype):
     p = _program_of(x)
     if dtype not in STORE_DTYPES:
         raise EpilogueError(f"program {p.name!r}: round_to() takes one of {STORE_DTYPES}, got {dtype}")
+    _numbers(p, "round_to()", x)
     return Expr(p, "round_to", (x,), attrs=(dtype,), rows=x.rows, width=x.width)
 
 
 def _check_segment(p, what, x, segment, need_width=None) -> int:
-    """``segment`` as a Python int (numpy's integers too), checked: a power of two >= 2."""
+    """``segment`` as a Python int (numpy's integers too), checked: a power of two >= 2; x a number
+    (not a boolean) that varies over columns (over the N columns with ``need_width`` FULL)."""
+    _numbers(p, what, x)
     if isinstance(segment, numbers.Integral) and not isinstance(segment, bool):
         segment = int(segment)
     if not isinstance(segment, int) or segment < 2 or segment % 2 or segment & (segment - 1):
@@ -316,6 +326,7 @@ def join(first, second, segment=2):
     """Inverse of :func:`pairs`: interleave two pair-space values back into N columns."""
     p = _program_of(first, second)
     first, second = _as_expr(p, first), _as_expr(p, second)
+    _numbers(p, "join()", first, second)
     rows, width = _broadcast(p, "join()", first, second)
     if width is not HALF:
         raise EpilogueError(f"program {p.name!r}: join() needs values over the N/2 column pairs")
@@ -526,6 +537,8 @@ class Program:
         """
         if dtype is not None and dtype not in STORE_DTYPES:
             raise EpilogueError(f"program {self.name!r}: store dtype must be one of {STORE_DTYPES}, got {dtype}")
+        if not isinstance(accumulate, bool):
+            raise EpilogueError(f"program {self.name!r}: accumulate must be a bool, got {accumulate!r}")
         if accumulate and name in GEMM_PARAMETERS:  # its tensor is passed to codetta.gemm by this name
             raise EpilogueError(f"program {self.name!r}: an accumulating store cannot be named {name!r} "
                                 "(a parameter of codetta.gemm)")

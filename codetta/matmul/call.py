@@ -64,6 +64,17 @@ def check_device(device: torch.device, what: str = "a") -> None:
         raise GemmError(f"codetta's kernels run on a CPU in Triton's interpreter, but {problem}")
 
 
+def scalar_operand(value, what: str) -> float:
+    """A scalar operand as the float the kernel takes; a clear error for anything but a real
+    number within a float's range (checked at every call: a plan is kept by the operand's type)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise EpilogueError(f"{what} is a scalar: pass a number, got {type(value).__name__}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise EpilogueError(f"{what}: {value!r} is beyond a float's range") from None
+
+
 class Call:
     """One checked call: the GEMM's operands and layout, the program's operands and outputs."""
 
@@ -139,6 +150,9 @@ class Call:
                     f"{self.width(width)} is no multiple of {seg}"
                 )
 
+    def describe_operand(self, name: str) -> str:
+        return f"operand {name!r} of program {self.program.name!r}"
+
     def _check_operands(self, operands):
         p = self.program
         accum = {o.name for o in p.outputs.values() if o.kind == "store" and o.accumulate}
@@ -157,14 +171,9 @@ class Call:
         for name, value in operands.items():
             op = p.operands.get(name)
             kind = op.kind if op else "accumulate"
-            what = f"operand {name!r} of program {p.name!r}"
+            what = self.describe_operand(name)
             if kind == "scalar":
-                if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                    raise EpilogueError(f"{what} is a scalar: pass a number, got {type(value).__name__}")
-                try:
-                    checked[name] = float(value)
-                except OverflowError:
-                    raise EpilogueError(f"{what}: {value!r} is beyond a float's range") from None
+                checked[name] = scalar_operand(value, what)
                 continue
             check_tensor(value, what, self.device)
             if kind == "row":

@@ -15,7 +15,7 @@ from ..epilogue.codegen import kernel_args, load_kernel
 from ..epilogue.ir import FULL
 from ..interpreter import INTERPRETER_LOCK, interpreting
 from ..kernels import finish as finishing
-from .call import MAX_B_PARTS, GemmError, rows_view
+from .call import MAX_B_PARTS, GemmError, rows_view, scalar_operand
 from .config import SharedMemory
 from .path import b_arrangement, one_k_loop, operand_layout
 
@@ -72,7 +72,8 @@ class Plan:
         self.interpret = interpreting()
         # per operand: how the value passed becomes the kernel's view (see Call._check_operands)
         accum = [o.name for o in p.outputs.values() if o.kind == "store" and o.accumulate]
-        prepare = {name: _preparation(value, c.given[name], name in accum) for name, value in c.operands.items()}
+        prepare = {name: _preparation(value, c.given[name], name in accum, c.describe_operand(name))
+                   for name, value in c.operands.items()}
         self.prepare = [(name, prep) for name, prep in prepare.items() if prep is not None]  # the others as given
         self.accumulate = accum
         written = [o for o in p.outputs.values() if (o.kind == "store" and not o.accumulate) or o.segment]
@@ -235,11 +236,12 @@ def finished(name, partials, shape, finish_fn, out=None):
     return val if out is None else out.copy_(val)
 
 
-def _preparation(view, given, in_place):
+def _preparation(view, given, in_place, what):
     """How an operand as passed becomes the view the kernel reads or, ``in_place``, writes
-    (the plan checked that it is a view); a scalar becomes a float; None: as it is."""
+    (the plan checked that it is a view); a scalar becomes a float (checked: a plan is kept by
+    its type, not its value); None: as it is."""
     if not isinstance(view, torch.Tensor):
-        return float
+        return functools.partial(scalar_operand, what=what)
     shape = tuple(view.shape)
     if tuple(given.shape) == shape:
         return None
