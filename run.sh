@@ -31,7 +31,7 @@ if ! "$py" -c "import torch, triton" >/dev/null 2>&1; then
     cpu_index=(--extra-index-url https://download.pytorch.org/whl/cpu)
   fi
   "$py" -m pip install -q ${cpu_index[@]+"${cpu_index[@]}"} -r "$requirements"
-elif ! "$py" -c "import numpy, pytest, xdist, hypothesis, transformers, tqdm, matplotlib" >/dev/null 2>&1; then
+elif ! "$py" -c "import numpy, pytest, xdist, hypothesis, transformers, peft, tqdm, matplotlib" >/dev/null 2>&1; then
   # A machine with its own torch and Triton (a GPU's): they stay; the other pinned packages.
   "$py" -m pip install -q -r <(grep -v -E '^(torch|triton)==' "$requirements")
 fi

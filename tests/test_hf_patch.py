@@ -1228,6 +1228,38 @@ def test_a_layer_fuses_again_once_its_modules_are_plain():
     assert model.model.layers[0]._codetta_plan.unfusable is None
 
 
+def test_peft_lora_adapters_on_a_patched_model():
+    """PEFT's LoRA on a patched model (get_peft_model after codetta.patch): the layers whose
+    projections carry an adapter run the model's own forward (warned), the others stay fused; the
+    loss and every gradient (the adapters' too) equal the unpatched model's with the same adapters;
+    merge_and_unload gives plain projections, which fuse again. The PEFT wrapper itself is refused,
+    naming the model inside."""
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], layers_to_transform=[1],
+                           lora_dropout=0.0)
+    base = tiny("LlamaForCausalLM")
+    ref = peft.get_peft_model(copy.deepcopy(base), lora)
+    with torch.no_grad():  # PEFT starts lora_B at 0, where the adapters would change nothing
+        for name, param in ref.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+    model = peft.get_peft_model(codetta.patch(copy.deepcopy(base)), lora)
+    model.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    with pytest.warns(UserWarning, match="LlamaDecoderLayer runs the model's own forward, unfused: self_attn.q_proj is a peft"):
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    layers = model.get_base_model().model.layers
+    assert [layer._codetta_plan.unfusable is not None for layer in layers] == [False, True]
+    assert any(p.grad is not None and "lora_A" in n for n, p in model.named_parameters())
+    with pytest.raises(codetta.UnsupportedModelError, match=r"got PeftModel.*model.get_base_model\(\)"):
+        codetta.patch(peft.get_peft_model(copy.deepcopy(base), lora))
+    ref, model = ref.merge_and_unload().requires_grad_(), model.merge_and_unload().requires_grad_()  # PEFT froze them
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    assert all(layer._codetta_plan.unfusable is None for layer in model.model.layers)
+
+
 @pytest.mark.parametrize("when", ["before_patch", "after_patch"])
 @pytest.mark.parametrize("activation, fused_as", [(torch.nn.GELU(approximate="tanh"), "gelu_tanh"),
                                                   (torch.nn.GELU(), "gelu"), (torch.nn.ReLU(), "relu"),

@@ -435,21 +435,33 @@ def why_unfusable(modules: dict, arch: Architecture, classes: ModelClasses):
     return None
 
 
+def _wrapped_model(model):
+    """(the model, how to reach it) where ``model`` wraps one codetta patches: torch.compile's
+    OptimizedModule (``_orig_mod``), DataParallel's and DDP's ``module``, a PEFT model's
+    ``get_base_model()``; else None."""
+    get_base_model = getattr(model, "get_base_model", None)
+    for inner, where in ((getattr(model, "_orig_mod", None), "model._orig_mod"),
+                         (getattr(model, "module", None), "model.module"),
+                         (get_base_model() if callable(get_base_model) else None, "model.get_base_model()")):
+        if isinstance(inner, torch.nn.Module) and family_and_kind(type(inner)):
+            return inner, where
+    return None
+
+
 def architecture_of(model) -> Architecture:
     found = family_and_kind(type(model))
     if found is None:
         base = next((c.__name__ for c in type(model).__mro__[1:] if family_and_kind(c)), None)
-        # torch.compile's OptimizedModule keeps the model as _orig_mod, DataParallel and DDP as module
-        wrapped = next((name for name in ("_orig_mod", "module") if isinstance(getattr(model, name, None), torch.nn.Module)
-                        and family_and_kind(type(getattr(model, name)))), None)
+        wrapped = _wrapped_model(model)
         if type(model).__name__ in MULTIMODAL:
             why = (" (a multimodal model: patch its text decoder, its language_model, a Gemma3TextModel; or use "
                    "Gemma3ForCausalLM for text)")
         elif family_and_kind(type(model), any_module=True):  # e.g. a model's remote code (trust_remote_code=True)
             why = f" from {type(model).__module__}, not transformers' own class of that name, whose forward codetta computes"
         elif wrapped:
-            why = (f" (a wrapper of a {type(getattr(model, wrapped)).__name__}: patch the model before wrapping it, "
-                   f"or the model it wraps, model.{wrapped})")
+            inner, where = wrapped
+            why = (f" (a wrapper of a {type(inner).__name__}: patch the model before wrapping it, or the model it "
+                   f"wraps, {where})")
         elif base:
             why = (f" (a subclass of {base}: codetta patches transformers' classes themselves, not a subclass that "
                    "may compute otherwise; a wrapper's, as FSDP2's fully_shard(model) makes, is patched before "
