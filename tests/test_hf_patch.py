@@ -23,6 +23,7 @@ from conftest import DEVICE
 from unfused_roundings import worse_of_two_roundings
 
 transformers = pytest.importorskip("transformers")
+from codetta.integrations.hf.architectures import ATTENTION, MLP  # noqa: E402 (it imports transformers)
 
 VOCAB = 96
 
@@ -1177,13 +1178,14 @@ def _with_own_forward(module):
     return new
 
 
-UNFUSABLE = {
-    "lora_wrapper": ("model.layers.1.self_attn.v_proj", LoraLike),
-    "linear_subclass_with_own_forward": ("model.layers.0.mlp.up_proj", _scaled),
-    "lora_lm_head": ("lm_head", LoraLike),
-    "attention_with_own_forward": ("model.layers.1.self_attn", _with_own_forward),
-    "mlp_with_own_forward": ("model.layers.0.mlp", _with_own_forward),
-    "norm_with_own_forward": ("model.layers.1.post_attention_layernorm", _with_own_forward),
+UNFUSABLE = {  # (the module wrapped, the wrapper, the half of its layer then unfused: None for the loss)
+    "lora_wrapper": ("model.layers.1.self_attn.v_proj", LoraLike, ATTENTION),
+    "linear_subclass_with_own_forward": ("model.layers.0.mlp.up_proj", _scaled, MLP),
+    "lora_lm_head": ("lm_head", LoraLike, None),
+    "attention_with_own_forward": ("model.layers.1.self_attn", _with_own_forward, ATTENTION),
+    "mlp_with_own_forward": ("model.layers.0.mlp", _with_own_forward, MLP),
+    "norm_with_own_forward": ("model.layers.1.post_attention_layernorm", _with_own_forward, MLP),
+    "input_norm_with_own_forward": ("model.layers.0.input_layernorm", _with_own_forward, ATTENTION),
 }
 
 
@@ -1191,10 +1193,11 @@ UNFUSABLE = {
 @pytest.mark.parametrize("when", ["before_patch", "after_patch"])
 def test_modules_the_fused_forward_cannot_read_run_unfused(key, when):
     """A projection whose own forward adds something (a LoRA wrapper) or computes otherwise (a
-    quantized layer) cannot be read through its weight: wrapped before or after patching, its
-    layer (or the loss) runs the model's own forward, with a warning, and the training step
-    equals the unpatched model's; the other layers stay fused."""
-    path, make = UNFUSABLE[key]
+    quantized layer) cannot be read through its weight, nor a norm, attention or MLP of a class
+    with a forward of its own: wrapped before or after patching, the half of its layer it belongs
+    to (or the loss) runs as the model's own modules, with a warning, and the training step
+    equals the unpatched model's; the other half and the other layers stay fused."""
+    path, make, half = UNFUSABLE[key]
     ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
     ref = tiny("LlamaForCausalLM")
     plain = copy.deepcopy(ref)
@@ -1210,7 +1213,63 @@ def test_modules_the_fused_forward_cannot_read_run_unfused(key, when):
         assert_same_training_step(ref, model, input_ids=ids, labels=ids)
     plans = [layer._codetta_plan for layer in model.model.layers]
     wrapped_layer = int(path.split(".")[2]) if path.startswith("model.layers") else None
-    assert [p.unfusable is not None for p in plans] == [i == wrapped_layer for i in range(len(plans))]
+    assert [p.unfused_half for p in plans] == [half if i == wrapped_layer else None for i in range(len(plans))]
+    assert all(p.unfusable is None for p in plans)
+
+
+HALVES = {  # a model of MODELS: (a module of its attention half, one of its MLP half), in layer 1
+    "llama": ("self_attn.q_proj", "mlp.down_proj"),
+    "granite_multipliers": ("self_attn.o_proj", "mlp.gate_proj"),  # residual multipliers
+    "phi3_fused_projections_partial_rope": ("self_attn.qkv_proj", "mlp.gate_up_proj"),  # residual dropout modules
+    "qwen3_qk_norm": ("self_attn.k_proj", "mlp.up_proj"),
+    "moe_qwen2_shared_expert_dense_layer": ("self_attn.v_proj", "mlp.down_proj"),  # its layer 1 dense
+}
+
+
+@pytest.mark.parametrize("half", [ATTENTION, MLP])
+@pytest.mark.parametrize("key, checkpointing", [(key, False) for key in sorted(HALVES)] + [("llama", True)])
+def test_one_half_as_the_models_modules_the_other_fused(key, checkpointing, half, monkeypatch):
+    """A LoRA-like wrapper on one projection of layer 1: that half of the layer runs as the model's
+    own modules (its norm, its attention or MLP, the residual add as the layer makes it), the
+    other half fused (its GEMMs counted), the first layer whole; the training step equals the
+    unpatched model's, with gradient checkpointing too."""
+    name, overrides = MODELS[key]
+    ref = tiny(name, num_hidden_layers=2, **overrides)
+    _wrap(ref, f"model.layers.1.{HALVES[key][half == MLP]}", LoraLike)
+    model = codetta.patch(copy.deepcopy(ref))
+    if checkpointing:
+        enable_checkpointing(ref), enable_checkpointing(model)
+    fused_attention = count_calls(monkeypatch, "codetta.integrations.hf.layer._rotated_qkv")
+    fused_mlp = count_calls(monkeypatch, "codetta.integrations.hf.layer._mlp_residual")
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    with pytest.warns(UserWarning, match=f"'s {half} half runs as the model's own modules, unfused"):
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    forwards = 2 if checkpointing else 1  # recomputed in the backward
+    fused = (1, 2) if half == ATTENTION else (2, 1)  # (layers with a fused attention half, with a fused MLP half)
+    assert (len(fused_attention), len(fused_mlp)) == (fused[0] * forwards, fused[1] * forwards)
+    assert [layer._codetta_plan.unfused_half for layer in model.model.layers] == [None, half]
+
+
+def test_both_halves_unfusable_run_the_layers_own_forward():
+    """A layer both of whose halves have modules the fused forward cannot read runs its own
+    forward whole; so does a half-unfusable layer of a family whose halves do not separate (a
+    norm on each sublayer's output: Gemma 2)."""
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    ref = tiny("LlamaForCausalLM")
+    for path in ("model.layers.1.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+        _wrap(ref, path, LoraLike)
+    model = codetta.patch(copy.deepcopy(ref))
+    with pytest.warns(UserWarning, match="a LlamaDecoderLayer runs the model's own forward, unfused: self_attn.q_proj"):
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    assert [(p.unfusable is not None, p.unfused_half) for p in (l._codetta_plan for l in model.model.layers)] == [
+        (False, None), (True, None)]
+    name, overrides = MODELS["gemma2_sandwich_norms_softcaps"]
+    ref = tiny(name, **overrides)
+    _wrap(ref, "model.layers.0.mlp.up_proj", LoraLike)
+    model = codetta.patch(copy.deepcopy(ref))
+    with pytest.warns(UserWarning, match="a Gemma2DecoderLayer runs the model's own forward, unfused: mlp.up_proj"):
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    assert model.model.layers[0]._codetta_plan.unfusable is not None
 
 
 def test_a_layer_fuses_again_once_its_modules_are_plain():
@@ -1223,19 +1282,21 @@ def test_a_layer_fuses_again_once_its_modules_are_plain():
     attn.v_proj = LoraLike(plain_v)
     with pytest.warns(UserWarning, match="unfused"):
         model(input_ids=ids, labels=ids)
+    assert model.model.layers[0]._codetta_plan.unfused_half == ATTENTION
     attn.v_proj = plain_v
     assert_same_training_step(ref, model, input_ids=ids, labels=ids)
-    assert model.model.layers[0]._codetta_plan.unfusable is None
+    assert model.model.layers[0]._codetta_plan.unfused_half is None
 
 
 def test_peft_lora_adapters_on_a_patched_model():
-    """PEFT's LoRA on a patched model (get_peft_model after codetta.patch): the layers whose
-    projections carry an adapter run the model's own forward (warned), the others stay fused; the
-    loss and every gradient (the adapters' too) equal the unpatched model's with the same adapters;
-    merge_and_unload gives plain projections, which fuse again. The PEFT wrapper itself is refused,
-    naming the model inside."""
+    """PEFT's LoRA on a patched model (get_peft_model after codetta.patch), on PEFT's default
+    targets (q_proj, v_proj) of one layer: that layer's attention half runs as the model's own
+    modules (warned), its MLP half and the other layer stay fused; the loss and every gradient
+    (the adapters' too) equal the unpatched model's with the same adapters; merge_and_unload
+    gives plain projections, which fuse again. The PEFT wrapper itself is refused, naming the
+    model inside."""
     peft = pytest.importorskip("peft")
-    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], layers_to_transform=[1],
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], layers_to_transform=[1],
                            lora_dropout=0.0)
     base = tiny("LlamaForCausalLM")
     ref = peft.get_peft_model(copy.deepcopy(base), lora)
@@ -1246,10 +1307,11 @@ def test_peft_lora_adapters_on_a_patched_model():
     model = peft.get_peft_model(codetta.patch(copy.deepcopy(base)), lora)
     model.load_state_dict(ref.state_dict())
     ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
-    with pytest.warns(UserWarning, match="LlamaDecoderLayer runs the model's own forward, unfused: self_attn.q_proj is a peft"):
+    with pytest.warns(UserWarning, match="LlamaDecoderLayer's attention half runs as the model's own modules, unfused "
+                      r"\(its MLP half stays fused\): self_attn.q_proj is a peft"):
         assert_same_training_step(ref, model, input_ids=ids, labels=ids)
     layers = model.get_base_model().model.layers
-    assert [layer._codetta_plan.unfusable is not None for layer in layers] == [False, True]
+    assert [layer._codetta_plan.unfused_half for layer in layers] == [None, ATTENTION]
     assert any(p.grad is not None and "lora_A" in n for n, p in model.named_parameters())
     with pytest.raises(codetta.UnsupportedModelError, match=r"got PeftModel.*model.get_base_model\(\)"):
         codetta.patch(peft.get_peft_model(copy.deepcopy(base), lora))
@@ -1257,7 +1319,7 @@ def test_peft_lora_adapters_on_a_patched_model():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert_same_training_step(ref, model, input_ids=ids, labels=ids)
-    assert all(layer._codetta_plan.unfusable is None for layer in model.model.layers)
+    assert all(layer._codetta_plan.unfused_half is None for layer in model.model.layers)
 
 
 @pytest.mark.parametrize("when", ["before_patch", "after_patch"])

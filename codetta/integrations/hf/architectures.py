@@ -335,6 +335,28 @@ def fused_modules(layer, arch: Architecture, classes: ModelClasses) -> dict:
     return {path: layer.get_submodule(path) for path in _fused_paths(layer, arch, classes)}
 
 
+# The two halves of a decoder layer, each a norm, a sublayer and a residual add: where the modules of
+# one half cannot be fused (a PEFT adapter on its projections, hooks on them), that half runs as the
+# model's own modules and the other stays fused (:func:`halves_separate`).
+ATTENTION, MLP = "attention", "MLP"
+_ATTENTION_PATHS = ("self_attn", "input_layernorm", "resid_attn_dropout")
+
+
+def halves(modules: dict) -> dict:
+    """{ATTENTION: {path: module}, MLP: {path: module}}: a layer's :func:`fused_modules` by the half
+    they belong to (the attention's: its module, projections and QK-norm, the input norm, Phi-3's
+    attention residual dropout; the MLP's: the rest)."""
+    attention = {p: m for p, m in modules.items() if p.split(".")[0] in _ATTENTION_PATHS}
+    return {ATTENTION: attention, MLP: {p: m for p, m in modules.items() if p not in attention}}
+
+
+def halves_separate(arch: Architecture) -> bool:
+    """Whether one half of a layer can run as the model's modules with the other fused: each half
+    is x + s sublayer(norm(x)) (not where a norm of each sublayer's output sits between the
+    two: Gemma 2's, GLM-4's; that layer runs whole as the model's own forward)."""
+    return not arch.output_norms
+
+
 def is_plain_linear(module) -> bool:
     """An ``nn.Linear`` whose output is ``F.linear(x, weight, bias)``: nothing overrides its forward."""
     return isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward
@@ -531,14 +553,16 @@ def check_model(model, arch: Architecture, classes: ModelClasses):
                                             f"{attn.head_dim} with one epsilon. Nothing was patched.")
         if arch.rope_per_layer:
             _need(attn, "use_rope", what)
+        # the widths of the projections the fused forward reads (a wrapper, PEFT's, runs as the model's own)
         if arch.fused_qkv:
-            if sum(qkv_widths(attn)) != attn.qkv_proj.out_features:
+            if is_plain_linear(attn.qkv_proj) and sum(qkv_widths(attn)) != attn.qkv_proj.out_features:
                 raise UnsupportedModelError(f"{what}: qkv_proj's {attn.qkv_proj.out_features} outputs are not the "
                                             f"config's q, k and v heads of {attn.head_dim}. Nothing was patched.")
-        elif attn.q_proj.out_features % attn.head_dim:
+        elif is_plain_linear(attn.q_proj) and attn.q_proj.out_features % attn.head_dim:
             raise UnsupportedModelError(f"{what}: q_proj's {attn.q_proj.out_features} outputs are no whole number of "
                                         f"heads of {attn.head_dim}. Nothing was patched.")
-        if arch.fused_gate_up and mlp_fused and layer.mlp.gate_up_proj.out_features % 2:
+        if arch.fused_gate_up and mlp_fused and is_plain_linear(layer.mlp.gate_up_proj) \
+                and layer.mlp.gate_up_proj.out_features % 2:
             raise UnsupportedModelError(f"{what}: gate_up_proj's {layer.mlp.gate_up_proj.out_features} outputs are no "
                                         "gate and up halves. Nothing was patched.")
 

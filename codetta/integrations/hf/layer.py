@@ -15,8 +15,13 @@ With a norm on each sublayer's output (Gemma 2, GLM-4) those norms run as
 :func:`codetta.ops.rms_norm` before the residual adds (:func:`_sandwiched_residuals`); the
 input norm and the MLP's are folded into the QKV and gate/up GEMMs, nothing is handed on.
 A mixture of experts (Mixtral, Qwen2-MoE, ...) runs as the model's own module on the MLP
-norm's output made by :func:`codetta.ops.rms_norm` (:func:`_expert_residuals`); the input
+norm's output made by :func:`codetta.ops.rms_norm` (:func:`_mlp_residual`); the input
 norm, RoPE and the O-projection's residual add are fused as above.
+
+Where one half of the layer (the attention's, x1 = x + attention(norm(x)), or the MLP's) has a
+module the fused forward cannot read (a PEFT LoRA adapter on a projection) or one with hooks it
+would skip, that half runs as the model's own modules (:func:`_own_half`) and the other stays
+fused (:func:`_unfused_halves`); where both do, the layer runs its own forward.
 
 The next layer's input norm reads s' (a :class:`StatsHandoff` between the two layers)
 when it is given exactly x2, unchanged, as in the model's own layer loop; otherwise (the
@@ -45,12 +50,12 @@ from torch.nn.utils import parametrize
 
 from ...ops import linear_residual, rms_norm, rmsnorm_linear, rmsnorm_qkv_rope, rmsnorm_swiglu, swiglu_mlp
 from ...ops.autocast import stream_under_autocast
-from ...ops.rmsnorm import NormStats, stream_fits
+from ...ops.rmsnorm import NormStats, scaled, stream_fits
 from ...ops.rope import angles_need_grad
 from . import checkpointing
-from .architectures import (Architecture, ModelClasses, fused_modules, gate_activation, hooked_module, hooks_between,
-                            is_hooked, mlp_is_fused, stored_weight, why_rotary_dims_unfit, why_rotary_unfusable,
-                            why_unfusable)
+from .architectures import (ATTENTION, MLP, RESIDUAL_DROPOUTS, Architecture, ModelClasses, fused_modules,
+                            gate_activation, halves, halves_separate, hooked_module, hooks_between, is_hooked,
+                            mlp_is_fused, stored_weight, why_rotary_dims_unfit, why_rotary_unfusable, why_unfusable)
 
 try:  # transformers' collector of recorded outputs (output_attentions=True, output_hidden_states=True)
     from transformers.utils.output_capturing import _active_collector
@@ -167,7 +172,8 @@ class LayerPlan:
     fuse_swiglu: bool
     modules: tuple = ()  # the layer's modules and their classes as last seen (architectures.fused_modules)
     mlp_fused: bool = True  # whether the fused forward computes the MLP (architectures.mlp_is_fused), or calls it
-    unfusable: Optional[str] = None  # why the fused forward cannot read them, if it cannot
+    unfusable: Optional[str] = None  # why the fused forward cannot read them, if it cannot (the whole layer)
+    unfused_half: Optional[str] = None  # the half (ATTENTION or MLP) whose modules it cannot read, if only one
     hooked: Optional[str] = None  # the last module found with hooks the fused forward would skip (warned once)
     activation: Optional[str] = None  # the MLP activation's name for the epilogue (None: it runs as its module)
     to_warn: tuple = ()  # what the last check of the modules found, for the next forward to say
@@ -338,11 +344,16 @@ def check_modules(layer, plan: LayerPlan) -> dict:
     if seen == plan.modules:
         return modules
     plan.modules, plan.mlp_fused = seen, mlp_is_fused(layer, plan.arch, plan.classes)
-    plan.unfusable = why_unfusable(modules, plan.arch, plan.classes)
+    whys = {half: why_unfusable(part, plan.arch, plan.classes) for half, part in halves(modules).items()}
+    unreadable = {half: why for half, why in whys.items() if why is not None}
+    one_half = len(unreadable) == 1 and halves_separate(plan.arch)
+    plan.unfused_half = next(iter(unreadable)) if one_half else None
+    plan.unfusable = None if one_half else next(iter(unreadable.values()), None)
     act = modules.get(plan.arch.activation)
     plan.activation = None if act is None else gate_activation(act)
-    if plan.unfusable is not None:
-        plan.to_warn = (f"codetta: a {type(layer).__name__} runs the model's own forward, unfused: {plan.unfusable}",)
+    if unreadable:
+        (half, why), = list(unreadable.items())[:1]
+        plan.to_warn = (_unfused_message(layer, {half} if one_half else {ATTENTION, MLP}, why),)
     elif plan.fuse_swiglu and plan.arch.gated_mlp and act is not None and plan.activation is None:
         plan.to_warn = (f"codetta: a {type(layer).__name__}'s MLP activation is a {type(act).__name__}, which the "
                         "gate/up GEMM's epilogue does not compute (SiLU, GELU, ReLU): it runs as that module, "
@@ -352,19 +363,33 @@ def check_modules(layer, plan: LayerPlan) -> dict:
     return modules
 
 
-def _fusable(layer, plan: LayerPlan, hidden_states) -> bool:
-    """Whether the fused forward computes what the layer's own forward would: the modules it reads
-    in their place are checked again whenever they change (PEFT wrapping a projection after
-    patching, or merging it back), with a warning when the layer has to run unfused; and no
-    module whose forward it skips has hooks (warned once per module), nor are attention
-    weights asked for; and the layer computes in a precision codetta's kernels take (a
-    model cast to fp64 after patching runs as its own)."""
-    def warn_unfused(why):
-        warnings.warn(f"codetta: a {type(layer).__name__} runs the model's own forward, unfused: {why}", stacklevel=3)
+def _unfused_message(layer, own: set, why: str) -> str:
+    if len(own) == 2:
+        return f"codetta: a {type(layer).__name__} runs the model's own forward, unfused: {why}"
+    half, = own
+    other = MLP if half == ATTENTION else ATTENTION
+    return (f"codetta: a {type(layer).__name__}'s {half} half runs as the model's own modules, unfused (its {other} "
+            f"half stays fused): {why}")
+
+
+BOTH = frozenset((ATTENTION, MLP))
+
+
+def _unfused_halves(layer, plan: LayerPlan, hidden_states) -> frozenset:
+    """The halves of the layer (:data:`.architectures.ATTENTION`, ``MLP``) that must run as the
+    model's own modules for the layer to compute what its own forward would; both: the layer
+    runs its own forward. A half's modules are checked again whenever they change (PEFT
+    wrapping a projection after patching, or merging it back), with a warning when a half has to
+    run unfused; so is a half with a module whose forward the fused one would skip and that has
+    hooks (warned once per module). The whole layer runs its own forward where attention weights
+    are asked for, or it computes in a precision codetta's kernels do not take (a model cast to
+    fp64 after patching), or its halves do not separate (:func:`.architectures.halves_separate`)."""
+    def warn_unfused(why, own=BOTH):
+        warnings.warn(_unfused_message(layer, own, why), stacklevel=3)
 
     if hidden_states.dtype == torch.float64:
         warn_unfused("fp64 (codetta's kernels take fp32, fp16 and bf16)")
-        return False
+        return BOTH
 
     modules = check_modules(layer, plan)
     if plan.to_warn:  # what the last check found, said by the forward that runs with it
@@ -372,11 +397,11 @@ def _fusable(layer, plan: LayerPlan, hidden_states) -> bool:
             warnings.warn(message, stacklevel=3)
         plan.to_warn = ()
     if plan.unfusable is not None:
-        return False
+        return BOTH
     attn = layer.self_attn
     if plan.arch.has_qk_norm(attn) and plan.arch.norm_epsilon(attn.q_norm) != plan.arch.norm_epsilon(attn.k_norm):
         warn_unfused("q_norm and k_norm have different epsilons (the fused QK-norm takes one)")
-        return False
+        return BOTH
     # a stream the kernels cannot take with these weights (bf16 inputs_embeds given to an fp32 model):
     # the model's own layer upcasts it (its norm and residual add make an fp32 stream for the next layer);
     # under autocast the operators make a 16-bit stream of the other dtype fp32 (codetta.ops.autocast)
@@ -387,16 +412,22 @@ def _fusable(layer, plan: LayerPlan, hidden_states) -> bool:
         stream = stream_under_autocast(stream, operand)
     if not stream_fits(stream, operand):
         warn_unfused(f"its input is {hidden_states.dtype} and its GEMMs run in {operand}")
-        return False
+        return BOTH
     rate = max(plan.arch.residual_dropout_rates(layer), default=0.0)
     if layer.training and rate > 0:
         warn_unfused(f"its residual dropout (p = {rate}) is on in training (the fused residual add has no dropout)")
-        return False
-    hooked = hooked_module(modules)
-    if hooked is not None and hooked != plan.hooked:
-        warn_unfused(f"{hooked} has hooks or its own forward, which the fused forward would skip")
-    plan.hooked = hooked
-    return hooked is None and not attention_weights_requested()
+        return BOTH
+    # (no assignment expressions here: torch.compile traces this at each call)
+    paths = {half: hooked_module(part) for half, part in halves(modules).items()}
+    hooked = {half: path for half, path in paths.items() if path is not None}
+    own = set(hooked) | ({plan.unfused_half} if plan.unfused_half else set())
+    if own and not halves_separate(plan.arch):
+        own = set(BOTH)
+    first_hooked = next(iter(hooked.values()), None)
+    if first_hooked is not None and first_hooked != plan.hooked:
+        warn_unfused(f"{first_hooked} has hooks or its own forward, which the fused forward would skip", own)
+    plan.hooked = first_hooked
+    return BOTH if attention_weights_requested() else frozenset(own)
 
 
 def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_ids=None, use_cache=False,
@@ -404,40 +435,81 @@ def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_id
     """Drop-in for the layer's ``forward`` (same arguments, same result, the norms folded); the KV
     cache comes in ``kwargs`` under the name the installed transformers uses."""
     plan: LayerPlan = layer._codetta_plan
-    if not _fusable(layer, plan, hidden_states):
+    own = _unfused_halves(layer, plan, hidden_states)
+    if own == BOTH:
         plan.incoming.take(None)  # the statistics handed to this layer go unused
         return type(layer).forward(layer, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                    use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
     return checkpointing.run(_fused_layer, layer, hidden_states, attention_mask=attention_mask,
                              position_ids=position_ids, use_cache=use_cache, position_embeddings=position_embeddings,
-                             **kwargs)
+                             own_half=next(iter(own), None), **kwargs)
 
 
-def _fused_layer(layer, x, attention_mask, position_ids, use_cache, position_embeddings, **kwargs):
-    """The fused forward of a layer that :func:`_fusable` passed (what a checkpoint recomputes)."""
+def _fused_layer(layer, x, attention_mask, position_ids, use_cache, position_embeddings, own_half=None, **kwargs):
+    """The fused forward of a layer (what a checkpoint recomputes); ``own_half``: the half that
+    runs as the model's own modules (:func:`_unfused_halves`), if one does."""
     plan: LayerPlan = layer._codetta_plan
     arch, attn = plan.arch, layer.self_attn
+    if own_half == ATTENTION:
+        plan.incoming.take(None)
+        x1 = _own_half(layer, plan, ATTENTION, x, dict(attention_mask=attention_mask, position_ids=position_ids,
+                                                         use_cache=use_cache, position_embeddings=position_embeddings,
+                                                         **kwargs))
+        return _mlp_residual(layer, plan, x1)
     stats, g1 = plan.incoming.take(x)
     norm = (stats, g1 if stats is not None else arch.norm_weight(layer.input_layernorm))
     q, k, v = _qkv(layer, plan, x, norm, position_ids, position_embeddings)
     a = _attention(attn, plan, q, k, v, attention_mask, dict(position_ids=position_ids, use_cache=use_cache, **kwargs))
     if arch.output_norms:
         return _sandwiched_residuals(layer, plan, x, a)
-    if not plan.mlp_fused:
-        return _expert_residuals(layer, plan, x, a)
+    if own_half == MLP:
+        x1 = linear_residual(a, attn.o_proj.weight, x, bias=attn.o_proj.bias, branch_scale=arch.branch_scale(layer))
+        return _own_half(layer, plan, MLP, x1)
     return _residuals(layer, plan, x, a)
+
+
+def _own_half(layer, plan: LayerPlan, half: str, x, attention_kwargs=None):
+    """x + s sublayer(norm(x)) of one half of the layer by the model's own modules (its norm, its
+    attention or MLP, Phi-3's residual dropout module), as the layer's own forward computes it
+    (s: Granite's residual multiplier, else 1)."""
+    arch = plan.arch
+    if half == ATTENTION:
+        out = layer.self_attn(hidden_states=layer.input_layernorm(x), **attention_kwargs)[0]
+    else:
+        out = layer.mlp(layer.get_submodule(arch.mlp_norm)(x))
+    if arch.residual_dropout == "modules":  # a no-op (else the layer runs its own forward), which may have hooks
+        out = layer.get_submodule(RESIDUAL_DROPOUTS[half == MLP])(out)
+    return x + scaled(out, arch.branch_scale(layer))
 
 
 def _residuals(layer, plan: LayerPlan, x, a):
     """x2 from the layer's input x and the attention's output a: the O-projection's residual add
-    making the MLP norm's statistics, the MLP with that norm folded, its residual add making the
-    next layer's (handed on where the next layer will take them)."""
-    arch, attn, mlp, ln2 = plan.arch, layer.self_attn, layer.mlp, layer.get_submodule(plan.arch.mlp_norm)
+    (making the MLP norm's statistics where the MLP is fused), then :func:`_mlp_residual`."""
+    arch, attn = plan.arch, layer.self_attn
+    if not plan.mlp_fused:  # a mixture of experts
+        return _mlp_residual(layer, plan, linear_residual(a, attn.o_proj.weight, x, bias=attn.o_proj.bias))
+    ln2 = layer.get_submodule(arch.mlp_norm)
     # each norm weight read once: a parametrized weight is new at each read (and Gemma's 1 + w a new
     # tensor), and NormStats checks that its consumer gets the same one
-    g2, eps2 = arch.norm_weight(ln2), arch.norm_epsilon(ln2)
+    g2 = arch.norm_weight(ln2)
+    x1, stats = linear_residual(a, attn.o_proj.weight, x, g2, arch.norm_epsilon(ln2), bias=attn.o_proj.bias,
+                                branch_scale=arch.branch_scale(layer))
+    return _mlp_residual(layer, plan, x1, stats, g2)
+
+
+def _mlp_residual(layer, plan: LayerPlan, x1, stats=None, g2=None):
+    """x2 = x1 + s MLP(RMSNorm(x1)): the MLP with its norm folded (its statistics ``stats`` of x1
+    made by the O-projection's GEMM, if given, with the norm's weight ``g2`` read then), its
+    residual add making the next layer's input-norm statistics (handed on where the next layer
+    will take them). A mixture of experts (``Architecture.moe``) runs as the model's own module
+    on the norm's output made whole by :func:`codetta.ops.rms_norm`; its router reads it, each
+    token's experts their rows of it; nothing is folded or handed on."""
+    arch, mlp, ln2 = plan.arch, layer.mlp, layer.get_submodule(plan.arch.mlp_norm)
+    if not plan.mlp_fused:
+        return x1 + mlp(_norm_like_module(arch, ln2, x1))
+    g2 = arch.norm_weight(ln2) if g2 is None else g2
+    eps2 = arch.norm_epsilon(ln2)
     branch_scale = arch.branch_scale(layer)  # Granite's residual multiplier, else 1
-    x1, stats = linear_residual(a, attn.o_proj.weight, x, g2, eps2, bias=attn.o_proj.bias, branch_scale=branch_scale)
     next_layer = plan.next_layer.get() if plan.next_layer is not None else None
     ln_next = next_layer.input_layernorm if next_layer is not None else None
     hand_on = (
@@ -486,20 +558,6 @@ def _sandwiched_residuals(layer, plan: LayerPlan, x, a):
     x1 = x + _norm_like_module(arch, attn_out_norm, attn.o_proj(a))
     y = _mlp_hidden(layer, plan, x1, arch.norm_weight(mlp_in_norm), arch.norm_epsilon(mlp_in_norm), None)
     return x1 + _norm_like_module(arch, mlp_out_norm, mlp.down_proj(y))
-
-
-def _expert_residuals(layer, plan: LayerPlan, x, a):
-    """x2 from the layer's input x and the attention's output a where the MLP runs as its own
-    module (a mixture of experts: its router reads the normalized input, each token's experts
-    their rows of it; ``Architecture.moe``):
-
-        x1 = a W_o^T + x                    linear_residual
-        x2 = x1 + MLP(RMSNorm(x1))          the norm by :func:`codetta.ops.rms_norm`
-
-    The norm's output is made whole for the module: nothing is folded or handed on."""
-    attn, norm = layer.self_attn, layer.get_submodule(plan.arch.mlp_norm)
-    x1 = linear_residual(a, attn.o_proj.weight, x, bias=attn.o_proj.bias)
-    return x1 + layer.mlp(_norm_like_module(plan.arch, norm, x1))
 
 
 def _norm_like_module(arch: Architecture, norm, t):
