@@ -137,6 +137,17 @@ def test_one_dimensional_weight_is_refused():
         codetta.linear(x, w)
 
 
+def test_linear_names_x_when_refusing_it():
+    """codetta.linear's input is x: a 0-d tensor, a list or an fp64 tensor is refused naming x
+    (not gemm's a)."""
+    w = dyadic(4, 5)
+    for x, message in ((torch.tensor(1.0, device=DEVICE), r"x must be a tensor \[\.\.\., K\], got \(\)"),
+                       ([1.0] * 5, r"x must be a tensor \[\.\.\., K\], got list"),
+                       (dyadic(3, 5).double(), r"x has dtype torch.float64; codetta.linear takes")):
+        with pytest.raises(GemmError, match=message):
+            codetta.linear(x, w)
+
+
 def test_one_dimensional_a_is_refused():
     with pytest.raises(GemmError, match=r"a must be at least 2-d"):
         codetta.gemm(dyadic(5), dyadic(5, 6), store_program())
