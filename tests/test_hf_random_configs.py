@@ -2,7 +2,10 @@
 head layout, rope scaling, biases, tying, attention implementation and batch (padding,
 ignored labels), the patched model's output, loss and every gradient equal the unpatched
 model's (fp32), its layers run fused wherever the docs say they do, and cast to bf16 its
-errors against the fp64 model stay within 2x the unpatched bf16 model's.
+errors against the fp64 model stay within 2x the unpatched bf16 model's. With PEFT's LoRA
+adapters on random projections of random layers (Llama, Mistral, Qwen2, Qwen3), the training
+step equals the unpatched model's with the same adapters, and the halves with adapters run
+unfused, the others fused.
 
 The hand-picked configs of test_hf_patch.py cover each feature once; these draw them
 together, at sizes no multiple of any tile (hidden, intermediate and vocabulary sizes of
@@ -34,8 +37,8 @@ from unfused_roundings import worse_of_two_roundings
 
 transformers = pytest.importorskip("transformers")
 
-from codetta.integrations.hf.architectures import (ARCHITECTURES, CLASS_PREFIXES, MODEL_KINDS, decoder_of,  # noqa: E402
-                                                   family_and_kind)
+from codetta.integrations.hf.architectures import (ARCHITECTURES, ATTENTION, CLASS_PREFIXES, MLP,  # noqa: E402
+                                                   MODEL_KINDS, decoder_of, family_and_kind)
 
 NUM_LABELS = 3
 
@@ -390,3 +393,53 @@ def test_random_bf16_config_within_twice_the_unpatched_error(family, data):
     note(f"errors (patched, unpatched): {pairs}")
     worse = {n: pair for n, pair in pairs.items() if pair[0] > 2 * pair[1] + floor}
     assert not worse, worse
+
+
+LORA_TARGETS = {ATTENTION: ["q_proj", "k_proj", "v_proj", "o_proj"], MLP: ["gate_proj", "up_proj", "down_proj"]}
+
+
+@pytest.mark.parametrize("family", ["Llama", "Mistral", "Qwen2", "Qwen3"])
+@_SETTINGS
+@given(data=st.data())
+def test_random_lora_adapters_match_unpatched(family, data):
+    """PEFT's LoRA adapters on random projections of random layers of a patched model (patch,
+    then get_peft_model): the training step equals the unpatched model's with the same adapters;
+    a layer with adapters in one half runs that half as the model's own modules, in both its own
+    forward, in neither fused."""
+    peft = pytest.importorskip("peft")
+    # hidden size 2 at least: at 1 the norms' outputs are +-1, every gradient before them 0 in exact
+    # math and rounding noise in either model, and the adapters' are all there are
+    _, config = data.draw(models(family, min_hidden=2))
+    name = family + "ForCausalLM"  # PEFT finds the layers to adapt under a prefix (the causal LM's model.layers.i)
+    ids, mask, labels, seed = data.draw(batches(config["vocab_size"]))
+    targets = data.draw(st.lists(st.sampled_from(LORA_TARGETS[ATTENTION] + LORA_TARGETS[MLP]), min_size=1, unique=True))
+    layers = data.draw(st.lists(st.integers(0, config["num_hidden_layers"] - 1), min_size=1, unique=True))
+    lora = peft.LoraConfig(r=data.draw(st.integers(1, 4)), lora_alpha=8, target_modules=targets,
+                           layers_to_transform=layers, lora_dropout=0.0)
+    note(f"{name} {config}; batch {tuple(ids.shape)} seed {seed}; LoRA on {targets} of layers {layers}")
+    base = build(name, config)
+    ref = peft.get_peft_model(copy.deepcopy(base), lora)
+    with torch.no_grad():  # PEFT starts lora_B at 0, where the adapters would change nothing
+        for param_name, param in ref.named_parameters():
+            if "lora_B" in param_name:
+                param.normal_(0, 0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the halves with adapters run unfused, as asserted below
+        patched = peft.get_peft_model(codetta.patch(copy.deepcopy(base)), lora)
+        patched.load_state_dict(ref.state_dict())
+        batch = batch_for(name, ids, mask, labels)
+        main, loss, grads = step(patched, batch)
+    main_ref, loss_ref, grads_ref = step(ref, batch)
+    if not name.endswith("Model"):
+        assert relative_error(loss, loss_ref) <= 2e-5
+    if main is not None or not name.endswith("ForCausalLM"):
+        assert relative_error(main, main_ref) <= 2e-5
+    assert grads.keys() == grads_ref.keys()
+    scale = typical(grads_ref)
+    errs = {param: relative_error(grads[param], g, scale) for param, g in grads_ref.items()}
+    assert all(e <= 2e-4 for e in errs.values()), errs
+    adapted = {half for half, paths in LORA_TARGETS.items() if set(paths) & set(targets)}
+    for i, layer in enumerate(decoder_of(patched.get_base_model()).layers):
+        plan, own = layer._codetta_plan, adapted if i in layers else set()
+        assert (plan.unfusable is not None, plan.unfused_half) == (
+            len(own) == 2, next(iter(own)) if len(own) == 1 else None)
