@@ -151,13 +151,13 @@ class Architecture:
         bias = mlp.gate_up_proj.bias
         return tuple(mlp.gate_up_proj.weight.chunk(2)), (None, None) if bias is None else tuple(bias.chunk(2))
 
-    def residual_dropout_rates(self, layer) -> tuple:
-        """The dropout probabilities of the layer's sublayer outputs (none: empty)."""
+    def residual_dropout_rate(self, layer, half: str) -> float:
+        """The dropout probability of the output of one half's sublayer (:data:`ATTENTION`, :data:`MLP`)."""
         if self.residual_dropout == "modules":
-            return tuple(layer.get_submodule(path).p for path in RESIDUAL_DROPOUTS)
+            return layer.get_submodule(RESIDUAL_DROPOUTS[half == MLP]).p
         if self.residual_dropout == "rates":
-            return layer.self_attn.residual_dropout, layer.mlp.residual_dropout
-        return ()
+            return (layer.mlp if half == MLP else layer.self_attn).residual_dropout
+        return 0.0
 
     def norm_weight(self, norm) -> torch.Tensor:
         """The weight an RMSNorm module multiplies by (its ``weight``, or ``weight`` + offset in fp32:
@@ -511,6 +511,14 @@ def _need(obj, path, what):
     return obj
 
 
+def _is_models_norm(owner, path: str, classes: ModelClasses) -> bool:
+    """Whether ``owner`` has a module at ``path`` of the model's RMSNorm class."""
+    try:
+        return type(owner.get_submodule(path)).forward is classes.rms_norm.forward
+    except AttributeError:
+        return False
+
+
 def check_model(model, arch: Architecture, classes: ModelClasses):
     """Raise UnsupportedModelError unless every layer has the shape the fused forward assumes."""
     dtype = next(model.parameters()).dtype
@@ -537,14 +545,16 @@ def check_model(model, arch: Architecture, classes: ModelClasses):
         if isinstance(arch.qk_norm, str):
             _need(layer, f"self_attn.{arch.qk_norm}", what)
         mlp_fused = mlp_is_fused(layer, arch, classes)
-        for path in (*(f"{norm}.{attribute}" for norm in arch.norms for attribute in ("weight", arch.norm_eps)),
+        # the weights and epsilons of the norms the fused forward reads (a norm of another class runs as itself)
+        norms = [norm for norm in arch.norms if _is_models_norm(layer, norm, classes)]
+        for path in (*(f"{norm}.{attribute}" for norm in norms for attribute in ("weight", arch.norm_eps)),
                      "self_attn.head_dim", "self_attn.scaling", *_fused_paths(layer, arch, classes),
                      *(("self_attn.attn_logit_softcapping",) if arch.attention_softcap else ()),
                      *(("self_attn.residual_dropout", "mlp.residual_dropout") if arch.residual_dropout == "rates" else ()),
                      *(("residual_multiplier",) if arch.multipliers else ())):
             _need(layer, path, what)
         attn = layer.self_attn
-        if arch.has_qk_norm(attn):
+        if arch.has_qk_norm(attn) and all(_is_models_norm(attn, path, classes) for path in ("q_norm", "k_norm")):
             for path in ("q_norm.weight", f"q_norm.{arch.norm_eps}", "k_norm.weight", f"k_norm.{arch.norm_eps}"):
                 _need(attn, path, what)
             norms = (attn.q_norm, attn.k_norm)

@@ -398,29 +398,41 @@ def _unfused_halves(layer, plan: LayerPlan, hidden_states) -> frozenset:
         plan.to_warn = ()
     if plan.unfusable is not None:
         return BOTH
+    # what follows reads the modules of the halves the fused forward reads (those of a half whose
+    # modules it cannot read may lack what it would read: a wrapper's weight, a norm's epsilon)
+    parts = halves(modules)
+    readable = [half for half in (ATTENTION, MLP) if half != plan.unfused_half]
     attn = layer.self_attn
-    if plan.arch.has_qk_norm(attn) and plan.arch.norm_epsilon(attn.q_norm) != plan.arch.norm_epsilon(attn.k_norm):
+    if ATTENTION in readable and plan.arch.has_qk_norm(attn) \
+            and plan.arch.norm_epsilon(attn.q_norm) != plan.arch.norm_epsilon(attn.k_norm):
         warn_unfused("q_norm and k_norm have different epsilons (the fused QK-norm takes one)")
         return BOTH
     # a stream the kernels cannot take with these weights (bf16 inputs_embeds given to an fp32 model):
     # the model's own layer upcasts it (its norm and residual add make an fp32 stream for the next layer);
     # under autocast the operators make a 16-bit stream of the other dtype fp32 (codetta.ops.autocast)
-    operand, device_type = stored_weight(layer.get_submodule(plan.arch.projections[0])).dtype, hidden_states.device.type
-    stream = hidden_states.dtype
-    if torch.is_autocast_enabled(device_type):
-        operand = torch.get_autocast_dtype(device_type)
-        stream = stream_under_autocast(stream, operand)
-    if not stream_fits(stream, operand):
-        warn_unfused(f"its input is {hidden_states.dtype} and its GEMMs run in {operand}")
-        return BOTH
-    rate = max(plan.arch.residual_dropout_rates(layer), default=0.0)
-    if layer.training and rate > 0:
-        warn_unfused(f"its residual dropout (p = {rate}) is on in training (the fused residual add has no dropout)")
-        return BOTH
+    projections = [parts[half][path] for half in readable for path in parts[half] if path in plan.arch.projections]
+    device_type = hidden_states.device.type
+    if projections:  # (none where the attention half runs as its modules and the MLP is a mixture of experts)
+        operand, stream = stored_weight(projections[0]).dtype, hidden_states.dtype
+        if torch.is_autocast_enabled(device_type):
+            operand = torch.get_autocast_dtype(device_type)
+            stream = stream_under_autocast(stream, operand)
+        if not stream_fits(stream, operand):
+            warn_unfused(f"its input is {hidden_states.dtype} and its GEMMs run in {operand}")
+            return BOTH
+    own = {plan.unfused_half} if plan.unfused_half else set()
+    # a half whose residual dropout is on in training (none in the fused residual adds) runs as its
+    # modules, which drop out as the model's layer does
+    rates = {half: plan.arch.residual_dropout_rate(layer, half) if layer.training else 0.0 for half in readable}
+    dropping = {half for half, rate in rates.items() if rate > 0}
+    if dropping:
+        own |= dropping
+        warn_unfused(f"its residual dropout (p = {max(rates.values())}) is on in training (the fused residual add "
+                     "has no dropout)", BOTH if len(own) == 2 or not halves_separate(plan.arch) else own)
     # (no assignment expressions here: torch.compile traces this at each call)
-    paths = {half: hooked_module(part) for half, part in halves(modules).items()}
+    paths = {half: hooked_module(part) for half, part in parts.items()}
     hooked = {half: path for half, path in paths.items() if path is not None}
-    own = set(hooked) | ({plan.unfused_half} if plan.unfused_half else set())
+    own |= set(hooked)
     if own and not halves_separate(plan.arch):
         own = set(BOTH)
     first_hooked = next(iter(hooked.values()), None)
@@ -522,6 +534,8 @@ def _mlp_residual(layer, plan: LayerPlan, x1, stats=None, g2=None):
         # a parametrized weight is made anew at each read (not read here: that would run its
         # parametrization once more than the model does); the next layer's would not be this one
         and not parametrize.is_parametrized(ln_next)
+        # the model's own norm (one replaced after patching may have no weight or epsilon to read)
+        and type(ln_next).forward is plan.classes.rms_norm.forward
         # a plain tensor: under FSDP2 the next layer's weights are sharded (DTensor) until its own forward
         and type(ln_next.weight) in (torch.Tensor, torch.nn.Parameter)
     )
