@@ -775,6 +775,19 @@ def _no_residual_dropout(layer):
         layer.self_attn.residual_dropout = layer.mlp.residual_dropout = 0.0
 
 
+def _same_step_with_the_same_masks(ref, model, ids, warning):
+    """The patched model's training step (warned as ``warning`` says) equals the unpatched
+    model's from the same random state: the same dropout masks drawn."""
+    torch.manual_seed(1)
+    loss_ref, grads_ref = loss_and_grads(ref, input_ids=ids, labels=ids)
+    torch.manual_seed(1)
+    with pytest.warns(UserWarning, match=warning):
+        loss, grads = loss_and_grads(model, input_ids=ids, labels=ids)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=0)
+    for param, g in grads_ref.items():
+        torch.testing.assert_close(grads[param], g, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("name, dropout", [("Phi3ForCausalLM", dict(resid_pdrop=0.25)),
                                            ("SeedOssForCausalLM", dict(residual_dropout=0.25, attention_dropout=0.0))])
 def test_residual_dropout_in_training_runs_the_models_own_layer(name, dropout):
@@ -784,14 +797,7 @@ def test_residual_dropout_in_training_runs_the_models_own_layer(name, dropout):
     ref = tiny(name, pad_token_id=0, eos_token_id=2, **dropout)
     model = codetta.patch(copy.deepcopy(ref))
     ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
-    torch.manual_seed(1)
-    loss_ref, grads_ref = loss_and_grads(ref, input_ids=ids, labels=ids)
-    torch.manual_seed(1)
-    with pytest.warns(UserWarning, match=r"residual dropout \(p = 0.25\) is on in training"):
-        loss, grads = loss_and_grads(model, input_ids=ids, labels=ids)
-    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=0)
-    for param, g in grads_ref.items():
-        torch.testing.assert_close(grads[param], g, rtol=1e-4, atol=1e-6)
+    _same_step_with_the_same_masks(ref, model, ids, r"runs the model's own forward.*residual dropout \(p = 0.25\)")
     torch.manual_seed(1)
     assert loss_and_grads(ref, input_ids=ids, labels=ids)[0] != loss_and_grads(ref.eval(), input_ids=ids, labels=ids)[0]
     with warnings.catch_warnings():
@@ -818,60 +824,9 @@ def test_residual_dropout_in_one_half_runs_that_half_as_its_modules(name, dropou
             layer.self_attn.residual_dropout = 0.0
     fused_attention = count_calls(monkeypatch, "codetta.integrations.hf.layer._rotated_qkv")
     ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
-    torch.manual_seed(1)
-    loss_ref, grads_ref = loss_and_grads(ref, input_ids=ids, labels=ids)
-    torch.manual_seed(1)
-    with pytest.warns(UserWarning, match=r"MLP half runs as the model's own modules.*residual dropout \(p = 0.25\)"):
-        loss, grads = loss_and_grads(model, input_ids=ids, labels=ids)
-    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=0)
-    for param, g in grads_ref.items():
-        torch.testing.assert_close(grads[param], g, rtol=1e-4, atol=1e-6)
+    _same_step_with_the_same_masks(ref, model, ids, r"MLP half runs as the model's own modules.*residual dropout "
+                                                    r"\(p = 0.25\)")
     assert len(fused_attention) == len(model.model.layers)
-
-
-class Opaque(torch.nn.Module):
-    """A projection wrapped so that nothing of it shows (no weight: a quantized layer's storage)."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x):
-        return self.inner(x)
-
-
-def _torch_rms_norm(norm):
-    """torch.nn.RMSNorm computing what the model's norm computes (its epsilon under another name)."""
-    new = torch.nn.RMSNorm(norm.weight.shape, eps=norm.variance_epsilon, device=norm.weight.device)
-    with torch.no_grad():
-        new.weight.copy_(norm.weight)
-    return new
-
-
-@pytest.mark.parametrize("name, path, make, half", [
-    ("LlamaForCausalLM", "model.layers.1.self_attn.q_proj", Opaque, ATTENTION),
-    ("Qwen3ForCausalLM", "model.layers.1.self_attn.q_norm", _torch_rms_norm, ATTENTION),
-    ("LlamaForCausalLM", "model.layers.1.input_layernorm", _torch_rms_norm, ATTENTION),  # layer 0 hands nothing on
-    ("Phi3ForCausalLM", "model.layers.1.resid_mlp_dropout", lambda _: torch.nn.Identity(), MLP),
-], ids=["projection_without_weight", "qk_norm_without_variance_epsilon", "next_input_norm_of_another_class",
-        "dropout_replaced_by_identity"])
-@pytest.mark.parametrize("when", ["before_patch", "after_patch"])
-def test_a_half_whose_modules_lack_what_the_fused_forward_reads(name, path, make, half, when):
-    """A module replaced by one without what the fused forward would read (a weight, an epsilon
-    of that name, a dropout rate): its half runs as the model's modules, nothing of it is read."""
-    ref = tiny(name, pad_token_id=0, eos_token_id=2)
-    plain = copy.deepcopy(ref)
-    _wrap(ref, path, make)
-    if when == "before_patch":
-        model = codetta.patch(copy.deepcopy(ref))
-    else:
-        model = codetta.patch(plain)
-        owner, _, attribute = path.rpartition(".")
-        setattr(model.get_submodule(owner), attribute, copy.deepcopy(ref.get_submodule(path)))
-    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
-    with pytest.warns(UserWarning, match=f"'s {half} half runs as the model's own modules"):
-        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
-    assert [layer._codetta_plan.unfused_half for layer in model.model.layers] == [None, half]
 
 
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
@@ -1225,6 +1180,19 @@ def _wrap(model, path, make):
     setattr(owner, name, make(getattr(owner, name)))
 
 
+def _wrapped_and_patched(ref, path, make, when):
+    """The module at ``path`` of ``ref`` wrapped (``make``), and a patched copy of ref with that
+    same module, wrapped before or after patching (``when``)."""
+    plain = copy.deepcopy(ref)
+    _wrap(ref, path, make)
+    if when == "before_patch":
+        return codetta.patch(copy.deepcopy(ref))
+    model = codetta.patch(plain)
+    owner, _, name = path.rpartition(".")
+    setattr(model.get_submodule(owner), name, copy.deepcopy(ref.get_submodule(path)))
+    return model
+
+
 def _scaled(linear):
     new = ScaledLinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
                        device=linear.weight.device)
@@ -1270,21 +1238,52 @@ def test_modules_the_fused_forward_cannot_read_run_unfused(key, when):
     path, make, half = UNFUSABLE[key]
     ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
     ref = tiny("LlamaForCausalLM")
-    plain = copy.deepcopy(ref)
     torch.manual_seed(1)
-    _wrap(ref, path, make)
-    if when == "before_patch":
-        model = codetta.patch(copy.deepcopy(ref))
-    else:
-        model = codetta.patch(plain)
-        owner, _, name = path.rpartition(".")
-        setattr(model.get_submodule(owner), name, copy.deepcopy(ref.get_submodule(path)))
+    model = _wrapped_and_patched(ref, path, make, when)
     with pytest.warns(UserWarning, match="unfused"):
         assert_same_training_step(ref, model, input_ids=ids, labels=ids)
     plans = [layer._codetta_plan for layer in model.model.layers]
     wrapped_layer = int(path.split(".")[2]) if path.startswith("model.layers") else None
     assert [p.unfused_half for p in plans] == [half if i == wrapped_layer else None for i in range(len(plans))]
     assert all(p.unfusable is None for p in plans)
+
+
+class Opaque(torch.nn.Module):
+    """A projection wrapped so that nothing of it shows (no weight: a quantized layer's storage)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def _torch_rms_norm(norm):
+    """torch.nn.RMSNorm computing what the model's norm computes (its epsilon under another name)."""
+    new = torch.nn.RMSNorm(norm.weight.shape, eps=norm.variance_epsilon, device=norm.weight.device)
+    with torch.no_grad():
+        new.weight.copy_(norm.weight)
+    return new
+
+
+@pytest.mark.parametrize("name, path, make, half", [
+    ("LlamaForCausalLM", "model.layers.1.self_attn.q_proj", Opaque, ATTENTION),
+    ("Qwen3ForCausalLM", "model.layers.1.self_attn.q_norm", _torch_rms_norm, ATTENTION),
+    ("LlamaForCausalLM", "model.layers.1.input_layernorm", _torch_rms_norm, ATTENTION),  # layer 0 hands nothing on
+    ("Phi3ForCausalLM", "model.layers.1.resid_mlp_dropout", lambda _: torch.nn.Identity(), MLP),
+], ids=["projection_without_weight", "qk_norm_without_variance_epsilon", "next_input_norm_of_another_class",
+        "dropout_replaced_by_identity"])
+@pytest.mark.parametrize("when", ["before_patch", "after_patch"])
+def test_a_half_whose_modules_lack_what_the_fused_forward_reads(name, path, make, half, when):
+    """A module replaced by one without what the fused forward would read (a weight, an epsilon
+    of that name, a dropout rate): its half runs as the model's modules, nothing of it is read."""
+    ref = tiny(name, pad_token_id=0, eos_token_id=2)
+    model = _wrapped_and_patched(ref, path, make, when)
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    with pytest.warns(UserWarning, match=f"'s {half} half runs as the model's own modules"):
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    assert [layer._codetta_plan.unfused_half for layer in model.model.layers] == [None, half]
 
 
 HALVES = {  # a model of MODELS: (a module of its attention half, one of its MLP half), in layer 1
