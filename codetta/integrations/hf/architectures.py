@@ -18,8 +18,9 @@ That computes what the modules compute only when each projection is a plain ``nn
 (a subclass is fine if it keeps ``nn.Linear.forward``, as FSDP2's do), not a wrapper whose
 forward adds something (PEFT's LoRA layers) or computes otherwise (quantized layers), and
 when the attention, the MLP and each norm run the forward of the model's own class
-(:class:`ModelClasses`). :func:`why_unfusable` says when a layer's modules are not so; such
-a layer runs the model's own forward instead (see :mod:`codetta.integrations.hf.layer`). A
+(:class:`ModelClasses`). :func:`why_unfusable` says when a layer's modules are not so; the
+half of the layer they belong to (:func:`halves`), or the layer, then runs as the model's own
+modules instead (see :mod:`codetta.integrations.hf.layer`). A
 decoder layer whose class has a forward of its own is refused at patch time: the fused
 forward would replace it. The MLP's activation runs in the gate/up GEMM's epilogue where
 :func:`gate_activation` names it (SiLU, both GELUs, ReLU), else as the module it is, between

@@ -489,7 +489,7 @@ def _own_half(layer, plan: LayerPlan, half: str, x, attention_kwargs=None):
         out = layer.self_attn(hidden_states=layer.input_layernorm(x), **attention_kwargs)[0]
     else:
         out = layer.mlp(layer.get_submodule(arch.mlp_norm)(x))
-    if arch.residual_dropout == "modules":  # a no-op (else the layer runs its own forward), which may have hooks
+    if arch.residual_dropout == "modules":  # the model's dropout module (on in training is why the half runs so)
         out = layer.get_submodule(RESIDUAL_DROPOUTS[half == MLP])(out)
     return x + scaled(out, arch.branch_scale(layer))
 
