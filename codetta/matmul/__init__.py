@@ -6,9 +6,9 @@ A call goes through ``call`` (checked), ``path`` (TMA or pointers), ``tuning`` (
 """
 
 from ..interpreter import interpreting
-from .call import GemmError, check_device, interleave
+from .call import KERNEL_DTYPES, GemmError, check_device, interleave
 from .config import Config
 from .launch import explain, gemm, large_interpreter_tiles
 
-__all__ = ["Config", "GemmError", "check_device", "explain", "gemm", "interleave", "interpreting",
+__all__ = ["Config", "GemmError", "KERNEL_DTYPES", "check_device", "explain", "gemm", "interleave", "interpreting",
            "large_interpreter_tiles"]

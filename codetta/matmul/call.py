@@ -14,7 +14,7 @@ import torch
 from ..epilogue.ir import FULL, EpilogueError, Program
 from ..interpreter import interpreter_problem, interpreting
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the kernels compute in
 MAX_B_PARTS = 4  # B parts read as one without a copy
 
 
@@ -93,7 +93,7 @@ class Call:
             raise GemmError(f"b must be a tensor or a list of 1 to {MAX_B_PARTS} tensors, got {len(parts)}")
         for i, t in enumerate(parts):
             check_tensor(t, f"b[{i}]" if len(parts) > 1 else "b", device)
-        dtypes = _DTYPES if for_kernel else (*_DTYPES, torch.float64)
+        dtypes = KERNEL_DTYPES if for_kernel else (*KERNEL_DTYPES, torch.float64)
         if a.dtype not in dtypes:
             raise GemmError(f"a has dtype {a.dtype}; codetta.gemm takes {dtypes}")
         for t in parts:

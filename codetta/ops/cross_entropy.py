@@ -115,7 +115,7 @@ from ..kernels.logsumexp import row_stats
 from ..kernels.rmsnorm import rmsnorm, rmsnorm_backward
 from ..kernels.scale import scale_unless_one_
 from ..kernels.softmax_grad import softmax_grad_
-from ..matmul import gemm
+from ..matmul import KERNEL_DTYPES, gemm
 from .rmsnorm import check_eps, rms_rstd
 from .autocast import casts_under_autocast
 from .autograd import only_first_output_differentiable, refuse_double_backward, refuse_unsupported_autodiff
@@ -124,7 +124,6 @@ from .weight_grads import weight_grad_program
 from . import shapes
 
 _REDUCTIONS = ("mean", "sum", "none")
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _CHUNK_BYTES = 2**30  # one chunk of logits (dz) in the input dtype
 _MAX_VOCAB = 2**24  # column indices and targets are compared as fp32 in the epilogue
 
@@ -522,8 +521,8 @@ def _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size, l
     for name, t in (("x", x), ("weight", weight), ("target", target)):
         if not isinstance(t, torch.Tensor):
             fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if x.dtype not in _DTYPES:
-        fail(f"x has dtype {x.dtype}; expected one of {_DTYPES}")
+    if x.dtype not in KERNEL_DTYPES:
+        fail(f"x has dtype {x.dtype}; expected one of {KERNEL_DTYPES}")
     if x.dim() < 1:
         fail("x must be [..., d], got a 0-d tensor")
     for name, t in (("weight", weight), ("target", target), ("bias", bias), ("norm_weight", norm_weight)):
@@ -556,8 +555,8 @@ def _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size, l
              "16-bit weights when norm_weight is given)")
     if bias is not None and bias.dtype != weight.dtype:
         fail(f"bias has dtype {bias.dtype} but weight has {weight.dtype}: cast one so they match")
-    if norm_weight is not None and norm_weight.dtype not in _DTYPES:
-        fail(f"norm_weight has dtype {norm_weight.dtype}; expected one of {_DTYPES}")
+    if norm_weight is not None and norm_weight.dtype not in KERNEL_DTYPES:
+        fail(f"norm_weight has dtype {norm_weight.dtype}; expected one of {KERNEL_DTYPES}")
     if reduction not in _REDUCTIONS:
         fail(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral) \

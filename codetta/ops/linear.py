@@ -11,12 +11,11 @@ import torch
 from torch import Tensor
 
 from .. import epilogue as ep
-from ..matmul import GemmError, gemm
+from ..matmul import KERNEL_DTYPES, GemmError, gemm
 from .autocast import casts_under_autocast
 from .autograd import arguments_needing_grad, direct_op
 from .weight_grads import weight_grad
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 from .shapes import rows
 
 
@@ -81,8 +80,8 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """
     if not isinstance(x, Tensor) or x.dim() < 1:
         raise GemmError(f"x must be a tensor [..., K], got {tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
-    if x.dtype not in _DTYPES:
-        raise GemmError(f"x has dtype {x.dtype}; codetta.linear takes {_DTYPES}")
+    if x.dtype not in KERNEL_DTYPES:
+        raise GemmError(f"x has dtype {x.dtype}; codetta.linear takes {KERNEL_DTYPES}")
     if getattr(weight, "dim", lambda: 0)() != 2:
         raise GemmError(f"weight must be 2-d [N, K], got shape {tuple(getattr(weight, 'shape', ()))}")
     if bias is not None and (not isinstance(bias, Tensor) or bias.shape != (weight.shape[0],)

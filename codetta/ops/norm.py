@@ -24,11 +24,10 @@ import torch
 from torch import Tensor
 
 from ..kernels.rmsnorm import rmsnorm, rmsnorm_backward
-from ..matmul import check_device
+from ..matmul import KERNEL_DTYPES, check_device
 from .autograd import arguments_needing_grad, direct_op, only_first_output_differentiable
 from .rmsnorm import check_eps
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @direct_op("codetta::rms_norm")
@@ -81,17 +80,17 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, *, dtype: Optional[to
     bf16 or fp32; weight: [d], in any of those (e.g. Gemma's 1 + w made in fp32, or an fp16 model's
     weight beside x that bf16 autocast made); its gradient comes in its dtype.
     """
-    if not isinstance(x, Tensor) or x.dim() < 1 or x.dtype not in _DTYPES:
-        raise ValueError(f"rms_norm: x must be a tensor [..., d] in {_DTYPES}, got "
+    if not isinstance(x, Tensor) or x.dim() < 1 or x.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"rms_norm: x must be a tensor [..., d] in {KERNEL_DTYPES}, got "
                          + (f"{x.dtype} {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__))
-    if not isinstance(weight, Tensor) or weight.shape != x.shape[-1:] or weight.dtype not in _DTYPES:
-        raise ValueError(f"rms_norm: weight must be a [{x.shape[-1]}] tensor in one of {_DTYPES}, got "
+    if not isinstance(weight, Tensor) or weight.shape != x.shape[-1:] or weight.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"rms_norm: weight must be a [{x.shape[-1]}] tensor in one of {KERNEL_DTYPES}, got "
                          + (f"{weight.dtype} {tuple(weight.shape)}" if isinstance(weight, Tensor) else
                             type(weight).__name__))
     if weight.device != x.device:
         raise ValueError(f"rms_norm: weight is on {weight.device} but x is on {x.device}")
-    if dtype is not None and dtype not in _DTYPES:
-        raise ValueError(f"rms_norm: dtype must be one of {_DTYPES}, got {dtype}")
+    if dtype is not None and dtype not in KERNEL_DTYPES:
+        raise ValueError(f"rms_norm: dtype must be one of {KERNEL_DTYPES}, got {dtype}")
     check_eps(eps=eps)
     if not x.is_meta:  # on the meta device the registered op's fake implementation gives the shapes
         check_device(x.device, "x")

@@ -63,6 +63,9 @@ except ImportError:  # earlier releases wrap the recording module's forward inst
     _active_collector = None
 
 
+BOTH = frozenset((ATTENTION, MLP))  # a layer's halves: both unfused is the layer's own forward
+
+
 class StatsHandoff:
     """The RMSNorm statistics (u, rstd) of one residual stream tensor, from the GEMM that made
     it, for the next layer's input norm: one slot between two consecutive layers.
@@ -353,7 +356,7 @@ def check_modules(layer, plan: LayerPlan) -> dict:
     plan.activation = None if act is None else gate_activation(act)
     if unreadable:
         (half, why), = list(unreadable.items())[:1]
-        plan.to_warn = (_unfused_message(layer, {half} if one_half else {ATTENTION, MLP}, why),)
+        plan.to_warn = (_unfused_message(layer, {half} if one_half else BOTH, why),)
     elif plan.fuse_swiglu and plan.arch.gated_mlp and act is not None and plan.activation is None:
         plan.to_warn = (f"codetta: a {type(layer).__name__}'s MLP activation is a {type(act).__name__}, which the "
                         "gate/up GEMM's epilogue does not compute (SiLU, GELU, ReLU): it runs as that module, "
@@ -370,9 +373,6 @@ def _unfused_message(layer, own: set, why: str) -> str:
     other = MLP if half == ATTENTION else ATTENTION
     return (f"codetta: a {type(layer).__name__}'s {half} half runs as the model's own modules, unfused (its {other} "
             f"half stays fused): {why}")
-
-
-BOTH = frozenset((ATTENTION, MLP))
 
 
 def _unfused_halves(layer, plan: LayerPlan, hidden_states) -> frozenset:
