@@ -148,12 +148,14 @@ class Decoder(nn.Module):
             x, stats = layer(x, stats, positions, inv_freq, next_norm)
         return x
 
-    def forward(self, input_ids: Tensor, targets: Tensor | None = None, *, ignore_index: int = -100):
-        """The mean cross-entropy against ``targets`` (aligned with input_ids: shift them
-        yourself), or the logits [B, S, V] when no targets are given."""
+    def forward(self, input_ids: Tensor, targets: Tensor | None = None, *, ignore_index: int = -100,
+                reduction: str = "mean"):
+        """The cross-entropy against ``targets`` (aligned with input_ids: shift them yourself),
+        reduced as :func:`codetta.ops.linear_cross_entropy` does ("mean", "sum", or "none": one
+        loss per token, [B, S]), or the logits [B, S, V] when no targets are given."""
         x = self.hidden_states(input_ids)
         if targets is None:
             h = F.rms_norm(x, (x.shape[-1],), self.final_norm, self.cfg.rms_norm_eps)
             return F.linear(h, self.output_weight)
-        return linear_cross_entropy(x, self.output_weight, targets, ignore_index=ignore_index,
+        return linear_cross_entropy(x, self.output_weight, targets, ignore_index=ignore_index, reduction=reduction,
                                     norm_weight=self.final_norm, eps=self.cfg.rms_norm_eps)

@@ -1764,8 +1764,18 @@ def test_each_patched_layer_compiled_by_itself():
     ids = torch.randint(0, VOCAB, (2, 10), device=DEVICE)
     assert_same_training_step(ref, model, input_ids=ids, labels=ids)
 
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches emptied: the code objects of the forwards traced by earlier tests (other
+    models, each a guard of its own) would count toward the recompile limit of this one's."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.skipif(
     _NO_CXX, reason="inductor on a CPU needs a C++ compiler"))])
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_torch_compile_whole_patched_model_without_graph_break(backend):
     """fullgraph=True: one graph through the patched layers, codetta's custom ops and the fused loss;
     with inductor, the code around the ops is generated (C++ on a CPU, Triton on a GPU). A second
@@ -1786,3 +1796,27 @@ def test_torch_compile_whole_patched_model_without_graph_break(backend):
         assert ((p.grad - grads_ref[name]).norm() / grads_ref[name].norm()).item() < 2e-4, name
     compiled(input_ids=ids, labels=ids)
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("when", ["before_patch", "after_patch"])
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_torch_compile_fullgraph_with_a_half_as_the_models_modules(when):
+    """fullgraph=True where a half runs as the model's own modules and the loss unfused (a LoRA-like
+    wrapper on one projection, a hook on the LM head): the checks and their warnings do not break
+    the graph (a compiled forward says nothing, as transformers' own forwards); the step equals the
+    unpatched model's; a wrapper put on after patching, first seen by the traced forward, costs one
+    recompilation, no more."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    ref = tiny("LlamaForCausalLM")
+    model = _wrapped_and_patched(ref, "model.layers.1.self_attn.q_proj", LoraLike, when)
+    for m in (ref, model):
+        m.lm_head.register_forward_hook(lambda module, args, out: out)
+    counter = CompileCounterWithBackend("aot_eager")
+    model.compile(backend=counter, fullgraph=True)
+    ids = torch.randint(0, VOCAB, (2, 10), device=DEVICE)
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    assert [layer._codetta_plan.unfused_half for layer in model.model.layers] == [None, ATTENTION]
+    for _ in range(2):
+        model(input_ids=ids, labels=ids)
+    assert counter.frame_count == (1 if when == "before_patch" else 2)

@@ -64,20 +64,24 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_loss_and_every_gradient_match_the_unfused_model(tie):
+@pytest.mark.parametrize("tie, reduction", [(False, "mean"), (True, "mean"), (False, "sum"), (True, "none")])
+def test_loss_and_every_gradient_match_the_unfused_model(tie, reduction):
     model = make_model(tie)
     ids = torch.randint(0, CFG.vocab_size, (2, 7), device=DEVICE)
     targets = torch.roll(ids, -1, dims=1)
     targets[:, -1] = -100
-    loss = model(ids, targets)
-    loss.backward()
+    # "none": the losses' gradients weighted at random, so that each token's shows
+    token_weights = torch.rand(ids.shape, device=DEVICE, dtype=torch.float64) if reduction == "none" else 1.0
+    loss = model(ids, targets, reduction=reduction)
+    assert loss.shape == (ids.shape if reduction == "none" else ())
+    (loss.double() * token_weights).sum().backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
 
     ref = make_model(tie).double()
-    ref_loss = F.cross_entropy(reference_logits(ref, ids).flatten(0, 1), targets.flatten(), ignore_index=-100)
-    ref_loss.backward()
-    assert abs(loss.item() - ref_loss.item()) < 1e-5 * ref_loss.item()
+    ref_loss = F.cross_entropy(reference_logits(ref, ids).transpose(1, 2), targets, ignore_index=-100,
+                               reduction=reduction)
+    (ref_loss * token_weights).sum().backward()
+    assert rel(loss, ref_loss) < 1e-5
     for name, p in ref.named_parameters():
         assert rel(got[name], p.grad) < 1e-4, name
 

@@ -52,6 +52,7 @@ from ...ops import linear_residual, rms_norm, rmsnorm_linear, rmsnorm_qkv_rope, 
 from ...ops.autocast import stream_under_autocast
 from ...ops.rmsnorm import NormStats, scaled, stream_fits
 from ...ops.rope import angles_need_grad
+from .. import warn_unless_traced
 from . import checkpointing
 from .architectures import (ATTENTION, MLP, RESIDUAL_DROPOUTS, Architecture, ModelClasses, fused_modules,
                             gate_activation, halves, halves_separate, hooked_module, hooks_between, is_hooked,
@@ -276,8 +277,8 @@ def _rotated_qkv(layer, plan: LayerPlan, x, norm, position_ids, position_embeddi
     rope, why_not = (_rope_arguments(plan, x, attn, position_ids, position_embeddings)
                      if plan.fuse_rope and rotates else (None, None))
     if why_not is not None:
-        warnings.warn(f"codetta: {why_not}; RoPE runs as the model's own code on its position_embeddings",
-                      stacklevel=5)
+        warn_unless_traced(f"codetta: {why_not}; RoPE runs as the model's own code on its position_embeddings",
+                           stacklevel=5)
     if rope is not None:
         qk_norm = {}
         if arch.has_qk_norm(attn):  # the modules' own weights: their gradients land there
@@ -385,15 +386,15 @@ def _unfused_halves(layer, plan: LayerPlan, hidden_states) -> frozenset:
     are asked for, or it computes in a precision codetta's kernels do not take (a model cast to
     fp64 after patching), or its halves do not separate (:func:`.architectures.halves_separate`)."""
     def warn_unfused(why, own=BOTH):
-        warnings.warn(_unfused_message(layer, own, why), stacklevel=3)
+        warn_unless_traced(_unfused_message(layer, own, why), stacklevel=3)
 
     if hidden_states.dtype == torch.float64:
         warn_unfused("fp64 (codetta's kernels take fp32, fp16 and bf16)")
         return BOTH
 
     modules = check_modules(layer, plan)
-    if plan.to_warn:  # what the last check found, said by the forward that runs with it
-        for message in plan.to_warn:
+    if plan.to_warn and not torch.compiler.is_compiling():  # what the last check found, said by the
+        for message in plan.to_warn:                        # first forward that runs with it untraced
             warnings.warn(message, stacklevel=3)
         plan.to_warn = ()
     if plan.unfusable is not None:

@@ -18,13 +18,13 @@ config's) asks for it, by the modeling module's ``load_balancing_loss_func``, as
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from ...ops import linear_cross_entropy
+from .. import warn_unless_traced
 from .architectures import class_name, is_hooked, is_plain_linear, stored_weight
 
 try:
@@ -66,7 +66,7 @@ def fused_causal_lm_forward(model, input_ids=None, attention_mask=None, position
     fused = labels is not None and model.training  # no labels: as transformers, no loss (shift_labels only refines them)
     why = why_loss_unfusable(model) if fused else None
     if why is not None:
-        warnings.warn(f"codetta: {why}; the loss runs unfused", stacklevel=2)
+        warn_unless_traced(f"codetta: {why}; the loss runs unfused", stacklevel=2)
     if not fused or why is not None:
         return type(model).forward(model, input_ids=input_ids, attention_mask=attention_mask,
                                    position_ids=position_ids, inputs_embeds=inputs_embeds, labels=labels,
