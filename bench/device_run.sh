@@ -5,7 +5,7 @@
 # first when present. The device copy's .git may be older than
 # its files: pass CODETTA_CODE_COMMIT=<the sending machine's HEAD> so results name the code.
 # ab, kparts-ab: bench/version_ab.py, bench/kparts_ab.py against OLD_TREE (default old/, gitignored: `mkdir old && git archive <commit> codetta bench | tar -x -C old`, carried to the device).
-#   M=16384,4096 OPS=a,b,c,d,e TESTS=tests WORKERS=8 VARIANTS=hf_liger,hf_codetta bash bench/device_run.sh [smoke] [test] [host] [op-profile] [gemm] [gemm-quick] [gemm-1b] [breakdown] [sweep] [ops] [ops-compile] [ops-paper] [block] [train] [profile] [demo] [ab] [kparts-ab]
+#   M=16384,4096 OPS=a,b,c,d,e TESTS=tests WORKERS=8 VARIANTS=hf_liger,hf_codetta LORA=q_proj,v_proj bash bench/device_run.sh [smoke] [test] [host] [op-profile] [gemm] [gemm-quick] [gemm-1b] [breakdown] [sweep] [ops] [ops-compile] [ops-paper] [block] [train] [profile] [demo] [ab] [kparts-ab]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CODETTA_CACHE_DIR=/tmp/codetta-cache
 OUT=${OUT:-/tmp/out}
@@ -35,7 +35,8 @@ for step in "$@"; do
     ops-paper) python3 bench/ops_bench.py --no-compile --m "${M:-16384}" --ops "${OPS:-a,b,c,d,e}" \
         --shapes paper-d2048,paper-d4096,paper-d8192 2>&1 | tee "$OUT/ops_paper.log" ;;
     block) python3 bench/block_bench.py 2>&1 | tee "$OUT/block.log" ;;
-    train) python3 bench/train_bench.py --variants "${VARIANTS:-hf_eager,hf_compile,hf_liger,hf_codetta}" 2>&1 | tee "$OUT/train.log" ;;
+    train) python3 bench/train_bench.py --variants "${VARIANTS:-hf_eager,hf_compile,hf_liger,hf_codetta}" ${LORA:+--lora "$LORA"} \
+        2>&1 | tee "$OUT/train${LORA:+_lora}.log" ;;
     profile) for v in ${VARIANTS//,/ }; do
         timeout "${PROFILE_TIMEOUT:-240}" python3 bench/train_profile.py --variant "$v" 2>&1 | tee "$OUT/profile_$v.log"
       done ;;

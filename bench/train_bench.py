@@ -1,13 +1,16 @@
 """End-to-end training step of a Llama-3-1B-shape model: HF eager, + torch.compile, + Liger, + codetta.
 
-    python bench/train_bench.py [--seq 4096] [--batch 2] [--steps 8] [--warmup 3]
+    python bench/train_bench.py [--seq 4096] [--batch 2] [--steps 8] [--warmup 3] [--lora q_proj,v_proj]
 
 Each variant runs in its own process (Liger's patch replaces transformers' classes for the
 whole process): forward, backward and fused AdamW on random tokens, bf16 parameters,
 random init (no downloads). Reports median step time, tokens/s, peak memory and the
 time of the first steps (compilation, tuning); and, to see whether the host keeps the GPU
 busy, the step time with the steps issued back to back (``unsynced_step_ms``) and the
-host and GPU times of one forward call. Writes bench/results/train.{md,json}.
+host and GPU times of one forward call. With ``--lora``, a LoRA fine-tuning step instead: PEFT
+adapters of rank 16 on the projections named, the base weights frozen (a patched layer's half
+with an adapter runs as the model's own modules). Writes bench/results/train.{md,json}
+(train_lora_<targets>.{md,json} with --lora).
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from common import markdown_table, require_gpu, write_results  # noqa: E402
 VARIANTS = ("hf_eager", "hf_compile", "hf_liger", "hf_codetta")
 
 
-def build(variant: str):
+def build(variant: str, lora: str = ""):
+    """The 1B-shape model of ``variant``, with PEFT LoRA adapters on the projections ``lora``
+    names (comma-separated) where it names any."""
     import transformers
 
     if variant == "hf_liger":
@@ -47,6 +52,11 @@ def build(variant: str):
         import codetta
 
         codetta.patch(model)
+    if lora:
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                                            target_modules=lora.split(",")))
     if variant == "hf_compile":
         model = torch.compile(model)
     return model
@@ -55,8 +65,8 @@ def build(variant: str):
 def training_setup(variant: str, args):
     """(model, optimizer, input ids): the model of :func:`build`, fused AdamW, and random tokens
     [args.batch, args.seq] (the labels are the ids)."""
-    model = build(variant)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    model = build(variant, args.lora)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device="cuda")
     return model, opt, ids
 
@@ -67,6 +77,8 @@ def step_arguments(parser, *, steps: int, warmup: int = 3):
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--lora", default="", help="LoRA fine-tuning: the projections with adapters, comma-separated "
+                        "(q_proj,v_proj is PEFT's default); none: every weight trains")
 
 
 def run_variant(variant: str, args) -> dict:
@@ -120,7 +132,7 @@ def rows_of_variants(script: str, args) -> list[dict]:
     rows = []
     for variant in args.variants.split(","):
         cmd = [sys.executable, script, "--variant", variant, "--seq", str(args.seq), "--batch", str(args.batch),
-               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--lora", args.lora]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
         if proc.returncode or not lines:
@@ -143,7 +155,7 @@ def main():
         return
     rows = rows_of_variants(__file__, args)
     table = markdown_table(rows, sorted({k for r in rows for k in r}, key=str))
-    write_results("train", rows, table)
+    write_results("train_lora_" + args.lora.replace(",", "_") if args.lora else "train", rows, table)
     print(table)
 
 
