@@ -1299,9 +1299,9 @@ HALVES = {  # a model of MODELS: (a module of its attention half, one of its MLP
 @pytest.mark.parametrize("key, checkpointing", [(key, False) for key in sorted(HALVES)] + [("llama", True)])
 def test_one_half_as_the_models_modules_the_other_fused(key, checkpointing, half, monkeypatch):
     """A LoRA-like wrapper on one projection of layer 1: that half of the layer runs as the model's
-    own modules (its norm, its attention or MLP, the residual add as the layer makes it), the
-    other half fused (its GEMMs counted), the first layer whole; the training step equals the
-    unpatched model's, with gradient checkpointing too."""
+    own modules (its attention or MLP, the residual add as the layer makes it; its norm by
+    codetta's row kernel), the other half fused (its GEMMs counted), the first layer whole; the
+    training step equals the unpatched model's, with gradient checkpointing too."""
     name, overrides = MODELS[key]
     ref = tiny(name, num_hidden_layers=2, **overrides)
     _wrap(ref, f"model.layers.1.{HALVES[key][half == MLP]}", LoraLike)
@@ -1310,12 +1310,15 @@ def test_one_half_as_the_models_modules_the_other_fused(key, checkpointing, half
         enable_checkpointing(ref), enable_checkpointing(model)
     fused_attention = count_calls(monkeypatch, "codetta.integrations.hf.layer._rotated_qkv")
     fused_mlp = count_calls(monkeypatch, "codetta.integrations.hf.layer._mlp_residual")
+    norm_kernels = count_calls(monkeypatch, "codetta.integrations.hf.layer._norm_like_module")
     ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
     with pytest.warns(UserWarning, match=f"'s {half} half runs as the model's own modules, unfused"):
         assert_same_training_step(ref, model, input_ids=ids, labels=ids)
     forwards = 2 if checkpointing else 1  # recomputed in the backward
     fused = (1, 2) if half == ATTENTION else (2, 1)  # (layers with a fused attention half, with a fused MLP half)
     assert (len(fused_attention), len(fused_mlp)) == (fused[0] * forwards, fused[1] * forwards)
+    moe_layers = 1 if key.startswith("moe") else 0  # layer 0's experts read their norm's output from the kernel too
+    assert len(norm_kernels) == (1 + moe_layers) * forwards
     assert [layer._codetta_plan.unfused_half for layer in model.model.layers] == [None, half]
 
 

@@ -482,14 +482,17 @@ def _fused_layer(layer, x, attention_mask, position_ids, use_cache, position_emb
 
 
 def _own_half(layer, plan: LayerPlan, half: str, x, attention_kwargs=None):
-    """x + s sublayer(norm(x)) of one half of the layer by the model's own modules (its norm, its
-    attention or MLP, Phi-3's residual dropout module), as the layer's own forward computes it
-    (s: Granite's residual multiplier, else 1)."""
+    """x + s sublayer(norm(x)) of one half of the layer by the model's own modules (its attention
+    or MLP, Phi-3's residual dropout module), as the layer's own forward computes it (s:
+    Granite's residual multiplier, else 1). The norm is :func:`_norm_like_module` (one row
+    kernel each way in place of the module's chain of elementwise ones) where the fused
+    forward could read it (a norm of the model's class without hooks), else the module."""
     arch = plan.arch
-    if half == ATTENTION:
-        out = layer.self_attn(hidden_states=layer.input_layernorm(x), **attention_kwargs)[0]
-    else:
-        out = layer.mlp(layer.get_submodule(arch.mlp_norm)(x))
+    norm_path = "input_layernorm" if half == ATTENTION else arch.mlp_norm
+    norm = layer.get_submodule(norm_path)
+    readable = not is_hooked(norm) and why_unfusable({norm_path: norm}, arch, plan.classes) is None
+    h = _norm_like_module(arch, norm, x) if readable else norm(x)
+    out = layer.self_attn(hidden_states=h, **attention_kwargs)[0] if half == ATTENTION else layer.mlp(h)
     if arch.residual_dropout == "modules":  # the model's dropout module (on in training is why the half runs so)
         out = layer.get_submodule(RESIDUAL_DROPOUTS[half == MLP])(out)
     return x + scaled(out, arch.branch_scale(layer))
