@@ -347,8 +347,9 @@ def test_random_config_matches_unpatched(family, data):
 
 
 def errors(model, ref64, batch):
-    """{name: relative error in norm against the fp64 model} of the loss (the model's own: not a
-    bare model's random projection of its output, a sum with cancellations), the output and each gradient."""
+    """({name: relative error in norm against the fp64 model}, {name: its number of elements}) of
+    the loss (the model's own: not a bare model's random projection of its output, a sum with
+    cancellations), the output and each gradient."""
     main, loss, grads = step(model, batch)
     main64, loss64, grads64 = step(ref64, batch)
     scale = typical(grads64)
@@ -360,7 +361,8 @@ def errors(model, ref64, batch):
         errs["loss"] = relative_error(loss, loss64)
     if main is not None:
         errs["output"] = relative_error(main, main64)
-    return errs
+    sizes = {n: g.numel() for n, g in grads64.items()} | {"loss": 1, "output": 0 if main is None else main.numel()}
+    return errs, sizes
 
 
 @pytest.mark.parametrize("family", ARCHITECTURES)
@@ -370,7 +372,7 @@ def test_random_bf16_config_within_twice_the_unpatched_error(family, data):
     """The model cast to bf16, patched and not: the patched model's errors against the fp64
     model are within 2x the unpatched bf16 model's (the worse of two equally valid roundings:
     :func:`unfused_roundings.worse_of_two_roundings`; plus a floor of a quarter of bf16's epsilon, for values the
-    unpatched model happens to hit closely)."""
+    unpatched model happens to hit closely; of two bf16 roundings for an output of a few elements)."""
     # bf16 errors of a vector of a few elements (the norms' weights when hidden_size is 3) are
     # a few roundings, not statistics: measured on the CPU (bare 1-layer Llama, 30 draws),
     # patched/unpatched errors of the final norm's weight spread 0.28-4.5x at hidden size 3
@@ -384,14 +386,18 @@ def test_random_bf16_config_within_twice_the_unpatched_error(family, data):
         warnings.simplefilter("ignore")  # head_dim no power of two: the model's own RoPE, said above
         patched = codetta.patch(copy.deepcopy(ref16))
         batch = batch_for(name, ids, mask, labels)
-        errs = errors(patched, ref64, batch)
-    errs_ref = worse_of_two_roundings(lambda m: errors(m, ref64, batch), ref16)
+        errs, sizes = errors(patched, ref64, batch)
+    errs_ref = worse_of_two_roundings(lambda m: errors(m, ref64, batch)[0], ref16)
     if not name.endswith("ForCausalLM"):  # a causal LM training with labels returns no logits when patched
         assert errs.keys() == errs_ref.keys()
-    floor = 2e-3
+    # An output of a few elements (a classification head's [batch, 3] logits: one token's hidden
+    # state each) is a few roundings too: measured on the CPU (3-layer Llama sequence classifier,
+    # hidden 33, 16 initializations), its errors were 0.003-0.013 patched and 0.002-0.026 unpatched,
+    # patched/unpatched 0.23-4.8x (median 0.73x): held to 2x plus two bf16 unit roundoffs (2 * 2^-8)
+    floors = {n: 2 * 2**-8 if n == "output" and sizes[n] < 16 else 2e-3 for n in errs}
     pairs = {n: (errs[n], errs_ref[n]) for n in errs}
     note(f"errors (patched, unpatched): {pairs}")
-    worse = {n: pair for n, pair in pairs.items() if pair[0] > 2 * pair[1] + floor}
+    worse = {n: pair for n, pair in pairs.items() if pair[0] > 2 * pair[1] + floors[n]}
     assert not worse, worse
 
 
