@@ -9,12 +9,9 @@ class UnsupportedModelError(ValueError):
     """The model (or an option of it) is not one codetta can patch; nothing was changed."""
 
 
-def warn_unless_traced(message: str, stacklevel: int = 1) -> bool:
+def warn_unless_traced(message: str, stacklevel: int = 1) -> None:
     """``warnings.warn(message)`` from a patched forward, except while torch.compile traces it:
     Dynamo cannot trace ``warnings.warn`` (the graph would break there, and ``fullgraph=True``
-    fail), so a compiled forward says nothing, as transformers' own forwards do. Returns
-    whether the message was said (a caller may keep it for a forward that can say it)."""
-    if torch.compiler.is_compiling():
-        return False
-    warnings.warn(message, stacklevel=stacklevel + 1)
-    return True
+    fail), so a compiled forward says nothing, as transformers' own forwards do."""
+    if not torch.compiler.is_compiling():
+        warnings.warn(message, stacklevel=stacklevel + 1)
