@@ -231,9 +231,11 @@ def rope_fuses(config) -> bool:
 
 
 @st.composite
-def batches(draw, vocab):
-    """input_ids, an attention mask padding each row on one side (each keeps a token), labels with ignored ones."""
-    size, length = draw(st.integers(1, 3)), draw(st.integers(1, 17))
+def batches(draw, vocab, min_rows=1, min_tokens=1):
+    """input_ids, an attention mask padding each row on one side (each keeps a token), labels with
+    ignored ones; at least ``min_rows`` rows and ``min_tokens`` tokens."""
+    size = draw(st.integers(min_rows, max(min_rows, 3)))
+    length = draw(st.integers(-(-min_tokens // size), 17))
     seed = draw(st.integers(0, 2**16))
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (size, length), generator=g)
@@ -347,9 +349,8 @@ def test_random_config_matches_unpatched(family, data):
 
 
 def errors(model, ref64, batch):
-    """({name: relative error in norm against the fp64 model}, {name: its number of elements}) of
-    the loss (the model's own: not a bare model's random projection of its output, a sum with
-    cancellations), the output and each gradient."""
+    """{name: relative error in norm against the fp64 model} of the loss (the model's own: not a
+    bare model's random projection of its output, a sum with cancellations), the output and each gradient."""
     main, loss, grads = step(model, batch)
     main64, loss64, grads64 = step(ref64, batch)
     scale = typical(grads64)
@@ -361,8 +362,7 @@ def errors(model, ref64, batch):
         errs["loss"] = relative_error(loss, loss64)
     if main is not None:
         errs["output"] = relative_error(main, main64)
-    sizes = {n: g.numel() for n, g in grads64.items()} | {"loss": 1, "output": 0 if main is None else main.numel()}
-    return errs, sizes
+    return errs
 
 
 @pytest.mark.parametrize("family", ARCHITECTURES)
@@ -372,13 +372,19 @@ def test_random_bf16_config_within_twice_the_unpatched_error(family, data):
     """The model cast to bf16, patched and not: the patched model's errors against the fp64
     model are within 2x the unpatched bf16 model's (the worse of two equally valid roundings:
     :func:`unfused_roundings.worse_of_two_roundings`; plus a floor of a quarter of bf16's epsilon, for values the
-    unpatched model happens to hit closely; of two bf16 roundings for an output of a few elements)."""
+    unpatched model happens to hit closely)."""
     # bf16 errors of a vector of a few elements (the norms' weights when hidden_size is 3) are
     # a few roundings, not statistics: measured on the CPU (bare 1-layer Llama, 30 draws),
     # patched/unpatched errors of the final norm's weight spread 0.28-4.5x at hidden size 3
     # (the patched model's input to that norm the more accurate), 0.61-2.0x at 12, 0.62-1.3x at 48
     name, config = data.draw(models(family, min_hidden=16, all_experts=True))
-    ids, mask, labels, seed = data.draw(batches(config["vocab_size"]))
+    # an output of a few numbers is a few roundings, not statistics, and cancellations in them
+    # amplify either model's: measured on the CPU, 16 initializations each, a sequence classifier's
+    # [1, 3] logits were 0.23-4.8x the unpatched model's error (median 0.73x), a question-answering
+    # head's one-token logits 0.12-5.6x (median 1.00x; 0.058 vs 0.011 in one). So the output has
+    # at least 16 numbers (a sequence classifier 6 rows); the fp32 test draws the smallest batches.
+    rows = 6 if name.endswith("SequenceClassification") else 1
+    ids, mask, labels, seed = data.draw(batches(config["vocab_size"], min_rows=rows, min_tokens=16))
     note(f"{name} {config}; batch {tuple(ids.shape)} seed {seed}")
     ref = build(name, config)
     ref64, ref16 = copy.deepcopy(ref).double(), copy.deepcopy(ref).to(torch.bfloat16)
@@ -386,18 +392,14 @@ def test_random_bf16_config_within_twice_the_unpatched_error(family, data):
         warnings.simplefilter("ignore")  # head_dim no power of two: the model's own RoPE, said above
         patched = codetta.patch(copy.deepcopy(ref16))
         batch = batch_for(name, ids, mask, labels)
-        errs, sizes = errors(patched, ref64, batch)
-    errs_ref = worse_of_two_roundings(lambda m: errors(m, ref64, batch)[0], ref16)
+        errs = errors(patched, ref64, batch)
+    errs_ref = worse_of_two_roundings(lambda m: errors(m, ref64, batch), ref16)
     if not name.endswith("ForCausalLM"):  # a causal LM training with labels returns no logits when patched
         assert errs.keys() == errs_ref.keys()
-    # An output of a few elements (a classification head's [batch, 3] logits: one token's hidden
-    # state each) is a few roundings too: measured on the CPU (3-layer Llama sequence classifier,
-    # hidden 33, 16 initializations), its errors were 0.003-0.013 patched and 0.002-0.026 unpatched,
-    # patched/unpatched 0.23-4.8x (median 0.73x): held to 2x plus two bf16 unit roundoffs (2 * 2^-8)
-    floors = {n: 2 * 2**-8 if n == "output" and sizes[n] < 16 else 2e-3 for n in errs}
+    floor = 2e-3
     pairs = {n: (errs[n], errs_ref[n]) for n in errs}
     note(f"errors (patched, unpatched): {pairs}")
-    worse = {n: pair for n, pair in pairs.items() if pair[0] > 2 * pair[1] + floors[n]}
+    worse = {n: pair for n, pair in pairs.items() if pair[0] > 2 * pair[1] + floor}
     assert not worse, worse
 
 
