@@ -512,10 +512,16 @@ def _need(obj, path, what):
     return obj
 
 
-def _is_models_norm(owner, path: str, classes: ModelClasses) -> bool:
+def is_models_norm(module, classes: ModelClasses) -> bool:
+    """Whether ``module`` computes as the model's RMSNorm class (whose weight and epsilon the fused
+    forward reads in its place)."""
+    return type(module).forward is classes.rms_norm.forward
+
+
+def _has_models_norm(owner, path: str, classes: ModelClasses) -> bool:
     """Whether ``owner`` has a module at ``path`` of the model's RMSNorm class."""
     try:
-        return type(owner.get_submodule(path)).forward is classes.rms_norm.forward
+        return is_models_norm(owner.get_submodule(path), classes)
     except AttributeError:
         return False
 
@@ -547,7 +553,7 @@ def check_model(model, arch: Architecture, classes: ModelClasses):
             _need(layer, f"self_attn.{arch.qk_norm}", what)
         mlp_fused = mlp_is_fused(layer, arch, classes)
         # the weights and epsilons of the norms the fused forward reads (a norm of another class runs as itself)
-        norms = [norm for norm in arch.norms if _is_models_norm(layer, norm, classes)]
+        norms = [norm for norm in arch.norms if _has_models_norm(layer, norm, classes)]
         for path in (*(f"{norm}.{attribute}" for norm in norms for attribute in ("weight", arch.norm_eps)),
                      "self_attn.head_dim", "self_attn.scaling", *_fused_paths(layer, arch, classes),
                      *(("self_attn.attn_logit_softcapping",) if arch.attention_softcap else ()),
@@ -555,7 +561,7 @@ def check_model(model, arch: Architecture, classes: ModelClasses):
                      *(("residual_multiplier",) if arch.multipliers else ())):
             _need(layer, path, what)
         attn = layer.self_attn
-        if arch.has_qk_norm(attn) and all(_is_models_norm(attn, path, classes) for path in ("q_norm", "k_norm")):
+        if arch.has_qk_norm(attn) and all(_has_models_norm(attn, path, classes) for path in ("q_norm", "k_norm")):
             for path in ("q_norm.weight", f"q_norm.{arch.norm_eps}", "k_norm.weight", f"k_norm.{arch.norm_eps}"):
                 _need(attn, path, what)
             norms = (attn.q_norm, attn.k_norm)

@@ -56,7 +56,8 @@ from .. import warn_unless_traced
 from . import checkpointing
 from .architectures import (ATTENTION, MLP, RESIDUAL_DROPOUTS, Architecture, ModelClasses, fused_modules,
                             gate_activation, halves, halves_separate, hooked_module, hooks_between, is_hooked,
-                            mlp_is_fused, stored_weight, why_rotary_dims_unfit, why_rotary_unfusable, why_unfusable)
+                            is_models_norm, mlp_is_fused, stored_weight, why_rotary_dims_unfit, why_rotary_unfusable,
+                            why_unfusable)
 
 try:  # transformers' collector of recorded outputs (output_attentions=True, output_hidden_states=True)
     from transformers.utils.output_capturing import _active_collector
@@ -490,7 +491,7 @@ def _own_half(layer, plan: LayerPlan, half: str, x, attention_kwargs=None):
     arch = plan.arch
     norm_path = "input_layernorm" if half == ATTENTION else arch.mlp_norm
     norm = layer.get_submodule(norm_path)
-    readable = not is_hooked(norm) and why_unfusable({norm_path: norm}, arch, plan.classes) is None
+    readable = not is_hooked(norm) and is_models_norm(norm, plan.classes)
     h = _norm_like_module(arch, norm, x) if readable else norm(x)
     out = layer.self_attn(hidden_states=h, **attention_kwargs)[0] if half == ATTENTION else layer.mlp(h)
     if arch.residual_dropout == "modules":  # the model's dropout module (on in training is why the half runs so)
@@ -539,7 +540,7 @@ def _mlp_residual(layer, plan: LayerPlan, x1, stats=None, g2=None):
         # parametrization once more than the model does); the next layer's would not be this one
         and not parametrize.is_parametrized(ln_next)
         # the model's own norm (one replaced after patching may have no weight or epsilon to read)
-        and type(ln_next).forward is plan.classes.rms_norm.forward
+        and is_models_norm(ln_next, plan.classes)
         # a plain tensor: under FSDP2 the next layer's weights are sharded (DTensor) until its own forward
         and type(ln_next.weight) in (torch.Tensor, torch.nn.Parameter)
     )
