@@ -148,6 +148,22 @@ def test_linear_names_x_when_refusing_it():
             codetta.linear(x, w)
 
 
+@pytest.mark.parametrize("call, message", [
+    (lambda x, g, w: ops.rmsnorm_linear(x, g, w), "the weights are torch.float64"),
+    (lambda x, g, w: ops.rmsnorm_swiglu(x, g, w, w), "the weights are torch.float64"),
+    (lambda x, g, w: ops.swiglu_mlp(x, g, w, w, w.t()), "the weights are torch.float64"),
+    (lambda x, g, w: ops.rmsnorm_qkv_rope(x, g, w[:4], w[4:6], w[4:6], torch.arange(3, device=DEVICE),
+                                          torch.ones(1, device=DEVICE, dtype=torch.float64), head_dim=2),
+     "the weights are torch.float64"),
+    (lambda x, g, w: ops.linear_residual(x, w, x[:, :6]), "a has dtype torch.float64"),
+], ids=["rmsnorm_linear", "rmsnorm_swiglu", "swiglu_mlp", "rmsnorm_qkv_rope", "linear_residual"])
+def test_fused_ops_name_an_fp64_argument_when_refusing_it(call, message):
+    """fp64 operands of the fused ops are refused naming the op's own arguments (not gemm's a)."""
+    x, g, w = dyadic(3, 8).double(), dyadic(8).double(), dyadic(6, 8).double()
+    with pytest.raises(ValueError, match=rf"{message}; the kernels take \(torch.float16"):
+        call(x, g, w)
+
+
 def test_one_dimensional_a_is_refused():
     with pytest.raises(GemmError, match=r"a must be at least 2-d"):
         codetta.gemm(dyadic(5), dyadic(5, 6), store_program())

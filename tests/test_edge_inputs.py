@@ -263,7 +263,7 @@ def test_qk_norm_weight_gradients_with_zero_eps_and_odd_rows():
 
 def test_no_double_backward_and_torch_func():
     """backward(create_graph=True) through an operator raises (its second-order terms would be
-    missing); vmap runs codetta.linear through PyTorch's per-sample fallback."""
+    missing)."""
     x = torch.randn(6, 16, device=DEVICE, requires_grad=True)
     w = torch.randn(20, 16, device=DEVICE, requires_grad=True)
     target = torch.randint(0, 20, (6,), device=DEVICE)
@@ -271,9 +271,35 @@ def test_no_double_backward_and_torch_func():
                  codetta.linear(x, w).square().sum()):
         with pytest.raises(RuntimeError, match="no second derivative"):
             torch.autograd.grad(loss, x, create_graph=True)
-    xs = torch.randn(3, 6, 16, device=DEVICE)
-    torch.testing.assert_close(torch.vmap(lambda t: codetta.linear(t, w.detach()))(xs), xs @ w.detach().t(),
-                               rtol=1e-5, atol=1e-5)
+
+
+def test_vmap_runs_every_operator_per_sample_forward_and_backward():
+    """torch.func.vmap over the operators (those taking a list of weights too, for which PyTorch
+    has no fallback) gives the outputs and gradients of one call per sample."""
+    xs, w, g, wo = (torch.randn(*shape, device=DEVICE, requires_grad=True) for shape in ((3, 4, 8), (6, 8), (8,), (8, 8)))
+    positions, inv_freq = torch.arange(4, device=DEVICE), torch.ones(1, device=DEVICE)
+    calls = {
+        "linear": lambda t: codetta.linear(t, w),
+        "rms_norm": lambda t: ops.rms_norm(t, g),
+        "rmsnorm_linear": lambda t: ops.rmsnorm_linear(t, g, [w[:2], w[2:]]),
+        "rmsnorm_swiglu": lambda t: ops.rmsnorm_swiglu(t, g, w, w * 0.5),
+        "swiglu_mlp": lambda t: ops.swiglu_mlp(t, g, w, w * 0.5, wo[:, :6]),
+        "linear_residual": lambda t: ops.linear_residual(t, wo, t * 2),
+        "rmsnorm_qkv_rope": lambda t: torch.cat(
+            ops.rmsnorm_qkv_rope(t, g, w[:4], w[4:6], wo[:2], positions, inv_freq, head_dim=2)[:3], -1),
+    }
+    for name, call in calls.items():
+        results = []
+        for batched in (lambda: torch.func.vmap(call)(xs), lambda: torch.stack([call(x) for x in xs])):
+            for t in (xs, w, g, wo):
+                t.grad = None
+            y = batched()
+            (y * torch.linspace(-1, 1, y.numel(), device=DEVICE).view_as(y)).sum().backward()
+            results.append([y] + [t.grad for t in (xs, w, g, wo)])
+        for got, expected in zip(*results):
+            assert (got is None) == (expected is None), name
+            if got is not None:
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def _forward_ad_calls(x, w, g, target):

@@ -169,6 +169,24 @@ def _gradient_parts(grads, parts):
             for g, (shape, dtype, device) in zip(grads, parts)]
 
 
+def _per_sample(op):
+    """A vmap rule for ``op``: the op once per sample (the batched arguments' slices), its outputs
+    stacked. PyTorch's own fallback does this for ops without list arguments and cannot for
+    ops with them (``rmsnorm_linear``'s weights)."""
+    def sample(arg, dim, i):
+        if isinstance(dim, (list, tuple)):
+            return [sample(a, d, i) for a, d in zip(arg, dim)]
+        return arg if dim is None else arg.select(dim, i)
+
+    def rule(info, in_dims, *args):
+        outputs = [op(*(sample(a, d, i) for a, d in zip(args, in_dims))) for i in range(info.batch_size)]
+        if isinstance(outputs[0], tuple):
+            return tuple(torch.stack(parts) for parts in zip(*outputs)), (0,) * len(outputs[0])
+        return torch.stack(outputs), 0
+
+    return rule
+
+
 class DirectOp:
     """A custom op (``.op``, registered with torch.library) that eager calls with plain tensors
     run without the dispatcher. ``register_fake`` and ``register_autograd`` as on the op.
@@ -182,6 +200,7 @@ class DirectOp:
     def __init__(self, name: str, impl, split_first=None):
         self.impl = impl
         self.op = torch.library.custom_op(name, impl, mutates_args=())
+        self.op.register_vmap(_per_sample(self.op))
         self.setup_context = self.backward = None
         self.split_first = split_first
 

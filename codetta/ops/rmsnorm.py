@@ -68,7 +68,7 @@ from torch import Tensor
 
 from .. import epilogue as ep
 from ..kernels.rmsnorm import rmsnorm_backward, rmsnorm_stats, rstd_of_partial_sums
-from ..matmul import check_device, gemm
+from ..matmul import KERNEL_DTYPES, check_device, gemm
 from ..matmul.call import MAX_B_PARTS
 from ..matmul.memory import merged_leading_dims
 from .autocast import casts_under_autocast
@@ -161,6 +161,8 @@ def _check_norm_inputs(x: Tensor, norm_weight: Tensor, weights: list[Tensor], ep
             raise ValueError(f"weight {i} must be [out_features, {d}], got {tuple(w.shape)}")
         if w.dtype != weights[0].dtype:
             raise ValueError(f"weight {i} is {w.dtype} but weight 0 is {weights[0].dtype}")
+    if weights[0].dtype not in KERNEL_DTYPES:
+        raise ValueError(f"the weights are {weights[0].dtype}; the kernels take {KERNEL_DTYPES}")
     if not stream_fits(x.dtype, weights[0].dtype):
         raise ValueError(f"x is {x.dtype} but the weights are {weights[0].dtype}: x must be in the weights' dtype, "
                          "or fp32 with 16-bit weights")
@@ -500,6 +502,8 @@ def linear_residual(a: Tensor, weight, residual: Tensor, norm_weight: Tensor | N
     for name, t in (("a", a), ("residual", residual), *((f"weight {i}", w) for i, w in enumerate(weights))):
         if not isinstance(t, Tensor) or t.dim() < 1:
             raise ValueError(f"{name} must be a tensor of at least 1 dim, got {type(t).__name__}")
+    if a.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"a has dtype {a.dtype}; the kernels take {KERNEL_DTYPES}")
     if residual.shape[:-1] != a.shape[:-1] or residual.shape[-1] != sum(w.shape[0] for w in weights):
         raise ValueError(f"residual {tuple(residual.shape)} does not match a {tuple(a.shape)} @ W^T")
     for w in weights:
