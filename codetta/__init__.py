@@ -52,7 +52,8 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
     """Patch a Hugging Face model of a Llama-shaped family (Llama, Mistral, Qwen2, Qwen3, ...: see
     :data:`codetta.integrations.hf.architectures.ARCHITECTURES`; its causal LM, bare
     decoder, or sequence-classification, token-classification or QA model) in place to run codetta's
-    fused operators, and return it: ``rms_norm`` folds every RMSNorm into the GEMMs around it,
+    fused operators, and return it: ``rms_norm`` folds each RMSNorm that a GEMM reads into the
+    GEMMs around it (the others, such as Gemma 2's output norms, run as ``codetta.ops.rms_norm``),
     ``rope`` and ``swiglu`` run in the QKV and gate/up epilogues (they need ``rms_norm``),
     ``cross_entropy`` fuses a causal LM's head with the loss when labels are given in training mode. See
     :func:`codetta.integrations.hf.patch`."""

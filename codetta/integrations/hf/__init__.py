@@ -82,8 +82,9 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
     their bare decoder stacks (``LlamaModel``, ...) and the other heads transformers puts on them
     (``...ForSequenceClassification``, ``...ForTokenClassification``, ``...ForQuestionAnswering``).
 
-    rms_norm: fold every RMSNorm into the GEMM after it (and its statistics into the GEMM
-        before it); rope: RoPE in the QKV GEMM's epilogue (with Qwen3's QK-norm before it,
+    rms_norm: fold each RMSNorm that a GEMM reads into that GEMM (and its statistics into the
+        GEMM before it); the others (Gemma 2's and GLM-4's output norms, a mixture of experts'
+        MLP norm) run as :func:`codetta.ops.rms_norm`; without it no layer is patched; rope: RoPE in the QKV GEMM's epilogue (with Qwen3's QK-norm before it,
         in the same epilogue; a model whose head_dim, or whose rotary dims with a partial RoPE,
         are no power of two dividing head_dim keeps the model's own RoPE, after the norm-folded
         QKV GEMM, with a warning); swiglu: the gated MLP's activation in the gate/up
