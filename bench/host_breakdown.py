@@ -59,7 +59,7 @@ def rows_of(name, m):
         codetta.gemm(dx.t(), a)
         rows += [("custom op impl (no autograd)", lambda: rmsnorm_ops._linear_residual_op.impl(a, [w], r, None, g, 1e-6, 1.0)),
                  ("backward math (dgrad + wgrad GEMMs)", lambda: rmsnorm_ops.linear_residual_backward(dx, a, [w])),
-                 ("backward op, direct route", lambda: rmsnorm_ops._linear_residual_backward_op(dx, a, [w])),
+                 ("backward op, direct route", lambda: rmsnorm_ops._linear_residual_backward_op(dx, a, [w], [True])),
                  ("codetta.gemm plain [M, d] x [d, d]", lambda: codetta.gemm(a, w.t())),
                  ("codetta.gemm plain wgrad", lambda: codetta.gemm(dx.t(), a)),
                  ("torch.mm same", lambda: torch.mm(a, w.t())),

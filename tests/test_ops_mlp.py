@@ -215,7 +215,8 @@ def test_bad_inputs():
 def test_custom_ops_pass_opcheck(next_norm):
     x, g, wg, wu, wd = (t.requires_grad_() for t in inputs((6, 16), 8))
     b_up, b_down = torch.randn(8, device=DEVICE, requires_grad=True), torch.randn(16, device=DEVICE, requires_grad=True)
-    for b, scale, act in (((None, None, None), 1.0, "silu"), ((None, b_up, b_down), 0.5, "gelu")):
+    for b, scale, act, needs in (((None, None, None), 1.0, "silu", [True] * 3),
+                                 ((None, b_up, b_down), 0.5, "gelu", [True, False, False])):
         args = (x, g, wg, wu, wd, EPS, None, None, g.detach() if next_norm else None, 1e-6, *b, scale, act)
         torch.library.opcheck(torch.ops.codetta.swiglu_mlp.default, args,
                               test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
@@ -224,7 +225,7 @@ def test_custom_ops_pass_opcheck(next_norm):
         torch.library.opcheck(torch.ops.codetta.swiglu_mlp_backward.default,
                               (z, x.detach(), g.detach(), wg.detach(), wu.detach(), wd.detach(), zz,
                                torch.rand(6, device=DEVICE) + 0.5, None, None if b[1] is None else b[1].detach(), scale,
-                               act),
+                               act, needs),
                               test_utils=("test_schema", "test_faketensor"))
 
 

@@ -70,12 +70,18 @@ OPS = {
 
 @pytest.fixture
 def wgrad_programs(monkeypatch):
-    """The program of every wgrad GEMM run, by name ("weight_grad_add": added into a given tensor)."""
-    names = []
+    """The program of every wgrad GEMM run, by name ("weight_grad_add": added into a given tensor);
+    its ``rows`` attribute: the rows of weight gradient each computed."""
+    class Calls(list):
+        rows: list
+
+    names = Calls()
+    names.rows = []
     gemm = weight_grads.gemm
 
     def counting(a, b, program=None, **operands):
         names.append(program.name if program is not None else "plain")
+        names.rows.append(a.shape[0])
         return gemm(a, b, program, **operands)
 
     monkeypatch.setattr(weight_grads, "gemm", counting)
@@ -120,26 +126,34 @@ def test_second_micro_batch_adds_into_grad_in_the_gemm(name, added_in_gemm):
         assert err < 1e-5, err
 
 
+@pytest.mark.parametrize("route, frozen", [("eager", 0), ("compiled", -1)])
 @pytest.mark.parametrize("name", [*OPS, "linear"])
-def test_frozen_weights_cost_no_gradient_gemm(name, wgrad_programs):
+def test_frozen_weights_cost_no_gradient_gemm(name, route, frozen, wgrad_programs):
     """A weight that requires no gradient (frozen, as in partial fine-tuning) gets none and costs
-    no wgrad GEMM; the others' gradients and x's are those of the fp64 math."""
+    no wgrad GEMM, in eager mode and through the registered ops (torch.compile: autograd's
+    needs_input_grad tells the backward op); the others' gradients and x's are those of the
+    fp64 math."""
     shapes, op, reference = OPS.get(name) or ([(24, D)], lambda x, g, pos, w: codetta.linear(x, w[0]),
                                               lambda x, g, pos, w: F.linear(x, w[0]))
     weights = [torch.nn.Parameter(torch.randn(*s, device=DEVICE) / D**0.5) for s in shapes]
-    weights[0].requires_grad_(False)
+    weights[frozen].requires_grad_(False)
     g = 1 + 0.2 * torch.randn(D, device=DEVICE)
     (x, pos), = _micro_batches(1)
     x.requires_grad_()
+    if route == "compiled":
+        torch._dynamo.reset()
+        op = torch.compile(op, backend="aot_eager", fullgraph=True)
     out = op(x, g, pos, weights)
     dy = torch.randn_like(out)
     (out * dy).sum().backward()
-    assert len(wgrad_programs) == len(weights) - 1 and weights[0].grad is None
+    assert sum(wgrad_programs.rows) == sum(w.shape[0] for w in weights if w.requires_grad)
+    assert weights[frozen].grad is None
     x64 = x.detach().double().requires_grad_()
     w64 = [w.detach().double().requires_grad_(w.requires_grad) for w in weights]
     (reference(x64, g.double(), pos, w64) * dy.double()).sum().backward()
-    for got, ref in zip([x, *weights[1:]], [x64, *w64[1:]]):
-        assert ((got.grad.double() - ref.grad).norm() / ref.grad.norm()).item() < 1e-5
+    for got, ref in zip([x, *weights], [x64, *w64]):
+        if ref.requires_grad:
+            assert ((got.grad.double() - ref.grad).norm() / ref.grad.norm()).item() < 1e-5
 
 
 def test_frozen_weight_under_torch_compile(wgrad_programs):

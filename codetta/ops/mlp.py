@@ -50,7 +50,7 @@ from .autograd import direct_op, only_first_output_differentiable
 from .rmsnorm import (NormStats, _check_norm_inputs, _linear_residual_op, _weight_k, check_branch_scale, check_eps,
                       given_stats, rmsnorm_linear_backward, rstd_like, scaled, used_rstd)
 from .swiglu import _rmsnorm_swiglu_op, bias_grad_sums, bias_grads, rmsnorm_swiglu_reference
-from .weight_grads import for_autograd, run_backward, stacked_like, weight_grad
+from .weight_grads import for_autograd, run_backward, skipping, weight_grad, weight_grads_like
 from .shapes import check_biases, check_vector, rows
 
 
@@ -98,16 +98,17 @@ def swiglu_mlp_backward(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, b_ga
 @direct_op("codetta::swiglu_mlp_backward")
 def _mlp_backward_op(
     dx2: Tensor, x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, z: Tensor, rstd: Tensor,
-    b_gate: Optional[Tensor], b_up: Optional[Tensor], branch_scale: float, activation: str,
+    b_gate: Optional[Tensor], b_up: Optional[Tensor], branch_scale: float, activation: str, needs: list[bool],
 ) -> tuple[Tensor, Tensor, list[Tensor], Tensor, Tensor]:
     return swiglu_mlp_backward(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, b_gate, b_up, branch_scale,
-                               activation)
+                               activation, skipping([w_gate, w_up, w_down], needs))
 
 
 @_mlp_backward_op.register_fake
-def _(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, b_gate, b_up, branch_scale, activation):
+def _(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, b_gate, b_up, branch_scale, activation, needs):
     has_bias = b_gate is not None or b_up is not None
-    return (torch.empty_like(x), torch.empty_like(norm_weight), stacked_like([w_gate, w_up]), torch.empty_like(w_down),
+    (dw_down,) = weight_grads_like([w_down], needs[2:])
+    return (torch.empty_like(x), torch.empty_like(norm_weight), weight_grads_like([w_gate, w_up], needs[:2]), dw_down,
             x.new_empty(z.shape[1] if has_bias else 0, dtype=torch.float32))
 
 
@@ -123,7 +124,7 @@ def _backward(ctx, dx2, *_unused):
     x, norm_weight, w_gate, w_up, w_down, z, rstd, b_gate, b_up = ctx.saved_tensors
     grads = run_backward(ctx, [w_gate, w_up, w_down], _mlp_backward_op, swiglu_mlp_backward,
                          dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, b_gate, b_up, ctx.branch_scale,
-                         ctx.activation)
+                         ctx.activation, weight_args=(2, 3, 4))
     dx, dg, dws_gate_up, dw_down, dbias = grads
     db_down = rows(dx2).sum(0) * ctx.branch_scale if ctx.has_down_bias else None
     return (dx, dg, *for_autograd(dws_gate_up, [w_gate, w_up]), *for_autograd([dw_down], [w_down]), *(None,) * 5,

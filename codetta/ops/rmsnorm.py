@@ -73,7 +73,7 @@ from ..matmul.call import MAX_B_PARTS
 from ..matmul.memory import merged_leading_dims
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
-from .weight_grads import for_autograd, run_backward, stacked_like, weight_grads
+from .weight_grads import for_autograd, run_backward, skipping, weight_grads, weight_grads_like
 from .shapes import check_vector, rows
 
 # ---------------------------------------------------------------------------------------
@@ -363,14 +363,14 @@ def _rmsnorm_linear_backward_from_z(dz, z, x, norm_weight, weights, rstd, dweigh
 
 @direct_op("codetta::rmsnorm_linear_backward")
 def _rmsnorm_linear_backward_op(
-    dz: Tensor, z: Tensor, x: Tensor, norm_weight: Tensor, weights: list[Tensor], rstd: Tensor
+    dz: Tensor, z: Tensor, x: Tensor, norm_weight: Tensor, weights: list[Tensor], rstd: Tensor, needs: list[bool]
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
-    return _rmsnorm_linear_backward_from_z(dz, z, x, norm_weight, weights, rstd)
+    return _rmsnorm_linear_backward_from_z(dz, z, x, norm_weight, weights, rstd, skipping(weights, needs))
 
 
 @_rmsnorm_linear_backward_op.register_fake
-def _(dz, z, x, norm_weight, weights, rstd):
-    return torch.empty_like(x), torch.empty_like(norm_weight), stacked_like(weights)
+def _(dz, z, x, norm_weight, weights, rstd, needs):
+    return torch.empty_like(x), torch.empty_like(norm_weight), weight_grads_like(weights, needs)
 
 
 def _rmsnorm_linear_setup(ctx, inputs, output):
@@ -383,7 +383,7 @@ def _rmsnorm_linear_setup(ctx, inputs, output):
 def _rmsnorm_linear_backward(ctx, dz, _drstd):
     z, x, norm_weight, rstd, *weights = ctx.saved_tensors
     dx, dg, dws = run_backward(ctx, weights, _rmsnorm_linear_backward_op, _rmsnorm_linear_backward_from_z,
-                               dz, z, x, norm_weight, weights, rstd)
+                               dz, z, x, norm_weight, weights, rstd, weight_args=(2,))
     return dx, dg, for_autograd(dws, weights), None, None, None
 
 
@@ -455,13 +455,14 @@ def linear_residual_backward(dx: Tensor, a: Tensor, weights: list[Tensor], dweig
 
 
 @direct_op("codetta::linear_residual_backward")
-def _linear_residual_backward_op(dx: Tensor, a: Tensor, weights: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
-    return linear_residual_backward(dx, a, weights)
+def _linear_residual_backward_op(dx: Tensor, a: Tensor, weights: list[Tensor],
+                                 needs: list[bool]) -> tuple[Tensor, list[Tensor]]:
+    return linear_residual_backward(dx, a, weights, skipping(weights, needs))
 
 
 @_linear_residual_backward_op.register_fake
-def _(dx, a, weights):
-    return torch.empty_like(a), stacked_like(weights)
+def _(dx, a, weights, needs):
+    return torch.empty_like(a), weight_grads_like(weights, needs)
 
 
 def _linear_residual_setup(ctx, inputs, output):
@@ -475,7 +476,7 @@ def _linear_residual_backward(ctx, dx, _du, _drstd):
     a, *weights = ctx.saved_tensors
     branch_grad = scaled(dx, ctx.branch_scale)  # the branch's gradient: the residual's is dx itself
     da, dws = run_backward(ctx, weights, _linear_residual_backward_op, linear_residual_backward, branch_grad, a,
-                           weights)
+                           weights, weight_args=(1,))
     dbias = rows(branch_grad).sum(0) if ctx.has_bias else None
     return da, for_autograd(dws, weights), dx, dbias, None, None, None
 

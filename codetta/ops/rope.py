@@ -76,7 +76,7 @@ from .rmsnorm import (_check_norm_inputs, _weight_t, check_eps, given_stats, nor
                       rstd_like, used_rstd)
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
-from .weight_grads import for_autograd, run_backward, stacked_like
+from .weight_grads import for_autograd, run_backward, skipping, weight_grads_like
 from .shapes import check_biases, check_vector, concat_biases, rows
 
 
@@ -264,18 +264,20 @@ def _qkv_rope_backward_op(
     dqkv: Tensor, qkv: Optional[Tensor], x: Tensor, norm_weight: Tensor, weights: list[Tensor], bias: Optional[Tensor],
     cos: Tensor, sin: Tensor, n_q: int, n_kv: int, head_dim: int, rotary_dim: int, interleaved: bool, rstd: Tensor,
     z: Optional[Tensor], q_norm_weight: Optional[Tensor], k_norm_weight: Optional[Tensor], qk_norm_eps: float,
+    needs: list[bool],
 ) -> tuple[Tensor, Tensor, list[Tensor], Tensor, Tensor, Tensor]:
     return rmsnorm_qkv_rope_backward(dqkv, qkv, x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, rotary_dim,
-                                     interleaved, rstd, z, q_norm_weight, k_norm_weight, qk_norm_eps)
+                                     interleaved, rstd, z, q_norm_weight, k_norm_weight, qk_norm_eps,
+                                     skipping(weights, needs))
 
 
 @_qkv_rope_backward_op.register_fake
 def _(dqkv, qkv, x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, rotary_dim, interleaved, rstd, z,
-      q_norm_weight, k_norm_weight, qk_norm_eps):
+      q_norm_weight, k_norm_weight, qk_norm_eps, needs):
     def grad_like(t):
         return torch.empty_like(t) if t is not None else dqkv.new_empty(0, dtype=torch.float32)
 
-    return (torch.empty_like(x), torch.empty_like(norm_weight), stacked_like(weights),
+    return (torch.empty_like(x), torch.empty_like(norm_weight), weight_grads_like(weights, needs),
             grad_like(bias), grad_like(q_norm_weight), grad_like(k_norm_weight))
 
 
@@ -299,7 +301,7 @@ def _backward(ctx, dqkv, _drstd, _dz):
     dx, dg, dws, dbias, dqw, dkw = run_backward(
         ctx, weights, _qkv_rope_backward_op, rmsnorm_qkv_rope_backward,
         dqkv, None if qk_norm else saved, x, norm_weight, weights, bias if has_bias else None, cos, sin,
-        n_q, n_kv, head_dim, rotary_dim, interleaved, rstd, *qk, qk_norm_eps)
+        n_q, n_kv, head_dim, rotary_dim, interleaved, rstd, *qk, qk_norm_eps, weight_args=(2,))
     none10 = (None,) * 10  # cos, sin, n_q, n_kv, head_dim, rotary_dim, interleaved, eps, u, rstd
     return (dx, dg, for_autograd(dws, weights), dbias if has_bias else None, *none10, dqw if qk_norm else None,
             dkw if qk_norm else None, None)

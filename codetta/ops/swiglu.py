@@ -48,7 +48,7 @@ from .rmsnorm import _check_norm_inputs, given_stats, norm_operands, rmsnorm_lin
 from .activations import check_activation, eager_activation, epilogue_activation
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
-from .weight_grads import for_autograd, run_backward, stacked_like
+from .weight_grads import for_autograd, run_backward, skipping, weight_grads_like
 from .shapes import check_biases, concat_biases, rows
 
 
@@ -127,15 +127,16 @@ def rmsnorm_swiglu_backward(dy, z, x, norm_weight, w_gate, w_up, rstd, b_gate=No
 @direct_op("codetta::rmsnorm_swiglu_backward")
 def _rmsnorm_swiglu_backward_op(
     dy: Tensor, z: Tensor, x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, rstd: Tensor,
-    b_gate: Optional[Tensor], b_up: Optional[Tensor], activation: str,
+    b_gate: Optional[Tensor], b_up: Optional[Tensor], activation: str, needs: list[bool],
 ) -> tuple[Tensor, Tensor, list[Tensor], Tensor]:
-    return rmsnorm_swiglu_backward(dy, z, x, norm_weight, w_gate, w_up, rstd, b_gate, b_up, activation)
+    return rmsnorm_swiglu_backward(dy, z, x, norm_weight, w_gate, w_up, rstd, b_gate, b_up, activation,
+                                   skipping([w_gate, w_up], needs))
 
 
 @_rmsnorm_swiglu_backward_op.register_fake
-def _(dy, z, x, norm_weight, w_gate, w_up, rstd, b_gate, b_up, activation):
+def _(dy, z, x, norm_weight, w_gate, w_up, rstd, b_gate, b_up, activation, needs):
     has_bias = b_gate is not None or b_up is not None
-    return (torch.empty_like(x), torch.empty_like(norm_weight), stacked_like([w_gate, w_up]),
+    return (torch.empty_like(x), torch.empty_like(norm_weight), weight_grads_like([w_gate, w_up], needs),
             x.new_empty(z.shape[1] if has_bias else 0, dtype=torch.float32))
 
 
@@ -150,7 +151,8 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, dy, _dz, _drstd):
     z, x, norm_weight, w_gate, w_up, rstd, b_gate, b_up = ctx.saved_tensors
     dx, dg, dws, dbias = run_backward(ctx, [w_gate, w_up], _rmsnorm_swiglu_backward_op, rmsnorm_swiglu_backward,
-                                      dy, z, x, norm_weight, w_gate, w_up, rstd, b_gate, b_up, ctx.activation)
+                                      dy, z, x, norm_weight, w_gate, w_up, rstd, b_gate, b_up, ctx.activation,
+                                      weight_args=(2, 3))
     return dx, dg, *for_autograd(dws, [w_gate, w_up]), None, None, None, *bias_grads(dbias, b_gate, b_up), None
 
 

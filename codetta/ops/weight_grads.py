@@ -82,22 +82,37 @@ def _existing_grad(w: Tensor) -> Optional[Tensor]:
     return g
 
 
-def run_backward(ctx, weights: list[Tensor], op, math, *args):
-    """An operator's backward: ``op(*args)``, its registered backward op; or, when some weight is
+def run_backward(ctx, weights: list[Tensor], op, math, *args, weight_args: tuple[int, ...]):
+    """An operator's backward: ``op(*args, needs)``, its registered backward op, where ``needs``
+    says per weight whether its gradient is wanted (``weight_args``: the positions of the
+    operator's arguments that hold the weights, a list or one each); or, when some weight is
     frozen (requires no gradient) or, inside :func:`accumulate_weight_grads`, has a .grad to
     add into, ``math(*args, dweights_into=[per weight: an empty tensor, that .grad, or None])``,
     the same computation as a plain function, whose weight gradients for those weights come
     back empty (a frozen weight's wgrad GEMM is not run).
 
-    Only on the direct eager route (``ctx.direct``, see :mod:`codetta.ops.autograd`) with
-    grad mode off: the registered ops stay pure, so torch.compile and tensor subclasses
-    keep autograd's own accumulation.
+    The plain function only on the direct eager route (``ctx.direct``, see
+    :mod:`codetta.ops.autograd`) with grad mode off: the registered ops stay pure, so
+    torch.compile and tensor subclasses keep autograd's own accumulation; there the op skips
+    the wgrad GEMMs of the weights autograd wants no gradient for (``needs``).
     """
-    if getattr(ctx, "direct", None) is not None and not torch.is_grad_enabled():
-        into = [_gradient_into(w) for w in weights]
-        if any(t is not None for t in into):
-            return math(*args, dweights_into=into)
-    return op(*args)
+    if getattr(ctx, "direct", None) is not None:
+        if not torch.is_grad_enabled():
+            into = [_gradient_into(w) for w in weights]
+            if any(t is not None for t in into):
+                return math(*args, dweights_into=into)
+        needs = [w.requires_grad for w in weights]
+    else:  # the registered op's ctx: needs_input_grad shaped as the arguments (a list for a list of weights)
+        needs = [bool(n) for i in weight_args for n in
+                 (ctx.needs_input_grad[i] if isinstance(ctx.needs_input_grad[i], (list, tuple))
+                  else (ctx.needs_input_grad[i],))]
+    return op(*args, needs)
+
+
+def skipping(weights: list[Tensor], needs: list[bool]) -> list:
+    """``dweights_into`` for a backward op's math: nothing where every weight's gradient is
+    wanted (one stacked wgrad GEMM), else an empty tensor (no GEMM) for each weight not wanted."""
+    return [] if all(needs) else [None if need else w.new_empty(0) for w, need in zip(weights, needs)]
 
 
 def _gradient_into(w: Tensor) -> Optional[Tensor]:
@@ -134,10 +149,12 @@ def weight_grads(dz: Tensor, h: Tensor, weights: list[Tensor], dweights_into=())
     return [weight_grad(part, h, t) for part, t in zip(parts, into)]
 
 
-def stacked_like(weights: list[Tensor]) -> list[Tensor]:
-    """What :func:`weight_grads` returns without ``dweights_into``, as empty tensors (a fake
-    implementation's)."""
-    return [weights[0].new_empty(sum(w.shape[0] for w in weights), weights[0].shape[1])]
+def weight_grads_like(weights: list[Tensor], needs: list[bool]) -> list[Tensor]:
+    """What :func:`weight_grads` returns with ``dweights_into=skipping(weights, needs)``, as empty
+    tensors (a fake implementation's)."""
+    if all(needs):
+        return [weights[0].new_empty(sum(w.shape[0] for w in weights), weights[0].shape[1])]
+    return [w.new_empty(w.shape if need else 0) for w, need in zip(weights, needs)]
 
 
 def weight_grad(dz: Tensor, h: Tensor, into: Optional[Tensor]) -> Tensor:
