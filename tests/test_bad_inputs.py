@@ -312,10 +312,17 @@ def test_scalar_takes_any_real_number_within_float_range():
         codetta.gemm(a, b, operand_program(), **{**ops, "s": 10**400})
 
 
-def test_bool_operand_is_refused():
+@pytest.mark.parametrize("dtype, message", [
+    (torch.bool, "pass a real number type"),
+    (torch.float8_e4m3fn, "8-bit floats are not read: pass it as fp16, bf16 or fp32"),
+    (torch.float8_e5m2, "8-bit floats are not read"),
+])
+def test_bool_and_fp8_operands_are_refused(dtype, message):
+    """Booleans are no numbers here; 8-bit floats would be read wrongly where their NaN and inf
+    encodings differ (found by a probe: Triton's interpreter decodes them as finite numbers)."""
     ops = operands()
-    ops["r"] = torch.ones(8, dtype=torch.bool, device=DEVICE)
-    with pytest.raises(EpilogueError, match=r"'r' .* has dtype torch.bool; pass a real number type"):
+    ops["r"] = torch.ones(8, device=DEVICE).to(dtype)
+    with pytest.raises(EpilogueError, match=rf"'r' .* has dtype {dtype}; {message}"):
         codetta.gemm(dyadic(8, 5), dyadic(5, 6), operand_program(), **ops)
 
 
@@ -377,6 +384,15 @@ def test_functions_of_numbers_only_are_refused(build):
     """An epilogue function given no epilogue value says so (it mixes no programs)."""
     with pytest.raises(EpilogueError, match=r"takes epilogue values, got only \(1.0, 2.0"):
         build()
+
+
+def test_where_of_a_python_comparison_names_eq():
+    """``p.acc == 0`` is Python's object comparison (False): where() given it and numbers points
+    to .eq() (found by a probe: the message said only "got only (False, 1.0, 0.0)")."""
+    p = ep.Program("python_eq")
+    with pytest.raises(EpilogueError, match=r"got only \(False, 1.0, 0.0\) \(== and != compare Python objects: "
+                                            r"compare values with .eq\(\) and .ne\(\)\)"):
+        ep.where(p.acc == 0, 1.0, 0.0)
 
 
 def test_an_operand_declared_twice_differently_and_values_of_two_programs_are_refused():
@@ -474,19 +490,21 @@ def test_segments_that_are_no_power_of_two_are_refused(segment):
             use()
 
 
-def test_numpy_integer_segments_are_taken():
-    """A numpy integer is a segment like a Python int (found by a probe: refused as no power of two)."""
-    import numpy as np
-
+def test_numpy_integer_segments_and_periods_are_taken():
+    """A numpy integer is a segment or a table's period like a Python int (found by probes:
+    refused as no power of two, or as no positive integer)."""
     p = ep.Program("numpy_segment")
     first, second = ep.pairs(p.acc, np.int64(4))
     p.store("y", ep.join(second, first, np.int32(4)))
     p.row_sum("s", p.acc, segment=np.int64(4))
+    p.store("t", p.acc * p.table("t_in", np.int64(2)))
     a, b = dyadic(5, 8), dyadic(8, 8)
+    table = dyadic(5, 2)
     acc = (a @ b).reshape(5, 2, 2, 2)
-    got = codetta.gemm(a, b, p)
+    got = codetta.gemm(a, b, p, t_in=table)
     torch.testing.assert_close(got["y"], acc.flip(2).reshape(5, 8))  # halves of each segment of 4 swapped
     torch.testing.assert_close(got["s"], acc.reshape(5, 2, 4).sum(-1))
+    torch.testing.assert_close(got["t"], (a @ b) * table.repeat(1, 4))
 
 
 @pytest.mark.parametrize("use", ["row_sum", "segment_sum", "pairs", "half_segment"])
@@ -944,6 +962,8 @@ def test_reference_executor_checks_operand_names():
         ep.run_reference(p, a, b, {"r": dyadic(6), "typo": 1.0})
     with pytest.raises(EpilogueError, match="compute_dtype must be a floating point dtype"):
         ep.run_reference(p, a, b, {"r": dyadic(6)}, compute_dtype=torch.int32)  # would truncate a and b
+    r = dyadic(6)  # name -> value pairs, as dict() takes them (found by a probe: checked, then a TypeError)
+    torch.testing.assert_close(ep.run_reference(p, a, b, [("r", r)])["y"], (a @ b) * r[:, None])
 
 
 def test_reference_executor_checks_operands_as_gemm_does():

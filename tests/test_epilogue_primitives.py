@@ -7,7 +7,9 @@ against something neither of them is. Shapes are odd (no multiple of any tile).
 
 import functools
 import math
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 
@@ -59,6 +61,7 @@ UNARY = {
     "cos": (ep.cos, torch.cos),
     "floor": (lambda x: ep.floor(x * 4.0), lambda x: torch.floor(x * 4)),
     "neg_abs": (lambda x: -ep.abs(x), lambda x: -x.abs()),
+    "builtin_abs": (lambda x: abs(x - 1.0), lambda x: (x - 1).abs()),
 }
 
 
@@ -103,15 +106,29 @@ def test_comparisons_where_minmax_fma(ab):
 
 
 def test_fma_rounds_once_in_both_executors():
-    """x * x + z with x = 1 + 2^-12, z = -(1 + 2^-11): exactly 2^-24, which two fp32 roundings make 0
-    (found by a probe: the reference executor rounded twice)."""
+    """Row 0: x * y + z with x = y = 1 + 2^-12, z = -(1 + 2^-11): exactly 2^-24, which two fp32
+    roundings make 0. Row 1: -7 * 1e20 - 7, whose fp64 sum lies on an fp32 tie that the
+    exact value does not: rounded twice it misses by one ulp (both found by probes: the
+    reference executor rounded twice, then in fp64 and again in fp32)."""
     p = ep.Program("fma_rounding")
-    x = p.aux("x")
-    p.store("y", ep.fma(x, x, p.scalar("z")), dtype=torch.float32)
+    p.store("out", ep.fma(p.aux("x"), p.aux("y"), p.aux("z")), dtype=torch.float32)
     a, b = torch.zeros(2, 4, device=DEVICE), torch.zeros(4, 16, device=DEVICE)
-    operands = dict(x=torch.full((2, 16), 1 + 2**-12, device=DEVICE), z=-(1 + 2**-11))
+    rows = [(1 + 2**-12, 1 + 2**-12, -(1 + 2**-11)), (-7.0, 1e20, -7.0)]
+    operands = {name: torch.tensor(column, device=DEVICE)[:, None].expand(2, 16) for name, column in
+                zip("xyz", zip(*rows))}
+    exact = [Fraction(float(np.float32(x))) * Fraction(float(np.float32(y))) + Fraction(float(np.float32(z)))
+             for x, y, z in rows]
+    expected = torch.tensor([_fp32_rounded(v) for v in exact], device=DEVICE)[:, None].expand(2, 16)
     for got in (codetta.gemm(a, b, p, **operands), ep.run_reference(p, a, b, operands)):
-        assert (got["y"] == 2.0**-24).all()
+        assert torch.equal(got["out"], expected), (got["out"][:, 0], expected[:, 0])
+
+
+def _fp32_rounded(value: Fraction) -> float:
+    """The fp32 nearest to an exact rational (ties to even), by comparing the fp32 neighbours of
+    its fp64 rounding exactly."""
+    near = np.float32(float(value))
+    candidates = (np.nextafter(near, np.float32(-np.inf)), near, np.nextafter(near, np.float32(np.inf)))
+    return float(min(candidates, key=lambda c: (abs(Fraction(float(c)) - value), int(c.view(np.uint32)) & 1)))
 
 
 def test_a_long_chain_of_nodes():

@@ -143,6 +143,9 @@ class Expr:
     def __invert__(self):
         return _unary("not", self)
 
+    def __abs__(self):
+        return _unary("abs", self)
+
     def __bool__(self):
         raise EpilogueError(
             f"program {self.program.name!r}: an epilogue value has no truth value while the "
@@ -161,7 +164,9 @@ class Expr:
 def _program_of(*values):
     progs = {id(v.program): v.program for v in values if isinstance(v, Expr)}
     if not progs:
-        raise EpilogueError(f"an epilogue function takes epilogue values, got only {values!r}")
+        hint = " (== and != compare Python objects: compare values with .eq() and .ne())" \
+            if any(isinstance(v, bool) for v in values) else ""
+        raise EpilogueError(f"an epilogue function takes epilogue values, got only {values!r}{hint}")
     if len(progs) > 1:
         names = sorted(p.name for p in progs.values())
         raise EpilogueError(f"an epilogue expression mixes values of different programs {names}: build each "
@@ -496,7 +501,9 @@ class Program:
         """A per-row table [M, period] repeated along the columns: column (or pair) j reads
         entry j % period of its row. E.g. RoPE's cos and sin per token and frequency, read
         by every head. Tables are small and read through the cache, not through TMA."""
-        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+        if isinstance(period, numbers.Integral) and not isinstance(period, bool):
+            period = int(period)  # numpy's integers too, as segments
+        if not isinstance(period, int) or period < 1:
             raise EpilogueError(f"program {self.name!r}: table {name!r} needs a positive integer period, got {period!r}")
         self._check_width(width)
         self._declare(name, "table", width, period)

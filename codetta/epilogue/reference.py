@@ -93,6 +93,24 @@ def _b_matrix(b, k, cd):
     return torch.cat(parts, dim=0)  # [K_i, N] along K (the call's checks refused anything else)
 
 
+def _fma(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """x * y + z rounded once to the inputs' dtype, as ``tl.fma``. For fp32 inputs the product is
+    exact in fp64 and the sum is rounded to odd there (where the fp64 sum s is inexact and its
+    last bit even, the neighbour of s on the exact value's side), so that its rounding to fp32
+    is the correctly rounded result (53 >= 2 * 24 + 2 bits); a plain fp64 sum rounded again to
+    fp32 misses by one ulp where it lands on an fp32 tie."""
+    if x.dtype == torch.float64:
+        return torch.addcmul(z, x, y)
+    p, c = x.double() * y.double(), z.double()
+    s = p + c
+    t = s - p
+    error = (p - (s - t)) + (c - t)  # TwoSum: s + error == p + c exactly
+    even = (s.view(torch.int64) & 1) == 0
+    to_odd = torch.isfinite(s) & (error != 0) & even
+    s = torch.where(to_odd, torch.nextafter(s, torch.where(error > 0, math.inf, -math.inf).double()), s)
+    return s.to(x.dtype)
+
+
 def run_reference(program: Program, a, b, operands, compute_dtype=torch.float32):
     """Evaluate ``program`` on acc = a @ b, with a, b and the operands as codetta.gemm reads them.
 
@@ -108,7 +126,8 @@ def run_reference(program: Program, a, b, operands, compute_dtype=torch.float32)
     if not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
         raise EpilogueError(f"run_reference: compute_dtype must be a floating point dtype (torch.float32 like "
                             f"the kernels, torch.float64), got {compute_dtype}")
-    Call(a, b, program, dict(operands), {}, for_kernel=False)  # the checks codetta.gemm makes, on any device
+    operands = dict(operands)
+    Call(a, b, program, operands, {}, for_kernel=False)  # the checks codetta.gemm makes, on any device
     cd = compute_dtype
     lead = tuple(a.shape[:-1])
     acc = a.reshape(math.prod(lead), a.shape[-1]).to(cd) @ _b_matrix(b, a.shape[-1], cd)
@@ -146,8 +165,8 @@ def run_reference(program: Program, a, b, operands, compute_dtype=torch.float32)
             v = _BINARY[op](args[0], args[1])
         elif op == "where":
             v = torch.where(*args)
-        elif op == "fma":  # one rounding, as tl.fma: the product exact in fp64 (of fp32 values), the sum rounded once
-            v = torch.addcmul(args[2].double(), args[0].double(), args[1].double()).to(cd)
+        elif op == "fma":
+            v = _fma(*args)
         elif op == "round_to":
             v = args[0].to(node.attrs[0]).to(cd)
         elif op == "pairs":

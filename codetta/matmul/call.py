@@ -204,6 +204,9 @@ class Call:
                     v = value.reshape(self.M, n)
             if kind != "accumulate" and (v.dtype.is_complex or v.dtype == torch.bool):
                 raise EpilogueError(f"{what} has dtype {v.dtype}; pass a real number type")
+            if v.dtype.is_floating_point and v.dtype.itemsize == 1:  # their NaN and inf encodings vary
+                raise EpilogueError(f"{what} has dtype {v.dtype}; 8-bit floats are not read: pass it as "
+                                    "fp16, bf16 or fp32")
             checked[name] = v
         return checked
 
