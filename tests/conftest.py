@@ -2,14 +2,25 @@
 
 The switch must happen before Triton's JIT decorates anything, so it is made here,
 before codetta is imported by any test module.
+
+TorchInductor's on-disk cache is one of this run's own (unless TORCHINDUCTOR_CACHE_DIR is
+set): PyTorch keys a cached compiled backward on the forward graph, not on the custom ops'
+code or schemas (pytorch/pytorch#144344), so a cache written by an earlier codetta would hand
+this one's ops an old backward (seen: "swiglu_mlp_backward() is missing value for argument").
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="codetta-tests-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 import pytest  # noqa: E402
 
