@@ -4,9 +4,8 @@ The switch must happen before Triton's JIT decorates anything, so it is made her
 before codetta is imported by any test module.
 
 TorchInductor's on-disk cache is one of this run's own (unless TORCHINDUCTOR_CACHE_DIR is
-set): PyTorch keys a cached compiled backward on the forward graph, not on the custom ops'
-code or schemas (pytorch/pytorch#144344), so a cache written by an earlier codetta would hand
-this one's ops an old backward (seen: "swiglu_mlp_backward() is missing value for argument").
+set): the tests compile from scratch, as on a fresh machine, whatever was compiled before
+(codetta.ops.compile_cache keys the cache on codetta's code, but not on the tests').
 """
 
 import atexit

@@ -1,5 +1,6 @@
 """Transformer operators built from epilogue programs."""
 
+from .compile_cache import key_compile_caches_on_source
 from .cross_entropy import linear_cross_entropy
 from .linear import linear
 from .mlp import swiglu_mlp
@@ -13,3 +14,5 @@ __all__ = [
     "accumulate_weight_grads", "linear_cross_entropy", "linear", "linear_residual", "rms_norm", "rmsnorm_linear",
     "rmsnorm_qkv_rope", "rmsnorm_swiglu", "swiglu_mlp",
 ]
+
+key_compile_caches_on_source()
