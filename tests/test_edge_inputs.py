@@ -261,6 +261,48 @@ def test_qk_norm_weight_gradients_with_zero_eps_and_odd_rows():
         assert torch.isfinite(got.grad).all() and rel(got.grad, expected.grad) < 1e-5
 
 
+def test_fake_implementations_give_the_real_strides_for_transposed_views():
+    """Compiled, each operator's fake implementation says the strides its real outputs and
+    gradients have, also where an input is a dense transposed view (sequence-first activations,
+    a weight given as W.t()): the backend "aot_eager_decomp_partition_crossref" runs every op
+    of the graphs both ways and compares them (found by a probe: the fakes took the inputs'
+    strides, the ops return contiguous tensors, and inductor's stride asserts failed)."""
+    d, f, hd = 32, 48, 16
+
+    def weight(*shape):
+        return (torch.randn(*shape, device=DEVICE) * shape[-1] ** -0.5).requires_grad_()
+
+    g = (torch.rand(d, device=DEVICE) + 0.5).requires_grad_()
+    x, a = (torch.randn(5, 2, n, device=DEVICE, requires_grad=True) for n in (d, f))  # [S, B, n], read as [B, S, n]
+    wq, wk, wv, wg, wu, wd, wo = (weight(*shape) for shape in ((2 * hd, d), (hd, d), (hd, d), (f, d), (f, d), (d, f),
+                                                                (d, f)))
+    positions, inv_freq = torch.arange(5, device=DEVICE).expand(2, 5), 10000.0 ** -(torch.arange(0, hd, 2) / hd)
+    calls = {
+        "linear": lambda: codetta.linear(x.transpose(0, 1), wd.t()),
+        "rms_norm": lambda: ops.rms_norm(x.transpose(0, 1), g),
+        "rmsnorm_linear": lambda: ops.rmsnorm_linear(x.transpose(0, 1), g, wg),
+        "linear_residual": lambda: ops.linear_residual(a.transpose(0, 1), wo, x.transpose(0, 1)),
+        "rmsnorm_swiglu": lambda: ops.rmsnorm_swiglu(x.transpose(0, 1), g, wg, wu),
+        "swiglu_mlp": lambda: ops.swiglu_mlp(x.transpose(0, 1), g, wg, wu, wd),
+        "rmsnorm_qkv_rope": lambda: torch.cat(ops.rmsnorm_qkv_rope(x.transpose(0, 1), g, wq, wk, wv, positions,
+                                                                   inv_freq.to(DEVICE), head_dim=hd), -1),
+    }
+    leaves = (x, a, g, wq, wk, wv, wg, wu, wd, wo)
+    for name, call in calls.items():
+        results = []
+        for run in (call, torch.compile(call, backend="aot_eager_decomp_partition_crossref", fullgraph=True)):
+            for t in leaves:
+                t.grad = None
+            y = run()
+            (y * torch.linspace(-1, 1, y.numel(), device=DEVICE).view_as(y)).sum().backward()
+            results.append([y] + [t.grad for t in leaves])
+        torch._dynamo.reset()
+        for eager, compiled in zip(*results):
+            assert (eager is None) == (compiled is None), name
+            if eager is not None:
+                torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_no_double_backward_and_torch_func():
     """backward(create_graph=True) through an operator raises (its second-order terms would be
     missing)."""

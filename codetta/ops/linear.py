@@ -52,7 +52,7 @@ def _linear_backward_op(dy: Tensor, x: Tensor, weight: Tensor, with_bias: bool, 
 
 @_linear_backward_op.register_fake
 def _(dy, x, weight, with_bias, need_dx, need_dw):
-    return (torch.empty_like(x) if need_dx else dy.new_empty(0), torch.empty_like(weight) if need_dw else dy.new_empty(0),
+    return (x.new_empty(x.shape) if need_dx else dy.new_empty(0), weight.new_empty(weight.shape) if need_dw else dy.new_empty(0),
             dy.new_empty(dy.shape[-1] if with_bias else 0))
 
 

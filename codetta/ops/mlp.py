@@ -73,7 +73,7 @@ def _(x, norm_weight, w_gate, w_up, w_down, eps, u, rstd, next_norm_weight, next
     m, f, low = x.numel() // x.shape[-1], w_gate.shape[0], w_gate.dtype
     stats = (x.new_empty(m, x.shape[-1], dtype=low), x.new_empty(m, dtype=torch.float32)) if next_norm_weight is not None \
         else (x.new_empty(0), x.new_empty(0, dtype=torch.float32))
-    return torch.empty_like(x), *stats, x.new_empty(m, 2 * f, dtype=low), rstd_like(x, u, rstd)
+    return x.new_empty(x.shape), *stats, x.new_empty(m, 2 * f, dtype=low), rstd_like(x, u, rstd)
 
 
 def swiglu_mlp_backward(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, b_gate=None, b_up=None, branch_scale=1.0,
@@ -108,7 +108,7 @@ def _mlp_backward_op(
 def _(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, b_gate, b_up, branch_scale, activation, needs):
     has_bias = b_gate is not None or b_up is not None
     (dw_down,) = weight_grads_like([w_down], needs[2:])
-    return (torch.empty_like(x), torch.empty_like(norm_weight), weight_grads_like([w_gate, w_up], needs[:2]), dw_down,
+    return (x.new_empty(x.shape), norm_weight.new_empty(norm_weight.shape), weight_grads_like([w_gate, w_up], needs[:2]), dw_down,
             x.new_empty(z.shape[1] if has_bias else 0, dtype=torch.float32))
 
 

@@ -53,7 +53,7 @@ def _rms_norm_backward_op(dh: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -
 
 @_rms_norm_backward_op.register_fake
 def _(dh, x, weight, rstd):
-    return torch.empty_like(x), torch.empty_like(weight)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
 def _setup(ctx, inputs, output):

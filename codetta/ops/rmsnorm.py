@@ -370,7 +370,7 @@ def _rmsnorm_linear_backward_op(
 
 @_rmsnorm_linear_backward_op.register_fake
 def _(dz, z, x, norm_weight, weights, rstd, needs):
-    return torch.empty_like(x), torch.empty_like(norm_weight), weight_grads_like(weights, needs)
+    return x.new_empty(x.shape), norm_weight.new_empty(norm_weight.shape), weight_grads_like(weights, needs)
 
 
 def _rmsnorm_linear_setup(ctx, inputs, output):
@@ -440,8 +440,8 @@ def _linear_residual_op(
 def _(a, weights, residual, bias, norm_weight, eps, branch_scale):
     m = residual.numel() // residual.shape[-1]
     if norm_weight is None:
-        return torch.empty_like(residual), residual.new_empty(0), residual.new_empty(0, dtype=torch.float32)
-    return (torch.empty_like(residual), residual.new_empty(m, residual.shape[-1], dtype=a.dtype),
+        return residual.new_empty(residual.shape), residual.new_empty(0), residual.new_empty(0, dtype=torch.float32)
+    return (residual.new_empty(residual.shape), residual.new_empty(m, residual.shape[-1], dtype=a.dtype),
             residual.new_empty(m, dtype=torch.float32))
 
 
@@ -462,7 +462,7 @@ def _linear_residual_backward_op(dx: Tensor, a: Tensor, weights: list[Tensor],
 
 @_linear_residual_backward_op.register_fake
 def _(dx, a, weights, needs):
-    return torch.empty_like(a), weight_grads_like(weights, needs)
+    return a.new_empty(a.shape), weight_grads_like(weights, needs)
 
 
 def _linear_residual_setup(ctx, inputs, output):

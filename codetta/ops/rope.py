@@ -275,9 +275,9 @@ def _qkv_rope_backward_op(
 def _(dqkv, qkv, x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, rotary_dim, interleaved, rstd, z,
       q_norm_weight, k_norm_weight, qk_norm_eps, needs):
     def grad_like(t):
-        return torch.empty_like(t) if t is not None else dqkv.new_empty(0, dtype=torch.float32)
+        return t.new_empty(t.shape) if t is not None else dqkv.new_empty(0, dtype=torch.float32)
 
-    return (torch.empty_like(x), torch.empty_like(norm_weight), weight_grads_like(weights, needs),
+    return (x.new_empty(x.shape), norm_weight.new_empty(norm_weight.shape), weight_grads_like(weights, needs),
             grad_like(bias), grad_like(q_norm_weight), grad_like(k_norm_weight))
 
 

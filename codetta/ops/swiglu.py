@@ -136,7 +136,7 @@ def _rmsnorm_swiglu_backward_op(
 @_rmsnorm_swiglu_backward_op.register_fake
 def _(dy, z, x, norm_weight, w_gate, w_up, rstd, b_gate, b_up, activation, needs):
     has_bias = b_gate is not None or b_up is not None
-    return (torch.empty_like(x), torch.empty_like(norm_weight), weight_grads_like([w_gate, w_up], needs),
+    return (x.new_empty(x.shape), norm_weight.new_empty(norm_weight.shape), weight_grads_like([w_gate, w_up], needs),
             x.new_empty(z.shape[1] if has_bias else 0, dtype=torch.float32))
 
 
