@@ -140,12 +140,13 @@ class Decoder(nn.Module):
         inv_freq = self.rope_frequencies(input_ids.device)  # one tensor for all layers: they share RoPE's tables
         stats = None  # the first layer's QKV operator makes its norm's statistics itself (inside the custom op)
         for i, layer in enumerate(self.layers):
-            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
-            if type(next_norm) not in (Tensor, nn.Parameter):
-                # none, or under FSDP2 still sharded (a DTensor) until the next layer's own forward:
-                # that layer then makes its norm's statistics itself
-                next_norm = None
-            x, stats = layer(x, stats, positions, inv_freq, next_norm)
+            next_layer = self.layers[i + 1] if i + 1 < len(self.layers) else None
+            # none, or under FSDP2, which gathers the next layer's norm weight and reduces its gradient
+            # for the unit that holds it (sharded until then; gathered ahead, it reached this layer
+            # as another tensor): that layer then makes its norm's statistics itself
+            handed_on = next_layer is not None and not getattr(next_layer, "_is_fsdp_managed_module", False) \
+                and type(next_layer.input_norm) in (Tensor, nn.Parameter)
+            x, stats = layer(x, stats, positions, inv_freq, next_layer.input_norm if handed_on else None)
         return x
 
     def forward(self, input_ids: Tensor, targets: Tensor | None = None, *, ignore_index: int = -100,

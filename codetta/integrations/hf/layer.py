@@ -541,7 +541,11 @@ def _mlp_residual(layer, plan: LayerPlan, x1, stats=None, g2=None):
         and not parametrize.is_parametrized(ln_next)
         # the model's own norm (one replaced after patching may have no weight or epsilon to read)
         and is_models_norm(ln_next, plan.classes)
-        # a plain tensor: under FSDP2 the next layer's weights are sharded (DTensor) until its own forward
+        # not under FSDP2, which gathers the next layer's weights and reduces their gradients for the
+        # unit that holds them: sharded (DTensor) until that unit's forward, and where they were
+        # gathered ahead (reshard_after_forward=False, a unit around a checkpoint wrapper) the norm
+        # weight's gradient went astray (found by a probe)
+        and not getattr(ln_next, "_is_fsdp_managed_module", False)
         and type(ln_next.weight) in (torch.Tensor, torch.nn.Parameter)
     )
     next_norm = dict(next_norm_weight=arch.norm_weight(ln_next), next_eps=arch.norm_epsilon(ln_next)) if hand_on else {}
