@@ -45,7 +45,8 @@ def test_a_graph_cached_under_other_codetta_code_is_not_reused(tmp_path, monkeyp
         assert cache_hits_of_a_fresh_compile() == 0
         assert cache_hits_of_a_fresh_compile() == 1
         tag = torch.compiler.config.cache_key_tag
-        monkeypatch.setattr(torch.compiler.config, "cache_key_tag", tag.replace("codetta-", "codetta-other-"))
-        assert cache_hits_of_a_fresh_compile() == 0
+        with torch.compiler.config.patch(cache_key_tag=tag.replace("codetta-", "codetta-other-")):
+            assert cache_hits_of_a_fresh_compile() == 0
+        assert torch.compiler.config.cache_key_tag == tag  # restored (pytest's monkeypatch deleted the entry)
     finally:
         torch._dynamo.reset()
