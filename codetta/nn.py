@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .ops import linear_cross_entropy, linear_residual, rmsnorm_qkv_rope, swiglu_mlp
+from .ops.rmsnorm import weight_readable_ahead
 
 __all__ = ["Decoder", "DecoderConfig", "DecoderLayer"]
 
@@ -141,11 +142,8 @@ class Decoder(nn.Module):
         stats = None  # the first layer's QKV operator makes its norm's statistics itself (inside the custom op)
         for i, layer in enumerate(self.layers):
             next_layer = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            # none, or under FSDP2, which gathers the next layer's norm weight and reduces its gradient
-            # for the unit that holds it (sharded until then; gathered ahead, it reached this layer
-            # as another tensor): that layer then makes its norm's statistics itself
-            handed_on = next_layer is not None and not getattr(next_layer, "_is_fsdp_managed_module", False) \
-                and type(next_layer.input_norm) in (Tensor, nn.Parameter)
+            # none, or under FSDP2: that layer then makes its norm's statistics itself
+            handed_on = next_layer is not None and weight_readable_ahead(next_layer, next_layer.input_norm)
             x, stats = layer(x, stats, positions, inv_freq, next_layer.input_norm if handed_on else None)
         return x
 

@@ -161,11 +161,13 @@ class Expr:
         return _binary("ne", self, o)
 
 
+_EQ_HINT = " (== and != compare Python objects: compare values with .eq() and .ne())"
+
+
 def _program_of(*values):
     progs = {id(v.program): v.program for v in values if isinstance(v, Expr)}
     if not progs:
-        hint = " (== and != compare Python objects: compare values with .eq() and .ne())" \
-            if any(isinstance(v, bool) for v in values) else ""
+        hint = _EQ_HINT if any(isinstance(v, bool) for v in values) else ""
         raise EpilogueError(f"an epilogue function takes epilogue values, got only {values!r}{hint}")
     if len(progs) > 1:
         names = sorted(p.name for p in progs.values())
@@ -178,7 +180,7 @@ def _as_expr(program, x):
     if isinstance(x, Expr):
         return x
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        hint = " (== and != compare Python objects: compare values with .eq() and .ne())" if isinstance(x, bool) else ""
+        hint = _EQ_HINT if isinstance(x, bool) else ""
         raise EpilogueError(
             f"program {program.name!r}: cannot use {type(x).__name__} {x!r} in an epilogue; "
             f"use a number, or declare an operand (row, col, scalar, aux, table){hint}"

@@ -168,6 +168,15 @@ def _check_norm_inputs(x: Tensor, norm_weight: Tensor, weights: list[Tensor], ep
                          "or fp32 with 16-bit weights")
 
 
+def weight_readable_ahead(module, weight) -> bool:
+    """Whether a layer may read ``weight``, of the next layer's ``module``, before that layer runs
+    (to make its norm's statistics): not under FSDP2, which gathers the weight and reduces its
+    gradient for the unit that holds it: sharded (a DTensor) until that unit's forward, and where
+    gathered ahead (reshard_after_forward=False, a unit around a checkpoint wrapper) the weight's
+    gradient went astray, or the weight reached the layer as another tensor (found by a probe)."""
+    return not getattr(module, "_is_fsdp_managed_module", False) and type(weight) in (Tensor, torch.nn.Parameter)
+
+
 def _row_layout(t: Tensor) -> tuple:
     """Where the rows of t [..., d] lie, in order: (address, d, the stride along a row, the merged
     leading dims): equal for x and its reshapes, not for a transposed view of the same memory."""

@@ -50,7 +50,7 @@ from torch.nn.utils import parametrize
 
 from ...ops import linear_residual, rms_norm, rmsnorm_linear, rmsnorm_qkv_rope, rmsnorm_swiglu, swiglu_mlp
 from ...ops.autocast import stream_under_autocast
-from ...ops.rmsnorm import NormStats, scaled, stream_fits
+from ...ops.rmsnorm import NormStats, scaled, stream_fits, weight_readable_ahead
 from ...ops.rope import angles_need_grad
 from .. import warn_unless_traced
 from . import checkpointing
@@ -541,12 +541,7 @@ def _mlp_residual(layer, plan: LayerPlan, x1, stats=None, g2=None):
         and not parametrize.is_parametrized(ln_next)
         # the model's own norm (one replaced after patching may have no weight or epsilon to read)
         and is_models_norm(ln_next, plan.classes)
-        # not under FSDP2, which gathers the next layer's weights and reduces their gradients for the
-        # unit that holds them: sharded (DTensor) until that unit's forward, and where they were
-        # gathered ahead (reshard_after_forward=False, a unit around a checkpoint wrapper) the norm
-        # weight's gradient went astray (found by a probe)
-        and not getattr(ln_next, "_is_fsdp_managed_module", False)
-        and type(ln_next.weight) in (torch.Tensor, torch.nn.Parameter)
+        and weight_readable_ahead(ln_next, ln_next.weight)
     )
     next_norm = dict(next_norm_weight=arch.norm_weight(ln_next), next_eps=arch.norm_epsilon(ln_next)) if hand_on else {}
     (w_gate, w_up), (b_gate, b_up) = arch.gate_up_weights(mlp)  # biases: Llama's mlp_bias
