@@ -38,7 +38,8 @@ for step in "$@"; do
     train) python3 bench/train_bench.py --variants "${VARIANTS:-hf_eager,hf_compile,hf_liger,hf_codetta}" ${LORA:+--lora "$LORA"} \
         2>&1 | tee "$OUT/train${LORA:+_lora}.log" ;;
     profile) for v in ${VARIANTS//,/ }; do
-        timeout "${PROFILE_TIMEOUT:-240}" python3 bench/train_profile.py --variant "$v" 2>&1 | tee "$OUT/profile_$v.log"
+        timeout "${PROFILE_TIMEOUT:-240}" python3 bench/train_profile.py --variant "$v" ${LORA:+--lora "$LORA"} 2>&1 \
+          | tee "$OUT/profile_$v${LORA:+_lora}.log"
       done ;;
     demo) python3 -m codetta demo 2>&1 | tee "$OUT/demo.log" | tail -30 ;;
     ab) python3 bench/version_ab.py "${OLD_TREE:-old}" 2>&1 | tee "$OUT/version_ab.log" | tail -25 ;;

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import codetta  # noqa: E402
-from codetta.kernels.rope import rope_backward  # noqa: E402
+from codetta.kernels.rope import rotate  # noqa: E402
 from codetta.kernels.softmax_grad import softmax_grad_  # noqa: E402
 from codetta.kernels.swiglu import swiglu_backward  # noqa: E402
 from codetta.ops import rmsnorm, rope, swiglu  # noqa: E402
@@ -92,10 +92,10 @@ def pieces():
         "rmsnorm (h, rstd; the CE's norm)": (lambda: rmsnorm_rows(x, g, 1e-5), None, 2 * M * D * 2),
         "rmsnorm backward (dx fp32, dg; the CE's norm)": (lambda: rmsnorm_backward(x, g, rstd, x), None, 8 * M * D),
         "rope tables (fp64 angles)": (lambda: rope.rope_tables(pos, inv_freq, 1.0), None, 2 * M * HD // 2 * 4),
-        "rope backward kernel": (lambda: rope_backward(dqkv, qkv, cos, sin, n_rotated=(HQ + HKV) * HD, head_dim=HD),
+        "rope backward kernel": (lambda: rotate(dqkv, qkv, cos, sin, n_rotated=(HQ + HKV) * HD, head_dim=HD),
                                  None, 3 * M * qkv_n * 2),
         "rope backward kernel, interleaved pairs": (
-            lambda: rope_backward(dqkv, qkv, cos, sin, n_rotated=(HQ + HKV) * HD, head_dim=HD, interleaved=True),
+            lambda: rotate(dqkv, qkv, cos, sin, n_rotated=(HQ + HKV) * HD, head_dim=HD, interleaved=True),
             None, 3 * M * qkv_n * 2),
         "gate/up: weight interleave copy": (lambda: torch.stack((wg, wu), 1).reshape(2 * F, D), None, 4 * F * D * 2),
         "gate/up: SwiGLU epilogue GEMM, stacked B": (

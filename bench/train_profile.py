@@ -5,7 +5,7 @@
 Builds the model of bench/train_bench.py, runs three warm-up steps (compilation, tuning),
 times ``--steps`` steps unprofiled, profiles as many and prints the kernels with the most GPU time, the total
 GPU time per step, and where the GPU sat idle between kernels (see :func:`idle_report`). Writes
-bench/results/profile_<variant>.txt.
+bench/results/profile_<variant>.txt (with --lora: profile_<variant>_lora_<targets>.txt).
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def main():
     text = (f"{environment()}\nvariant {args.variant}: GPU kernel time per step {gpu_ms:.1f} ms, "
             f"wall time per step {wall_ms:.1f} ms (unprofiled)\n{table}\n{idle}\n\n{gaps}\n")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"profile_{args.variant}.txt").write_text(text)
+    lora = "_lora_" + args.lora.replace(",", "_") if args.lora else ""
+    (RESULTS / f"profile_{args.variant}{lora}.txt").write_text(text)
     print(text)
 
 

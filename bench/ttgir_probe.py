@@ -131,7 +131,7 @@ def row_kernels():
         dict(BM=bm, BF=bf, ACTIVATION="silu", STORE_Y=y, EMULATE_RNE=False), w)) for y in (False, True)]
     bm, bp, w = rope_k.GPU_BLOCK
     kernels.append((f"rope backward (head_dim 128) {bm}x{bp}", (
-        rope_k._rope_backward_kernel,
+        rope_k._rotate_kernel,
         dict(dqkv0="bf16", dqkv1="bf16", dqkv2="bf16", qkv="bf16", cos="fp32", sin="fp32", dz="bf16",
              zdz_part="fp32"),
         dict(M=i32, N=i32, n_rotated=i32, head_dim=i32, end0=i32, end1=i32, s_dqkv0=i64, s_dqkv1=i64, s_dqkv2=i64,

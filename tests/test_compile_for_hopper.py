@@ -180,7 +180,7 @@ def test_the_kernels_of_a_training_step_compile_for_hopper(monkeypatch, tmp_path
         assert expected in names, sorted(names)  # the step ran that operator
     assert {"tma", "ptr"} == {entry[2] for entry in seen.values() if entry[0] == "gemm"}
     row_kernels = {entry[1][1] for entry in seen.values() if entry[0] == "row"}
-    for expected in ("_rope_backward_kernel", "_swiglu_backward_kernel", "_rmsnorm_rows_kernel",
+    for expected in ("_rotate_kernel", "_swiglu_backward_kernel", "_rmsnorm_rows_kernel",
                      "_softmax_grad_kernel", "_qk_norm_backward_kernel"):
         assert expected in row_kernels, sorted(row_kernels)
     kernels = []

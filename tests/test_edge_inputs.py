@@ -286,6 +286,8 @@ def test_fake_implementations_give_the_real_strides_for_transposed_views():
         "swiglu_mlp": lambda: ops.swiglu_mlp(x.transpose(0, 1), g, wg, wu, wd),
         "rmsnorm_qkv_rope": lambda: torch.cat(ops.rmsnorm_qkv_rope(x.transpose(0, 1), g, wq, wk, wv, positions,
                                                                    inv_freq.to(DEVICE), head_dim=hd), -1),
+        "apply_rope": lambda: torch.cat(ops.apply_rope(x[..., :2 * hd].transpose(0, 1), x[..., hd:].transpose(0, 1),
+                                                       positions, inv_freq.to(DEVICE), head_dim=hd), -1),
     }
     leaves = (x, a, g, wq, wk, wv, wg, wu, wd, wo)
     for name, call in calls.items():
@@ -329,6 +331,7 @@ def test_vmap_runs_every_operator_per_sample_forward_and_backward():
         "linear_residual": lambda t: ops.linear_residual(t, wo, t * 2),
         "rmsnorm_qkv_rope": lambda t: torch.cat(
             ops.rmsnorm_qkv_rope(t, g, w[:4], w[4:6], wo[:2], positions, inv_freq, head_dim=2)[:3], -1),
+        "apply_rope": lambda t: torch.cat(ops.apply_rope(t, t[..., :2] * 2, positions, inv_freq, head_dim=2), -1),
     }
     for name, call in calls.items():
         results = []

@@ -1055,15 +1055,8 @@ def test_a_layer_that_does_not_run_keeps_no_activations():
 
 
 def test_a_layer_interrupted_before_taking_its_statistics_keeps_nothing():
-    class OwnLinear(torch.nn.Linear):  # a projection the fused forward cannot read: the layer warns
-        def forward(self, x):
-            return super().forward(x)
-
     model = codetta.patch(tiny("LlamaForCausalLM"))
-    attn = model.model.layers[1].self_attn
-    own = OwnLinear(attn.q_proj.in_features, attn.q_proj.out_features, bias=False, device=DEVICE)
-    own.weight = attn.q_proj.weight
-    attn.q_proj = own
+    _wrap(model, "model.layers.1.post_attention_layernorm", _with_own_forward)  # unreadable: the layer warns
     ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
     with warnings.catch_warnings(), pytest.raises(UserWarning, match="unfused"):
         warnings.simplefilter("error")
@@ -1217,8 +1210,6 @@ def _with_own_forward(module):
 
 
 UNFUSABLE = {  # (the module wrapped, the wrapper, the half of its layer then unfused: None for the loss)
-    "lora_wrapper": ("model.layers.1.self_attn.v_proj", LoraLike, ATTENTION),
-    "linear_subclass_with_own_forward": ("model.layers.0.mlp.up_proj", _scaled, MLP),
     "lora_lm_head": ("lm_head", LoraLike, None),
     "attention_with_own_forward": ("model.layers.1.self_attn", _with_own_forward, ATTENTION),
     "mlp_with_own_forward": ("model.layers.0.mlp", _with_own_forward, MLP),
@@ -1230,11 +1221,10 @@ UNFUSABLE = {  # (the module wrapped, the wrapper, the half of its layer then un
 @pytest.mark.parametrize("key", sorted(UNFUSABLE))
 @pytest.mark.parametrize("when", ["before_patch", "after_patch"])
 def test_modules_the_fused_forward_cannot_read_run_unfused(key, when):
-    """A projection whose own forward adds something (a LoRA wrapper) or computes otherwise (a
-    quantized layer) cannot be read through its weight, nor a norm, attention or MLP of a class
-    with a forward of its own: wrapped before or after patching, the half of its layer it belongs
-    to (or the loss) runs as the model's own modules, with a warning, and the training step
-    equals the unpatched model's; the other half and the other layers stay fused."""
+    """A norm, attention or MLP of a class with a forward of its own cannot be read, nor an LM head
+    whose own forward adds something (a LoRA wrapper): replaced before or after patching, the half
+    of its layer it belongs to (or the loss) runs as the model's own modules, with a warning, and
+    the training step equals the unpatched model's; the other half and the other layers stay fused."""
     path, make, half = UNFUSABLE[key]
     ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
     ref = tiny("LlamaForCausalLM")
@@ -1268,16 +1258,16 @@ def _torch_rms_norm(norm):
 
 
 @pytest.mark.parametrize("name, path, make, half", [
-    ("LlamaForCausalLM", "model.layers.1.self_attn.q_proj", Opaque, ATTENTION),
     ("Qwen3ForCausalLM", "model.layers.1.self_attn.q_norm", _torch_rms_norm, ATTENTION),
     ("LlamaForCausalLM", "model.layers.1.input_layernorm", _torch_rms_norm, ATTENTION),  # layer 0 hands nothing on
     ("Phi3ForCausalLM", "model.layers.1.resid_mlp_dropout", lambda _: torch.nn.Identity(), MLP),
-], ids=["projection_without_weight", "qk_norm_without_variance_epsilon", "next_input_norm_of_another_class",
+], ids=["qk_norm_without_variance_epsilon", "next_input_norm_of_another_class",
         "dropout_replaced_by_identity"])
 @pytest.mark.parametrize("when", ["before_patch", "after_patch"])
 def test_a_half_whose_modules_lack_what_the_fused_forward_reads(name, path, make, half, when):
-    """A module replaced by one without what the fused forward would read (a weight, an epsilon
-    of that name, a dropout rate): its half runs as the model's modules, nothing of it is read."""
+    """A module replaced by one without what the fused forward would read (an epsilon of that
+    name, a dropout rate): its half runs as the model's modules, nothing of it is read (a
+    projection without a weight is called: test_projections_it_cannot_read_are_called_the_rest_fused)."""
     ref = tiny(name, pad_token_id=0, eos_token_id=2)
     model = _wrapped_and_patched(ref, path, make, when)
     ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
@@ -1286,25 +1276,20 @@ def test_a_half_whose_modules_lack_what_the_fused_forward_reads(name, path, make
     assert [layer._codetta_plan.unfused_half for layer in model.model.layers] == [None, half]
 
 
-HALVES = {  # a model of MODELS: (a module of its attention half, one of its MLP half), in layer 1
-    "llama": ("self_attn.q_proj", "mlp.down_proj"),
-    "granite_multipliers": ("self_attn.o_proj", "mlp.gate_proj"),  # residual multipliers
-    "phi3_fused_projections_partial_rope": ("self_attn.qkv_proj", "mlp.gate_up_proj"),  # residual dropout modules
-    "qwen3_qk_norm": ("self_attn.k_proj", "mlp.up_proj"),
-    "moe_qwen2_shared_expert_dense_layer": ("self_attn.v_proj", "mlp.down_proj"),  # its layer 1 dense
-}
-
-
-@pytest.mark.parametrize("half", [ATTENTION, MLP])
-@pytest.mark.parametrize("key, checkpointing", [(key, False) for key in sorted(HALVES)] + [("llama", True)])
+@pytest.mark.parametrize("key, checkpointing, half", [
+    (key, checkpointing, half) for key, checkpointing in (
+        ("granite_multipliers", False), ("llama", False), ("llama", True),  # residual multipliers
+        ("phi3_fused_projections_partial_rope", False), ("qwen3_qk_norm", False))  # residual dropout modules
+    for half in (ATTENTION, MLP)] + [("moe_qwen2_shared_expert_dense_layer", False, ATTENTION)])  # layer 1 dense
 def test_one_half_as_the_models_modules_the_other_fused(key, checkpointing, half, monkeypatch):
-    """A LoRA-like wrapper on one projection of layer 1: that half of the layer runs as the model's
-    own modules (its attention or MLP, the residual add as the layer makes it; its norm by
-    codetta's row kernel), the other half fused (its GEMMs counted), the first layer whole; the
-    training step equals the unpatched model's, with gradient checkpointing too."""
+    """Layer 1's attention or MLP of a class with a forward of its own (in a family with a mixture
+    of experts, an MLP of another class just runs as its module): that half of the layer runs
+    as the model's own modules (its attention or MLP, the residual add as the layer makes it; its
+    norm by codetta's row kernel), the other half fused (its GEMMs counted), the first layer
+    whole; the training step equals the unpatched model's, with gradient checkpointing too."""
     name, overrides = MODELS[key]
     ref = tiny(name, num_hidden_layers=2, **overrides)
-    _wrap(ref, f"model.layers.1.{HALVES[key][half == MLP]}", LoraLike)
+    _wrap(ref, "model.layers.1.self_attn" if half == ATTENTION else "model.layers.1.mlp", _with_own_forward)
     model = codetta.patch(copy.deepcopy(ref))
     if checkpointing:
         enable_checkpointing(ref), enable_checkpointing(model)
@@ -1322,51 +1307,131 @@ def test_one_half_as_the_models_modules_the_other_fused(key, checkpointing, half
     assert [layer._codetta_plan.unfused_half for layer in model.model.layers] == [None, half]
 
 
+def _halve_input_grad(module, grad_in, grad_out):
+    return (0.5 * grad_in[0],)
+
+
+CALLED = [  # (a model of MODELS, layer 1's projections each with the wrapper given, one with a hook)
+    ("llama", {"self_attn.q_proj": LoraLike, "self_attn.v_proj": LoraLike}, None),  # PEFT's default targets
+    ("llama", {"mlp.gate_proj": Opaque, "mlp.down_proj": LoraLike}, "self_attn.k_proj"),  # no weight to read
+    ("llama", {"mlp.up_proj": _scaled}, "mlp.down_proj"),  # a subclass with a forward of its own
+    ("llama", {}, "mlp.down_proj:backward"),
+    ("granite_multipliers", {"self_attn.o_proj": LoraLike, "mlp.down_proj": LoraLike}, None),  # residual multipliers
+    ("phi3_fused_projections_partial_rope", {"self_attn.qkv_proj": LoraLike, "mlp.gate_up_proj": LoraLike}, None),
+    ("qwen3_qk_norm", {"self_attn.k_proj": LoraLike, "mlp.up_proj": LoraLike}, None),  # QK-norm after the projections
+    ("moe_qwen2_shared_expert_dense_layer", {"self_attn.v_proj": LoraLike, "self_attn.o_proj": LoraLike}, None),
+    ("arcee_ungated_mlp_bias", {"mlp.up_proj": LoraLike}, None),  # no gate
+    ("gemma2_sandwich_norms_softcaps", {"self_attn.q_proj": LoraLike, "mlp.gate_proj": LoraLike}, "mlp.down_proj"),
+]
+
+
+def _called_id(key, wrapped, hooked):
+    names = "+".join(path.rpartition(".")[2] for path in wrapped)
+    return f"{key}-{names}" + (f"-hooked_{hooked.rpartition('.')[2].replace(':', '_')}" if hooked else "")
+
+
+@pytest.mark.parametrize("key, wrapped, hooked", CALLED, ids=[_called_id(*case) for case in CALLED])
+def test_projections_it_cannot_read_are_called_the_rest_fused(key, wrapped, hooked, monkeypatch):
+    """Wrappers on layer 1's projections (PEFT-LoRA-like, without a weight, a subclass with its own
+    forward), or a forward pre-hook or full backward hook on one: the fused forward calls those modules where the model's
+    attention and MLP do (the QKV projections on the input norm's output, RoPE after them by
+    codetta.ops.apply_rope; o_proj on the attention's output; gate and up on the MLP norm's output,
+    then the activation module; down_proj on its output; a called o_proj's and down_proj's added to
+    the residual stream as the layer adds them), without a warning; the rest of the layer stays
+    fused and the training step equals the unpatched model's."""
+    name, overrides = MODELS[key]
+    ref = tiny(name, num_hidden_layers=2, **overrides)
+    for path, make in wrapped.items():
+        _wrap(ref, f"model.layers.1.{path}", make)
+    model = codetta.patch(copy.deepcopy(ref))
+    if hooked is not None:
+        hooked, _, kind = hooked.partition(":")
+        for m in (ref, model):
+            module = m.get_submodule(f"model.layers.1.{hooked}")
+            if kind == "backward":
+                module.register_full_backward_hook(_halve_input_grad)
+            else:
+                module.register_forward_pre_hook(_shift_input)
+    rope_kernels = count_calls(monkeypatch, "codetta.integrations.hf.layer.apply_rope")
+    fused_attention = count_calls(monkeypatch, "codetta.integrations.hf.layer._rotated_qkv")
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    called = {*(p.rpartition(".")[2] for p in wrapped), *([hooked.rpartition(".")[2]] if hooked else [])}
+    assert (len(rope_kernels), len(fused_attention)) == (1 if called & {"q_proj", "k_proj", "v_proj", "qkv_proj"} else 0,
+                                                         2)
+    assert [(layer._codetta_plan.unfused_half, layer._codetta_plan.unfusable) for layer in model.model.layers] == [
+        (None, None)] * 2
+
+
+@pytest.mark.parametrize("path", ["self_attn.v_proj", "mlp.up_proj"])
+def test_a_projection_wrapped_after_patching_is_called(path):
+    """A projection wrapped after patching (PEFT's get_peft_model on a patched model) is seen at
+    the next forward and called; replacing the wrapper by the plain nn.Linear again (PEFT's
+    merge_and_unload) makes its weight read again."""
+    ref = tiny("LlamaForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    plain = model.get_submodule(f"model.layers.0.{path}")
+    for m in (ref, model):
+        torch.manual_seed(3)
+        _wrap(m, f"model.layers.0.{path}", LoraLike)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    _wrap(model, f"model.layers.0.{path}", lambda _: plain)
+    _wrap(ref, f"model.layers.0.{path}", lambda m: m.base_layer)
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+
+
 def test_both_halves_unfusable_run_the_layers_own_forward():
     """A layer both of whose halves have modules the fused forward cannot read runs its own
     forward whole; so does a half-unfusable layer of a family whose halves do not separate (a
     norm on each sublayer's output: Gemma 2)."""
     ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
     ref = tiny("LlamaForCausalLM")
-    for path in ("model.layers.1.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
-        _wrap(ref, path, LoraLike)
+    _wrap(ref, "model.layers.1.self_attn", _with_own_forward)
+    _wrap(ref, "model.layers.1.mlp", _with_own_forward)
     model = codetta.patch(copy.deepcopy(ref))
-    with pytest.warns(UserWarning, match="a LlamaDecoderLayer runs the model's own forward, unfused: self_attn.q_proj"):
+    with pytest.warns(UserWarning, match="a LlamaDecoderLayer runs the model's own forward, unfused: self_attn is a Cu"):
         assert_same_training_step(ref, model, input_ids=ids, labels=ids)
     assert [(p.unfusable is not None, p.unfused_half) for p in (l._codetta_plan for l in model.model.layers)] == [
         (False, None), (True, None)]
     name, overrides = MODELS["gemma2_sandwich_norms_softcaps"]
     ref = tiny(name, **overrides)
-    _wrap(ref, "model.layers.0.mlp.up_proj", LoraLike)
+    _wrap(ref, "model.layers.0.mlp", _with_own_forward)
     model = codetta.patch(copy.deepcopy(ref))
-    with pytest.warns(UserWarning, match="a Gemma2DecoderLayer runs the model's own forward, unfused: mlp.up_proj"):
+    with pytest.warns(UserWarning, match="a Gemma2DecoderLayer runs the model's own forward, unfused: mlp is a Cu"):
         assert_same_training_step(ref, model, input_ids=ids, labels=ids)
     assert model.model.layers[0]._codetta_plan.unfusable is not None
 
 
 def test_a_layer_fuses_again_once_its_modules_are_plain():
-    """Replacing the wrapper by a plain nn.Linear again (PEFT's merge_and_unload) makes the layer fused."""
+    """Putting the model's own MLP back in place of one with a forward of its own makes the layer
+    fused again."""
     ids = torch.randint(0, VOCAB, (1, 8), device=DEVICE)
     ref = tiny("LlamaForCausalLM")
     model = codetta.patch(copy.deepcopy(ref))
-    attn = model.model.layers[0].self_attn
-    plain_v = attn.v_proj
-    attn.v_proj = LoraLike(plain_v)
+    layer = model.model.layers[0]
+    plain_mlp = layer.mlp
+    layer.mlp = _with_own_forward(plain_mlp)
     with pytest.warns(UserWarning, match="unfused"):
         model(input_ids=ids, labels=ids)
-    assert model.model.layers[0]._codetta_plan.unfused_half == ATTENTION
-    attn.v_proj = plain_v
+    assert model.model.layers[0]._codetta_plan.unfused_half == MLP
+    layer.mlp = plain_mlp
     assert_same_training_step(ref, model, input_ids=ids, labels=ids)
     assert model.model.layers[0]._codetta_plan.unfused_half is None
 
 
-def test_peft_lora_adapters_on_a_patched_model():
+def test_peft_lora_adapters_on_a_patched_model(monkeypatch):
     """PEFT's LoRA on a patched model (get_peft_model after codetta.patch), on PEFT's default
-    targets (q_proj, v_proj) of one layer: that layer's attention half runs as the model's own
-    modules (warned), its MLP half and the other layer stay fused; the loss and every gradient
-    (the adapters' too) equal the unpatched model's with the same adapters; merge_and_unload
-    gives plain projections, which fuse again. The PEFT wrapper itself is refused, naming the
-    model inside."""
+    targets (q_proj, v_proj) of one layer: the fused forward calls the adapted projections, the
+    rest of that layer and the other layer stay fused, nothing is warned; the loss and every
+    gradient (the adapters' too) equal the unpatched model's with the same adapters;
+    merge_and_unload gives plain projections, read again. The PEFT wrapper itself is refused,
+    naming the model inside."""
     peft = pytest.importorskip("peft")
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], layers_to_transform=[1],
                            lora_dropout=0.0)
@@ -1379,11 +1444,13 @@ def test_peft_lora_adapters_on_a_patched_model():
     model = peft.get_peft_model(codetta.patch(copy.deepcopy(base)), lora)
     model.load_state_dict(ref.state_dict())
     ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
-    with pytest.warns(UserWarning, match="LlamaDecoderLayer's attention half runs as the model's own modules, unfused "
-                      r"\(its MLP half stays fused\): self_attn.q_proj is a peft"):
+    rope_kernels = count_calls(monkeypatch, "codetta.integrations.hf.layer.apply_rope")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    assert len(rope_kernels) == 1  # layer 1's, after its called projections
     layers = model.get_base_model().model.layers
-    assert [layer._codetta_plan.unfused_half for layer in layers] == [None, ATTENTION]
+    assert [layer._codetta_plan.unfused_half for layer in layers] == [None, None]
     assert any(p.grad is not None and "lora_A" in n for n, p in model.named_parameters())
     with pytest.raises(codetta.UnsupportedModelError, match=r"got PeftModel.*model.get_base_model\(\)"):
         codetta.patch(peft.get_peft_model(copy.deepcopy(base), lora))
@@ -1562,13 +1629,10 @@ def _shift_input(module, args):
 
 HOOKS = {  # a module the fused forward (or loss) would skip, and a hook that changes what it computes
     "mlp_forward_hook": ("model.layers.0.mlp", lambda m: m.register_forward_hook(_scale_output)),
-    "q_proj_pre_hook": ("model.layers.1.self_attn.q_proj", lambda m: m.register_forward_pre_hook(_shift_input)),
     "attention_forward_hook": ("model.layers.1.self_attn", lambda m: m.register_forward_hook(
         lambda mod, args, out: (0.5 * out[0], *out[1:]))),
     "norm_forward_hook": ("model.layers.0.post_attention_layernorm", lambda m: m.register_forward_hook(_scale_output)),
     "lm_head_forward_hook": ("lm_head", lambda m: m.register_forward_hook(_scale_output)),
-    "down_proj_backward_hook": ("model.layers.0.mlp.down_proj", lambda m: m.register_full_backward_hook(
-        lambda mod, grad_in, grad_out: (0.5 * grad_in[0],))),
     "norm_backward_pre_hook": ("model.layers.1.input_layernorm", lambda m: m.register_full_backward_pre_hook(
         lambda mod, grad_out: (0.5 * grad_out[0],))),
     "lm_head_backward_hook": ("lm_head", lambda m: m.register_full_backward_hook(
@@ -1804,14 +1868,16 @@ def test_torch_compile_whole_patched_model_without_graph_break(backend):
 @pytest.mark.parametrize("when", ["before_patch", "after_patch"])
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_torch_compile_fullgraph_with_a_half_as_the_models_modules(when):
-    """fullgraph=True where a half runs as the model's own modules and the loss unfused (a LoRA-like
-    wrapper on one projection, a hook on the LM head): the checks and their warnings do not break
-    the graph (a compiled forward says nothing, as transformers' own forwards); the step equals the
-    unpatched model's; a wrapper put on after patching, first seen by the traced forward, costs one
-    recompilation, no more."""
+    """fullgraph=True where a half runs as the model's own modules (layer 0's MLP of a class with a
+    forward of its own), an attention projection is called (a wrapper on layer 1's q_proj, put
+    on before or after patching) and the loss runs unfused (a hook on the LM head): the checks and
+    their warnings do not break the graph (a compiled forward says nothing, as transformers' own
+    forwards); the step equals the unpatched model's; a wrapper put on after patching, first seen
+    by the traced forward, costs one recompilation, no more."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     ref = tiny("LlamaForCausalLM")
+    _wrap(ref, "model.layers.0.mlp", _with_own_forward)
     model = _wrapped_and_patched(ref, "model.layers.1.self_attn.q_proj", LoraLike, when)
     for m in (ref, model):
         m.lm_head.register_forward_hook(lambda module, args, out: out)
@@ -1819,7 +1885,7 @@ def test_torch_compile_fullgraph_with_a_half_as_the_models_modules(when):
     model.compile(backend=counter, fullgraph=True)
     ids = torch.randint(0, VOCAB, (2, 10), device=DEVICE)
     assert_same_training_step(ref, model, input_ids=ids, labels=ids)
-    assert [layer._codetta_plan.unfused_half for layer in model.model.layers] == [None, ATTENTION]
+    assert [layer._codetta_plan.unfused_half for layer in model.model.layers] == [MLP, None]
     for _ in range(2):
         model(input_ids=ids, labels=ids)
     assert counter.frame_count == (1 if when == "before_patch" else 2)

@@ -358,7 +358,7 @@ def test_bf16_within_twice_eager_error(qk_norm, interleaved, bias_std):
 def test_bad_inputs():
     tensors, _, pos, inv_freq = make(4, 16, 16, 2, 1, 16, False, 8)
     with pytest.raises(ValueError, match="whole heads"):
-        rmsnorm_qkv_rope(*tensors, pos, inv_freq, head_dim=12)
+        rmsnorm_qkv_rope(*tensors, pos, inv_freq[:4], head_dim=24, rotary_dim=8)
     with pytest.raises(ValueError, match="power of two"):
         rmsnorm_qkv_rope(*tensors, pos, inv_freq[:3], head_dim=16, rotary_dim=6)
     with pytest.raises(ValueError, match="inv_freq"):
@@ -437,14 +437,16 @@ def test_traces_with_dynamic_shapes():
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("transposed", [True, False], ids=["transposed", "forward"])
 @pytest.mark.parametrize("head_dim, rotary_dim, interleaved", [(8, 8, False), (64, 32, False), (64, 64, False),
                                                                (16, 8, True), (128, 128, True)])
-def test_rope_backward_kernel_is_the_transposed_rotation(head_dim, rotary_dim, interleaved):
-    """The backward kernel by itself (fp32): dq, dk, dv as three parts with row strides of their
+def test_rotation_kernel_either_way(head_dim, rotary_dim, interleaved, transposed):
+    """The rotation kernel by itself (fp32): q, k, v as three parts with row strides of their
     own, an odd row count; rotate_half's halves of 16 columns and more are read as they lie,
     narrower ones (and interleaved pairs) as one block split in registers: both must give the
-    transposed rotation of dqkv, applied here pair by pair in fp64, and zdz = sum_k qkv_ik dqkv_ik."""
-    from codetta.kernels.rope import rope_backward
+    rotation of the q and k heads (transposed: RoPE's backward, with zdz = sum_k qkv_ik dqkv_ik;
+    else RoPE's forward), applied here pair by pair in fp64."""
+    from codetta.kernels.rope import rotate
 
     m, n_q, n_kv = 37, 2, 1
     g = torch.Generator().manual_seed(head_dim + rotary_dim + interleaved)
@@ -453,16 +455,21 @@ def test_rope_backward_kernel_is_the_transposed_rotation(head_dim, rotary_dim, i
     qkv = torch.randn(m, sum(widths), generator=g).to(DEVICE)
     angles = torch.rand(m, rotary_dim // 2, generator=g, dtype=torch.float64) * 6.3
     cos, sin = (0.9 * f(angles) for f in (torch.cos, torch.sin))  # an attention scaling of 0.9
-    dz, zdz = rope_backward(parts, qkv, cos.float().to(DEVICE), sin.float().to(DEVICE),
-                            n_rotated=(n_q + n_kv) * head_dim, head_dim=head_dim, interleaved=interleaved)
+    dz, zdz = rotate(parts, qkv if transposed else None, cos.float().to(DEVICE), sin.float().to(DEVICE),
+                     n_rotated=(n_q + n_kv) * head_dim, head_dim=head_dim, interleaved=interleaved,
+                     transposed=transposed)
 
     d = torch.cat(parts, dim=1).double().cpu()
     want = d.clone()
     t = torch.arange(rotary_dim // 2)
     first, second = (2 * t, 2 * t + 1) if interleaved else (t, t + rotary_dim // 2)
+    s = sin if transposed else -sin
     for head in range(n_q + n_kv):  # the q and k heads; v passes through
         a, b = d[:, head * head_dim + first], d[:, head * head_dim + second]
-        want[:, head * head_dim + first] = cos * a + sin * b
-        want[:, head * head_dim + second] = cos * b - sin * a
+        want[:, head * head_dim + first] = cos * a + s * b
+        want[:, head * head_dim + second] = cos * b - s * a
     assert rel(dz.cpu(), want) < 1e-6
-    assert rel(zdz.cpu(), (qkv.double().cpu() * d).sum(1)) < 1e-6
+    if transposed:
+        assert rel(zdz.cpu(), (qkv.double().cpu() * d).sum(1)) < 1e-6
+    else:
+        assert zdz is None

@@ -1,18 +1,20 @@
-"""RoPE's backward as one memory-bound Triton kernel: the inverse rotation of dqkv and sum(qkv * dqkv).
+"""RoPE's rotation of q and k heads as one memory-bound Triton kernel, either way: forward (where
+no GEMM's epilogue applies it) and transposed (its backward, with the row sums sum(qkv * dqkv)).
 
 qkv [M, N] holds heads of D columns; in the first ``n_rotated`` columns (the q and k
 heads) the first R columns of every head are rotated: column t < R/2 with column
 t + R/2 by the angle of frequency t, with cos_t = s cos(theta), sin_t = s sin(theta)
-from per-token tables [M, R/2] (s: the attention scaling). The forward was
+from per-token tables [M, R/2] (s: the attention scaling). The forward is
 
     qkv_t = cos_t z_t - sin_t z_{t+R/2},   qkv_{t+R/2} = cos_t z_{t+R/2} + sin_t z_t
 
 (or, ``interleaved``, column 2t with column 2t + 1 by the same angle), so the gradient of z is
-the transposed rotation of dqkv:
+the transposed rotation of dqkv, the same with sin_t negated:
 
     dz_t = cos_t dqkv_t + sin_t dqkv_{t+R/2},   dz_{t+R/2} = cos_t dqkv_{t+R/2} - sin_t dqkv_t
 
-and every other column passes through as it is. The kernel also returns zdz_i = sum_k qkv_ik dqkv_ik
+and every other column passes through as it is. The kernel applies either (``transposed``), in
+fp32, each output rounded once. Transposed, it can also return zdz_i = sum_k qkv_ik dqkv_ik
 (fp32): a rotation keeps inner products, so this equals sum_k z_ik dz_ik when s = 1 and
 is what the RMSNorm backward needs (with s, qkv . dqkv = z . dz too, since qkv = s R z
 and dz = s R^T dqkv).
@@ -81,12 +83,12 @@ def _dqkv_at(cols, rows64, dqkv0, dqkv1, dqkv2, end0, end1, s_dqkv0, s_dqkv1, s_
 
 
 @triton.jit
-def _rope_backward_kernel(
+def _rotate_kernel(
     dqkv0, dqkv1, dqkv2, qkv, cos, sin, dz, zdz_part,
     M, N, n_rotated, head_dim, end0, end1,
     s_dqkv0, s_dqkv1, s_dqkv2, s_qkv, s_table, s_dz, s_part,
     HALF_R: tl.constexpr, HALF_SEGMENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-    WITH_ZDZ: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    TRANSPOSED: tl.constexpr, WITH_ZDZ: tl.constexpr, EMULATE_RNE: tl.constexpr,
 ):
     """dqkv in three parts: columns [0, end0), [end0, end1), [end1, N). A pair's columns lie
     HALF_SEGMENT apart inside segments of 2 HALF_SEGMENT columns (R/2: rotate_half; 1: interleaved).
@@ -115,6 +117,8 @@ def _rope_backward_kernel(
         d2 = tl.load(_dqkv_at(second, rows64, *parts), mask=pair_ok, other=0.0).to(tl.float32)
     c = tl.load(cos + rows64 * s_table + freq[None, :], mask=pair_ok & rotated, other=1.0)
     s = tl.load(sin + rows64 * s_table + freq[None, :], mask=pair_ok & rotated, other=0.0)
+    if not TRANSPOSED:  # the forward rotation: the transposed one by -theta
+        s = -s
 
     # unrotated pairs pass through as they are (a rotation by 0 would turn an inf partner into NaN)
     dz1 = tl.where(rotated, c * d1 + s * d2, d1)
@@ -138,13 +142,17 @@ def _rope_backward_kernel(
         tl.store(zdz_part + rows.to(tl.int64) * s_part + tl.program_id(1), partial, mask=rows < M)
 
 
-def rope_backward(dqkv: torch.Tensor | list[torch.Tensor], qkv: Optional[torch.Tensor], cos: torch.Tensor,
-                  sin: torch.Tensor, *, n_rotated: int, head_dim: int,
-                  interleaved: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def rotate(dqkv: torch.Tensor | list[torch.Tensor], qkv: Optional[torch.Tensor], cos: torch.Tensor,
+           sin: torch.Tensor, *, n_rotated: int, head_dim: int, interleaved: bool = False,
+           transposed: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(dz [M, N] in dqkv's dtype, zdz [M] fp32) from dqkv [M, N], or its parts along the columns
     (at most three, whole heads each: [dq, dk, dv]), qkv [M, N] and the tables cos, sin [M, R/2]
     fp32 (attention scaling included); see the module docstring. With ``qkv=None`` only dz is
-    computed (zdz is None). ``interleaved``: the rotated pairs are adjacent columns."""
+    computed (zdz is None). ``interleaved``: the rotated pairs are adjacent columns.
+    ``transposed=False``: the forward rotation instead (RoPE itself: dqkv is then z, dz the
+    rotated z; zdz must not be asked for)."""
+    if not transposed and qkv is not None:
+        raise ValueError("zdz (qkv given) comes with the transposed rotation only")
     parts = [t if t.stride(1) == 1 else t.contiguous() for t in (dqkv if isinstance(dqkv, list) else [dqkv])]
     if not 1 <= len(parts) <= 3 or any(t.shape[0] != parts[0].shape[0] or t.dtype != parts[0].dtype for t in parts):
         raise ValueError(f"dqkv must be a tensor or up to three parts of one dtype and row count, got "
@@ -163,10 +171,10 @@ def rope_backward(dqkv: torch.Tensor | list[torch.Tensor], qkv: Optional[torch.T
     dz = torch.empty(m, n, device=parts[0].device, dtype=parts[0].dtype)
     part = torch.empty(m, grid[1], device=dz.device, dtype=torch.float32) if with_zdz else cos  # cos: unused
     if m and n:
-        launch(_rope_backward_kernel, grid,
+        launch(_rotate_kernel, grid,
             *parts, qkv, cos, sin, dz, part, m, n, n_rotated, head_dim, ends[0], ends[1],
             *(t.stride(0) for t in parts), qkv.stride(0), cos.stride(0), dz.stride(0), part.stride(0),
             HALF_R=half_r, HALF_SEGMENT=half_segment, BLOCK_M=block_m, BLOCK_P=block_p,
-            WITH_ZDZ=with_zdz, EMULATE_RNE=interpreting(), num_warps=warps,
+            TRANSPOSED=transposed, WITH_ZDZ=with_zdz, EMULATE_RNE=interpreting(), num_warps=warps,
         )
     return dz, part.sum(dim=1) if with_zdz else None

@@ -1,5 +1,6 @@
 """Transformer operators built from epilogue programs."""
 
+from .apply_rope import apply_rope
 from .compile_cache import key_compile_caches_on_source
 from .cross_entropy import linear_cross_entropy
 from .linear import linear
@@ -11,7 +12,7 @@ from .swiglu import rmsnorm_swiglu
 from .weight_grads import accumulate_weight_grads
 
 __all__ = [
-    "accumulate_weight_grads", "linear_cross_entropy", "linear", "linear_residual", "rms_norm", "rmsnorm_linear",
+    "accumulate_weight_grads", "apply_rope", "linear_cross_entropy", "linear", "linear_residual", "rms_norm", "rmsnorm_linear",
     "rmsnorm_qkv_rope", "rmsnorm_swiglu", "swiglu_mlp",
 ]
 

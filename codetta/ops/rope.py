@@ -31,7 +31,7 @@ angles, in the model's precision.
 
 Backward, given dqkv: the transposed rotation gives dz, and sum_k qkv_ik dqkv_ik =
 sum_k z_ik dz_ik is the zdz of the norm backward; one memory-bound kernel
-(:func:`codetta.kernels.rope.rope_backward`) writes both. Then the norm-backward GEMM of
+(:func:`codetta.kernels.rope.rotate`) writes both. Then the norm-backward GEMM of
 :func:`codetta.ops.rmsnorm.rmsnorm_linear_backward`, dW_i = dz_i^T h and db = sum_i dz_i.
 With a bias the stored qkv holds z + b, whose zdz would cancel when |b| >> |z|: the norm's
 row term then comes from dL/dh (see :mod:`codetta.ops.rmsnorm`).
@@ -71,7 +71,7 @@ from torch import Tensor
 from .. import epilogue as ep
 from ..matmul import gemm
 from ..kernels.qk_norm import qk_norm_backward
-from ..kernels.rope import rope_backward
+from ..kernels.rope import rotate
 from .rmsnorm import (_check_norm_inputs, _weight_t, check_eps, given_stats, norm_operands, rmsnorm_linear_backward,
                       rstd_like, used_rstd)
 from .autocast import casts_under_autocast
@@ -246,8 +246,8 @@ def rmsnorm_qkv_rope_backward(dqkv, qkv, x, norm_weight, weights, bias, cos, sin
     qk_norm = q_norm_weight is not None
     # with a bias the stored outputs hold z + b, whose zdz would cancel: the norm's row term is then
     # taken from dL/dh (zdz None; see codetta.ops.rmsnorm)
-    dz, zdz = rope_backward(dqkv2, None if qk_norm or bias is not None else rows(qkv), cos, sin,
-                            n_rotated=(n_q + n_kv) * head_dim, head_dim=head_dim, interleaved=interleaved)
+    dz, zdz = rotate(dqkv2, None if qk_norm or bias is not None else rows(qkv), cos, sin,
+                     n_rotated=(n_q + n_kv) * head_dim, head_dim=head_dim, interleaved=interleaved)
     if qk_norm:  # dz above is dzn; QK-norm's backward in place gives dz and zdz from the pre-norm z
         dz, zdz, dqw, dkw = qk_norm_backward(dz, rows(z), q_norm_weight, k_norm_weight, n_q=n_q, n_kv=n_kv,
                                              eps=qk_norm_eps, out=dz)
@@ -378,6 +378,33 @@ def _check_cos_sin(cos_sin, positions, inv_freq, rotary_dim, attention_scaling, 
     return cos.shape[-1]
 
 
+def rope_tables_for(x: Tensor, head_dim, positions, inv_freq, *, rotary_dim, attention_scaling, cos_sin,
+                    interleaved) -> tuple[int, int, Tensor, Tensor]:
+    """(head_dim, rotary_dim, cos, sin): the RoPE arguments of :func:`rmsnorm_qkv_rope` and
+    :func:`codetta.ops.apply_rope` checked (a ValueError naming the wrong one), and the per-token
+    tables [M, R/2] fp32 for x's tokens (``x.shape[:-1]``)."""
+    if isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral) or head_dim < 1:
+        raise ValueError(f"head_dim must be a positive integer, got {head_dim!r}")
+    head_dim = int(head_dim)
+    if rotary_dim is not None and (isinstance(rotary_dim, bool) or not isinstance(rotary_dim, numbers.Integral)):
+        raise ValueError(f"rotary_dim must be an integer, got {rotary_dim!r}")
+    if cos_sin is not None:
+        rotary_dim = _check_cos_sin(cos_sin, positions, inv_freq, rotary_dim, attention_scaling, x)
+    if angles_need_grad(inv_freq, cos_sin):
+        raise ValueError("inv_freq or cos_sin requires grad: codetta's RoPE gives no gradient for the rotary "
+                         "angles (it would be dropped); detach them, or apply RoPE unfused")
+    rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
+    if not isinstance(interleaved, bool):
+        raise ValueError(f"interleaved must be a bool, got {interleaved!r}")
+    if rotary_dim < 2 or rotary_dim & (rotary_dim - 1) or head_dim % rotary_dim:
+        raise ValueError(f"rotary_dim {rotary_dim} must be a power of two dividing head_dim {head_dim}")
+    if cos_sin is None:
+        cos, sin = _tables_of_positions(positions, inv_freq, rotary_dim, attention_scaling, x)
+    else:
+        cos, sin = tables_from_cos_sin(*cos_sin, x.shape[:-1])
+    return head_dim, rotary_dim, cos, sin
+
+
 @casts_under_autocast("w_q", "w_k", "w_v", "bias", "stats", streams=("x",))
 def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w_v: Tensor,
                      positions: Tensor | None = None, inv_freq: Tensor | None = None, *, head_dim: int,
@@ -424,24 +451,12 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
     weights = [w_q, w_k, w_v]
     _check_norm_inputs(x, norm_weight, weights, eps)
     check_eps(qk_norm_eps=qk_norm_eps)
-    if isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral) or head_dim < 1:
-        raise ValueError(f"head_dim must be a positive integer, got {head_dim!r}")
-    head_dim = int(head_dim)
-    if rotary_dim is not None and (isinstance(rotary_dim, bool) or not isinstance(rotary_dim, numbers.Integral)):
-        raise ValueError(f"rotary_dim must be an integer, got {rotary_dim!r}")
-    if cos_sin is not None:
-        rotary_dim = _check_cos_sin(cos_sin, positions, inv_freq, rotary_dim, attention_scaling, x)
-    if angles_need_grad(inv_freq, cos_sin):
-        raise ValueError("inv_freq or cos_sin requires grad: codetta's fused RoPE gives no gradient for the rotary "
-                         "angles (it would be dropped); detach them, or apply RoPE unfused")
-    rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
-    if not isinstance(interleaved, bool):
-        raise ValueError(f"interleaved must be a bool, got {interleaved!r}")
+    head_dim, rotary_dim, cos, sin = rope_tables_for(x, head_dim, positions, inv_freq, rotary_dim=rotary_dim,
+                                                     attention_scaling=attention_scaling, cos_sin=cos_sin,
+                                                     interleaved=interleaved)
     nq, nk = (w_q.shape[0] // head_dim, w_q.shape[0] % head_dim), (w_k.shape[0] // head_dim, w_k.shape[0] % head_dim)
     if nq[1] or nk[1] or w_v.shape != w_k.shape:
         raise ValueError(f"q/k/v weights {[tuple(w.shape) for w in weights]} are not whole heads of {head_dim}")
-    if rotary_dim < 2 or rotary_dim & (rotary_dim - 1) or head_dim % rotary_dim:
-        raise ValueError(f"rotary_dim {rotary_dim} must be a power of two dividing head_dim {head_dim}")
     widths = tuple(w.shape[0] for w in weights)
     b = concat_biases(check_biases(bias, ("b_q", "b_k", "b_v"), widths, x.device), widths)  # a missing one adds 0
     if (q_norm_weight is None) != (k_norm_weight is None):
@@ -452,10 +467,6 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
                              f"power-of-two segments), got {head_dim}")
         for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
             check_vector(name, w, head_dim, x.device)
-    if cos_sin is None:
-        cos, sin = _tables_of_positions(positions, inv_freq, rotary_dim, attention_scaling, x)
-    else:
-        cos, sin = tables_from_cos_sin(*cos_sin, x.shape[:-1])
     u, rstd = given_stats(x, stats, weights[0].dtype, norm_weight, eps)
     return _qkv_rope_op(x, norm_weight, weights, b, cos, sin, nq[0], nk[0], head_dim, rotary_dim, interleaved, float(eps),
                         u, rstd, q_norm_weight, k_norm_weight, float(qk_norm_eps))[:3]

@@ -20,7 +20,9 @@ forward adds something (PEFT's LoRA layers) or computes otherwise (quantized lay
 when the attention, the MLP and each norm run the forward of the model's own class
 (:class:`ModelClasses`). :func:`why_unfusable` says when a layer's modules are not so; the
 half of the layer they belong to (:func:`halves`), or the layer, then runs as the model's own
-modules instead (see :mod:`codetta.integrations.hf.layer`). A
+modules instead (see :mod:`codetta.integrations.hf.layer`); the projections are the
+exception: where they are not plain, the fused forward calls them as modules
+(:func:`reads_weight`). A
 decoder layer whose class has a forward of its own is refused at patch time: the fused
 forward would replace it. The MLP's activation runs in the gate/up GEMM's epilogue where
 :func:`gate_activation` names it (SiLU, both GELUs, ReLU), else as the module it is, between
@@ -140,6 +142,32 @@ class Architecture:
         qkv, widths = attn.qkv_proj, qkv_widths(attn)
         bias = qkv.bias
         return tuple(qkv.weight.split(widths)), (None,) * 3 if bias is None else tuple(bias.split(widths))
+
+    def qkv_projections(self, attn) -> tuple:
+        """The attention module's QKV projection modules: (q_proj, k_proj, v_proj) or (qkv_proj,)."""
+        return (attn.qkv_proj,) if self.fused_qkv else (attn.q_proj, attn.k_proj, attn.v_proj)
+
+    def qkv_of_modules(self, attn, h) -> tuple:
+        """(q, k, v) [..., width] each, by calling the attention's projection modules on h as its
+        forward calls them (a fused ``qkv_proj``'s output split)."""
+        if self.fused_qkv:
+            return tuple(torch.split(attn.qkv_proj(h), qkv_widths(attn), dim=-1))
+        return attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+
+    def gate_up_projections(self, mlp) -> tuple:
+        """The MLP's gate and up projection modules: (gate_proj, up_proj), (gate_up_proj,) or (up_proj,)."""
+        if not self.gated_mlp:
+            return (mlp.up_proj,)
+        return (mlp.gate_up_proj,) if self.fused_gate_up else (mlp.gate_proj, mlp.up_proj)
+
+    def gate_up_of_modules(self, mlp, h) -> tuple:
+        """(gate, up) [..., F] each, by calling the MLP's projection modules on h as its forward
+        calls them (a fused ``gate_up_proj``'s output chunked, gate first); gate None without a gate."""
+        if not self.gated_mlp:
+            return None, mlp.up_proj(h)
+        if self.fused_gate_up:
+            return tuple(mlp.gate_up_proj(h).chunk(2, dim=-1))
+        return mlp.gate_proj(h), mlp.up_proj(h)
 
     def gate_up_weights(self, mlp) -> tuple[tuple, tuple]:
         """((W_gate, W_up), (b_gate, b_up)) of the MLP module, each bias possibly None; halves
@@ -426,12 +454,20 @@ def hooks_between(layer, next_layer) -> bool:
             or bool(next_layer._forward_pre_hooks) or global_hooks(backward=False))
 
 
-def hooked_module(modules: dict):
-    """The path of one of a layer's :func:`fused_modules` that :func:`is_hooked`, or None."""
+def hooked_module(modules: dict, arch: Architecture):
+    """The path of one of a layer's :func:`fused_modules` that :func:`is_hooked`, or None (the
+    projections left out: the fused forward calls those that have hooks, see :func:`reads_weight`)."""
     for path, module in modules.items():
-        if is_hooked(module):
+        if is_hooked(module) and path not in arch.projections:
             return path
     return None
+
+
+def reads_weight(module) -> bool:
+    """Whether the fused forward reads a projection's weight and bias (a plain ``nn.Linear``
+    without hooks), or calls the module where the model's attention or MLP calls it (a PEFT LoRA
+    adapter, a quantized layer, hooks): the rest of the layer stays fused either way."""
+    return is_plain_linear(module) and not is_hooked(module)
 
 
 def class_name(module) -> str:
@@ -444,8 +480,7 @@ def why_unfusable(modules: dict, arch: Architecture, classes: ModelClasses):
     own = {"self_attn": classes.attention, "mlp": classes.mlp}
     for path, module in modules.items():
         if path in arch.projections:
-            if not is_plain_linear(module):
-                return f"{path} is a {class_name(module)}, not a plain torch.nn.Linear"
+            continue  # any module: its weight read where it is a plain nn.Linear, else called (reads_weight)
         elif path == arch.activation:
             continue  # any module: run in the epilogue where gate_activation names it, else as itself
         elif path in RESIDUAL_DROPOUTS:

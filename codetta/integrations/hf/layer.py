@@ -18,10 +18,17 @@ A mixture of experts (Mixtral, Qwen2-MoE, ...) runs as the model's own module on
 norm's output made by :func:`codetta.ops.rms_norm` (:func:`_mlp_residual`); the input
 norm, RoPE and the O-projection's residual add are fused as above.
 
-Where one half of the layer (the attention's, x1 = x + attention(norm(x)), or the MLP's) has a
-module the fused forward cannot read (a PEFT LoRA adapter on a projection) or one with hooks it
-would skip, that half runs as the model's own modules (:func:`_own_half`) and the other stays
-fused (:func:`_unfused_halves`); where both do, the layer runs its own forward.
+Where the fused forward cannot read a projection's weight (a PEFT LoRA adapter on it, a
+quantized layer, hooks on it: :func:`.architectures.reads_weight`), it calls that module where
+the model's attention or MLP does and fuses the rest: the QKV projections on the input norm's
+output (:func:`codetta.ops.rms_norm`), then RoPE by :func:`codetta.ops.apply_rope`; o_proj on
+the attention's output; gate and up on the MLP norm's output, then the activation module;
+down_proj on the activation's; a called o_proj's or down_proj's output added to the residual
+stream as the model's layer adds it. Where one half of the layer (the attention's,
+x1 = x + attention(norm(x)), or the MLP's) has another module the fused forward cannot read
+(a norm, attention or MLP of another class) or one with hooks it would skip, that half runs
+as the model's own modules (:func:`_own_half`) and the other stays fused
+(:func:`_unfused_halves`); where both do, the layer runs its own forward.
 
 The next layer's input norm reads s' (a :class:`StatsHandoff` between the two layers)
 when it is given exactly x2, unchanged, as in the model's own layer loop; otherwise (the
@@ -48,7 +55,8 @@ from typing import Optional
 import torch
 from torch.nn.utils import parametrize
 
-from ...ops import linear_residual, rms_norm, rmsnorm_linear, rmsnorm_qkv_rope, rmsnorm_swiglu, swiglu_mlp
+from ...ops import (apply_rope, linear_residual, rms_norm, rmsnorm_linear, rmsnorm_qkv_rope, rmsnorm_swiglu,
+                    swiglu_mlp)
 from ...ops.autocast import stream_under_autocast
 from ...ops.rmsnorm import NormStats, scaled, stream_fits, weight_readable_ahead
 from ...ops.rope import angles_need_grad
@@ -56,8 +64,8 @@ from .. import warn_unless_traced
 from . import checkpointing
 from .architectures import (ATTENTION, MLP, RESIDUAL_DROPOUTS, Architecture, ModelClasses, fused_modules,
                             gate_activation, halves, halves_separate, hooked_module, hooks_between, is_hooked,
-                            is_models_norm, mlp_is_fused, stored_weight, why_rotary_dims_unfit, why_rotary_unfusable,
-                            why_unfusable)
+                            is_models_norm, mlp_is_fused, reads_weight, stored_weight, why_rotary_dims_unfit,
+                            why_rotary_unfusable, why_unfusable)
 
 try:  # transformers' collector of recorded outputs (output_attentions=True, output_hidden_states=True)
     from transformers.utils.output_capturing import _active_collector
@@ -269,30 +277,41 @@ def _qkv(layer, plan: LayerPlan, x, norm, position_ids, position_embeddings):
 
 
 def _rotated_qkv(layer, plan: LayerPlan, x, norm, position_ids, position_embeddings):
-    """q, k, v of the norm-folded QKV GEMM, RoPE (and QK-norm) in its epilogue where it fuses,
-    else applied by the model's own code after it (none in a layer without RoPE)."""
+    """q, k, v of the norm-folded QKV GEMM, RoPE (and QK-norm) in its epilogue where it fuses.
+    Where the fused forward cannot read a QKV projection (:func:`.architectures.reads_weight`: a
+    PEFT LoRA adapter on it, hooks), the projection modules on the input norm's output (codetta's
+    row kernel), QK-norm likewise, RoPE by :func:`codetta.ops.apply_rope` (one kernel each way).
+    Where RoPE does not fuse, the model's own code applies it after either (none in a layer
+    without RoPE)."""
     attn, ln, arch = layer.self_attn, layer.input_layernorm, plan.arch
     (stats, g1), eps = norm, arch.norm_epsilon(ln)
-    weights, biases = plan.arch.qkv_weights(attn)  # any bias may be None (0)
-    rotates = plan.arch.applies_rope(attn)
+    rotates = arch.applies_rope(attn)
     rope, why_not = (_rope_arguments(plan, x, attn, position_ids, position_embeddings)
                      if plan.fuse_rope and rotates else (None, None))
     if why_not is not None:
         warn_unless_traced(f"codetta: {why_not}; RoPE runs as the model's own code on its position_embeddings",
                            stacklevel=5)
-    if rope is not None:
+    weights, biases = arch.qkv_weights(attn) if all(map(reads_weight, arch.qkv_projections(attn))) else (None, None)
+    if rope is not None and weights is not None:
         qk_norm = {}
         if arch.has_qk_norm(attn):  # the modules' own weights: their gradients land there
             qk_norm = dict(q_norm_weight=arch.norm_weight(attn.q_norm), k_norm_weight=arch.norm_weight(attn.k_norm),
                            qk_norm_eps=arch.norm_epsilon(attn.q_norm))
         return rmsnorm_qkv_rope(x, g1, *weights, head_dim=attn.head_dim, bias=biases,
                                 interleaved=arch.interleaved_rope, eps=eps, stats=stats, **qk_norm, **rope)
-    qkv = rmsnorm_linear(x, g1, list(weights), eps, stats=stats)
-    q, k, v = (z if b is None else z + b for z, b in zip(torch.split(qkv, [w.shape[0] for w in weights], dim=-1),
-                                                          biases))
+    if weights is None:
+        q, k, v = arch.qkv_of_modules(attn, _norm_like_module(arch, ln, x))
+    else:
+        qkv = rmsnorm_linear(x, g1, list(weights), eps, stats=stats)
+        q, k, v = (z if b is None else z + b for z, b in zip(torch.split(qkv, [w.shape[0] for w in weights], dim=-1),
+                                                              biases))
     heads = (*x.shape[:-1], -1, attn.head_dim)
     if arch.has_qk_norm(attn):
-        q, k = attn.q_norm(q.reshape(heads)), attn.k_norm(k.reshape(heads))
+        q, k = _norm_like_module(arch, attn.q_norm, q.reshape(heads)), _norm_like_module(arch, attn.k_norm,
+                                                                                          k.reshape(heads))
+    q, k = q.reshape(*heads[:-2], -1), k.reshape(*heads[:-2], -1)
+    if rope is not None:
+        return (*apply_rope(q, k, head_dim=attn.head_dim, interleaved=arch.interleaved_rope, **rope), v)
     if rotates:
         cos, sin = position_embeddings
         q, k = plan.classes.modeling.apply_rotary_pos_emb(q.reshape(heads), k.reshape(heads), cos, sin, unsqueeze_dim=2)
@@ -412,7 +431,8 @@ def _unfused_halves(layer, plan: LayerPlan, hidden_states) -> frozenset:
     # a stream the kernels cannot take with these weights (bf16 inputs_embeds given to an fp32 model):
     # the model's own layer upcasts it (its norm and residual add make an fp32 stream for the next layer);
     # under autocast the operators make a 16-bit stream of the other dtype fp32 (codetta.ops.autocast)
-    projections = [parts[half][path] for half in readable for path in parts[half] if path in plan.arch.projections]
+    projections = [parts[half][path] for half in readable for path in parts[half]
+                   if path in plan.arch.projections and reads_weight(parts[half][path])]
     device_type = hidden_states.device.type
     if projections:  # (none where the attention half runs as its modules and the MLP is a mixture of experts)
         operand, stream = stored_weight(projections[0]).dtype, hidden_states.dtype
@@ -432,7 +452,7 @@ def _unfused_halves(layer, plan: LayerPlan, hidden_states) -> frozenset:
         warn_unfused(f"its residual dropout (p = {max(rates.values())}) is on in training (the fused residual add "
                      "has no dropout)", BOTH if len(own) == 2 or not halves_separate(plan.arch) else own)
     # (no assignment expressions here: torch.compile traces this at each call)
-    paths = {half: hooked_module(part) for half, part in parts.items()}
+    paths = {half: hooked_module(part, plan.arch) for half, part in parts.items()}
     hooked = {half: path for half, path in paths.items() if path is not None}
     own |= set(hooked)
     if own and not halves_separate(plan.arch):
@@ -477,8 +497,7 @@ def _fused_layer(layer, x, attention_mask, position_ids, use_cache, position_emb
     if arch.output_norms:
         return _sandwiched_residuals(layer, plan, x, a)
     if own_half == MLP:
-        x1 = linear_residual(a, attn.o_proj.weight, x, bias=attn.o_proj.bias, branch_scale=arch.branch_scale(layer))
-        return _own_half(layer, plan, MLP, x1)
+        return _own_half(layer, plan, MLP, _attention_residual(layer, plan, x, a))
     return _residuals(layer, plan, x, a)
 
 
@@ -499,12 +518,23 @@ def _own_half(layer, plan: LayerPlan, half: str, x, attention_kwargs=None):
     return x + scaled(out, arch.branch_scale(layer))
 
 
+def _attention_residual(layer, plan: LayerPlan, x, a):
+    """x1 = x + s a W_o^T (+ b_o): the O-projection's GEMM with the residual add in its epilogue,
+    or, where the fused forward cannot read o_proj (:func:`.architectures.reads_weight`), the
+    module's output added as the model's layer adds it (s: Granite's residual multiplier, else 1)."""
+    attn, scale = layer.self_attn, plan.arch.branch_scale(layer)
+    if not reads_weight(attn.o_proj):
+        return x + scaled(attn.o_proj(a), scale)
+    return linear_residual(a, attn.o_proj.weight, x, bias=attn.o_proj.bias, branch_scale=scale)
+
+
 def _residuals(layer, plan: LayerPlan, x, a):
     """x2 from the layer's input x and the attention's output a: the O-projection's residual add
-    (making the MLP norm's statistics where the MLP is fused), then :func:`_mlp_residual`."""
+    (making the MLP norm's statistics where the MLP is fused and o_proj read), then
+    :func:`_mlp_residual`."""
     arch, attn = plan.arch, layer.self_attn
-    if not plan.mlp_fused:  # a mixture of experts
-        return _mlp_residual(layer, plan, linear_residual(a, attn.o_proj.weight, x, bias=attn.o_proj.bias))
+    if not plan.mlp_fused or not reads_weight(attn.o_proj):  # a mixture of experts; o_proj called
+        return _mlp_residual(layer, plan, _attention_residual(layer, plan, x, a))
     ln2 = layer.get_submodule(arch.mlp_norm)
     # each norm weight read once: a parametrized weight is new at each read (and Gemma's 1 + w a new
     # tensor), and NormStats checks that its consumer gets the same one
@@ -518,7 +548,8 @@ def _mlp_residual(layer, plan: LayerPlan, x1, stats=None, g2=None):
     """x2 = x1 + s MLP(RMSNorm(x1)): the MLP with its norm folded (its statistics ``stats`` of x1
     made by the O-projection's GEMM, if given, with the norm's weight ``g2`` read then), its
     residual add making the next layer's input-norm statistics (handed on where the next layer
-    will take them). A mixture of experts (``Architecture.moe``) runs as the model's own module
+    will take them); where the fused forward cannot read down_proj, that module's output added as
+    the model's layer adds it (see :func:`_mlp_hidden` for gate and up). A mixture of experts (``Architecture.moe``) runs as the model's own module
     on the norm's output made whole by :func:`codetta.ops.rms_norm`; its router reads it, each
     token's experts their rows of it; nothing is folded or handed on."""
     arch, mlp, ln2 = plan.arch, layer.mlp, layer.get_submodule(plan.arch.mlp_norm)
@@ -527,6 +558,9 @@ def _mlp_residual(layer, plan: LayerPlan, x1, stats=None, g2=None):
     g2 = arch.norm_weight(ln2) if g2 is None else g2
     eps2 = arch.norm_epsilon(ln2)
     branch_scale = arch.branch_scale(layer)  # Granite's residual multiplier, else 1
+    down = mlp.down_proj
+    if not reads_weight(down):  # called: its output added as the model's layer adds it, nothing handed on
+        return x1 + scaled(down(_mlp_hidden(layer, plan, x1, g2, eps2, stats)), branch_scale)
     next_layer = plan.next_layer.get() if plan.next_layer is not None else None
     ln_next = next_layer.input_layernorm if next_layer is not None else None
     hand_on = (
@@ -544,15 +578,13 @@ def _mlp_residual(layer, plan: LayerPlan, x1, stats=None, g2=None):
         and weight_readable_ahead(ln_next, ln_next.weight)
     )
     next_norm = dict(next_norm_weight=arch.norm_weight(ln_next), next_eps=arch.norm_epsilon(ln_next)) if hand_on else {}
-    (w_gate, w_up), (b_gate, b_up) = arch.gate_up_weights(mlp)  # biases: Llama's mlp_bias
-    if _gate_in_epilogue(plan, w_gate):
-        out = swiglu_mlp(x1, g2, w_gate, w_up, mlp.down_proj.weight, eps2, stats=stats,
-                         bias=(b_gate, b_up, mlp.down_proj.bias), branch_scale=branch_scale, activation=plan.activation,
-                         **next_norm)
+    if _gate_in_epilogue(plan, mlp):
+        (w_gate, w_up), (b_gate, b_up) = arch.gate_up_weights(mlp)  # biases: Llama's mlp_bias
+        out = swiglu_mlp(x1, g2, w_gate, w_up, down.weight, eps2, stats=stats, bias=(b_gate, b_up, down.bias),
+                         branch_scale=branch_scale, activation=plan.activation, **next_norm)
     else:
         y = _mlp_hidden(layer, plan, x1, g2, eps2, stats)
-        out = linear_residual(y, mlp.down_proj.weight, x1, *next_norm.values(), bias=mlp.down_proj.bias,
-                              branch_scale=branch_scale)
+        out = linear_residual(y, down.weight, x1, *next_norm.values(), bias=down.bias, branch_scale=branch_scale)
     if not hand_on:
         return out
     x2, stats2 = out
@@ -578,34 +610,42 @@ def _sandwiched_residuals(layer, plan: LayerPlan, x, a):
     return x1 + _norm_like_module(arch, mlp_out_norm, mlp.down_proj(y))
 
 
-def _norm_like_module(arch: Architecture, norm, t):
+def _norm_like_module(arch: Architecture, norm, t, weight=None):
     """What the RMSNorm module ``norm`` returns for t, by :func:`codetta.ops.rms_norm` (one row
     kernel each way, rounded once) in the dtype the module returns: t's for Gemma's norm (1 + w
     in fp32, ``type_as`` its input), else t's and its weight's promoted (Llama's norm multiplies
     its weight by the normalized t); the module itself where its weight's dtype is neither t's
-    nor fp32."""
-    weight = arch.norm_weight(norm)
+    nor fp32. ``weight``: the norm's weight as already read (``arch.norm_weight``), if it was."""
+    weight = arch.norm_weight(norm) if weight is None else weight
     if weight.dtype not in (t.dtype, torch.float32):
         return norm(t)
     dtype = t.dtype if arch.norm_weight_offset else torch.promote_types(weight.dtype, t.dtype)
     return rms_norm(t, weight, arch.norm_epsilon(norm), dtype=dtype)
 
 
-def _gate_in_epilogue(plan: LayerPlan, w_gate) -> bool:
+def _gate_in_epilogue(plan: LayerPlan, mlp) -> bool:
     """Whether the MLP's activation runs in the gate/up GEMM's epilogue: a gated MLP whose
-    activation the epilogue computes, with ``swiglu`` fusion on."""
-    return w_gate is not None and plan.fuse_swiglu and plan.activation is not None
+    activation the epilogue computes and whose gate and up projections the fused forward reads
+    (:func:`.architectures.reads_weight`), with ``swiglu`` fusion on."""
+    return (plan.arch.gated_mlp and plan.fuse_swiglu and plan.activation is not None
+            and all(map(reads_weight, plan.arch.gate_up_projections(mlp))))
 
 
 def _mlp_hidden(layer, plan: LayerPlan, x1, g2, eps2, stats):
     """What the MLP's down projection multiplies: act(h W_g^T + b_g) * (h W_u^T + b_u), or
     act(h W_u^T + b_u) without a gate (Arcee), h = RMSNorm(x1) folded into the gate/up GEMM; the
-    activation in its epilogue where :func:`_gate_in_epilogue`, else the model's module after it."""
+    activation in its epilogue where :func:`_gate_in_epilogue`, else the model's module after it.
+    Where the fused forward cannot read a gate or up projection (:func:`.architectures.reads_weight`),
+    the modules on h made by :func:`codetta.ops.rms_norm` (the weight g2 as read), then the
+    activation module."""
     arch, mlp = plan.arch, layer.mlp
-    (w_gate, w_up), (b_gate, b_up) = arch.gate_up_weights(mlp)
-    if _gate_in_epilogue(plan, w_gate):
-        return rmsnorm_swiglu(x1, g2, w_gate, w_up, eps2, stats=stats, bias=(b_gate, b_up), activation=plan.activation)
     act = layer.get_submodule(arch.activation)
+    if not all(map(reads_weight, arch.gate_up_projections(mlp))):
+        gate, up = arch.gate_up_of_modules(mlp, _norm_like_module(arch, layer.get_submodule(arch.mlp_norm), x1, g2))
+        return act(up) if gate is None else act(gate) * up
+    (w_gate, w_up), (b_gate, b_up) = arch.gate_up_weights(mlp)
+    if _gate_in_epilogue(plan, mlp):
+        return rmsnorm_swiglu(x1, g2, w_gate, w_up, eps2, stats=stats, bias=(b_gate, b_up), activation=plan.activation)
     if w_gate is None:
         up = rmsnorm_linear(x1, g2, [w_up], eps2, stats=stats)
         return act(up if b_up is None else up + b_up)
