@@ -396,10 +396,13 @@ def test_random_bf16_config_within_twice_the_unpatched_error(family, data):
     errs_ref = worse_of_two_roundings(lambda m: errors(m, ref64, batch), ref16)
     if not name.endswith("ForCausalLM"):  # a causal LM training with labels returns no logits when patched
         assert errs.keys() == errs_ref.keys()
-    floor = 2e-3
+    # a sequence classifier's and a QA head's loss is one bf16 number (transformers computes it in the
+    # model's dtype): one step of its rounding apart (up to 2^-7 relative) is a rounding, not an error
+    # (a CPU sweep of 48 initializations: patched 2.78125, unpatched 2.765625, fp64 2.76799 in one)
+    floors = {"loss": 2.0 ** -7} if name.endswith(("SequenceClassification", "QuestionAnswering")) else {}
     pairs = {n: (errs[n], errs_ref[n]) for n in errs}
     note(f"errors (patched, unpatched): {pairs}")
-    worse = {n: pair for n, pair in pairs.items() if pair[0] > 2 * pair[1] + floor}
+    worse = {n: pair for n, pair in pairs.items() if pair[0] > 2 * pair[1] + floors.get(n, 2e-3)}
     assert not worse, worse
 
 

@@ -300,7 +300,7 @@ def _rotated_qkv(layer, plan: LayerPlan, x, norm, position_ids, position_embeddi
         return rmsnorm_qkv_rope(x, g1, *weights, head_dim=attn.head_dim, bias=biases,
                                 interleaved=arch.interleaved_rope, eps=eps, stats=stats, **qk_norm, **rope)
     if weights is None:
-        q, k, v = arch.qkv_of_modules(attn, _norm_like_module(arch, ln, x))
+        q, k, v = arch.qkv_of_modules(attn, _norm_like_module(arch, ln, x, g1))
     else:
         qkv = rmsnorm_linear(x, g1, list(weights), eps, stats=stats)
         q, k, v = (z if b is None else z + b for z, b in zip(torch.split(qkv, [w.shape[0] for w in weights], dim=-1),
