@@ -307,8 +307,7 @@ def _rotated_qkv(layer, plan: LayerPlan, x, norm, position_ids, position_embeddi
                                                               biases))
     heads = (*x.shape[:-1], -1, attn.head_dim)
     if arch.has_qk_norm(attn):
-        q, k = _norm_like_module(arch, attn.q_norm, q.reshape(heads)), _norm_like_module(arch, attn.k_norm,
-                                                                                          k.reshape(heads))
+        q, k = (_norm_like_module(arch, norm, t.reshape(heads)) for norm, t in ((attn.q_norm, q), (attn.k_norm, k)))
     q, k = q.reshape(*heads[:-2], -1), k.reshape(*heads[:-2], -1)
     if rope is not None:
         return (*apply_rope(q, k, head_dim=attn.head_dim, interleaved=arch.interleaved_rope, **rope), v)
@@ -549,9 +548,10 @@ def _mlp_residual(layer, plan: LayerPlan, x1, stats=None, g2=None):
     made by the O-projection's GEMM, if given, with the norm's weight ``g2`` read then), its
     residual add making the next layer's input-norm statistics (handed on where the next layer
     will take them); where the fused forward cannot read down_proj, that module's output added as
-    the model's layer adds it (see :func:`_mlp_hidden` for gate and up). A mixture of experts (``Architecture.moe``) runs as the model's own module
-    on the norm's output made whole by :func:`codetta.ops.rms_norm`; its router reads it, each
-    token's experts their rows of it; nothing is folded or handed on."""
+    the model's layer adds it (see :func:`_mlp_hidden` for gate and up). A mixture of experts
+    (``Architecture.moe``) runs as the model's own module on the norm's output made whole by
+    :func:`codetta.ops.rms_norm`; its router reads it, each token's experts their rows of it;
+    nothing is folded or handed on."""
     arch, mlp, ln2 = plan.arch, layer.mlp, layer.get_submodule(plan.arch.mlp_norm)
     if not plan.mlp_fused:
         return x1 + mlp(_norm_like_module(arch, ln2, x1))
