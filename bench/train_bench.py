@@ -55,8 +55,9 @@ def build(variant: str, lora: str = ""):
     if lora:
         import peft
 
+        targets = lora if lora == "all-linear" else lora.split(",")
         model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
-                                                            target_modules=lora.split(",")))
+                                                            target_modules=targets))
     if variant == "hf_compile":
         model = torch.compile(model)
     return model
@@ -78,7 +79,8 @@ def step_arguments(parser, *, steps: int, warmup: int = 3):
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--warmup", type=int, default=warmup)
     parser.add_argument("--lora", default="", help="LoRA fine-tuning: the projections with adapters, comma-separated "
-                        "(q_proj,v_proj is PEFT's default); none: every weight trains")
+                        "(q_proj,v_proj is PEFT's default), or all-linear (PEFT's every projection but the LM "
+                        "head); none: every weight trains")
 
 
 def run_variant(variant: str, args) -> dict:
