@@ -1315,12 +1315,10 @@ def _halve_input_grad(module, grad_in, grad_out):
 CALLED = [  # (a model of MODELS, layer 1's projections each with the wrapper given, one with a hook)
     ("llama", {"self_attn.q_proj": LoraLike, "self_attn.v_proj": LoraLike}, None),  # PEFT's default targets
     ("llama", {"mlp.gate_proj": Opaque, "mlp.down_proj": LoraLike}, "self_attn.k_proj"),  # no weight to read
-    ("llama", {"mlp.up_proj": _scaled}, "mlp.down_proj"),  # a subclass with a forward of its own
-    ("llama", {}, "mlp.down_proj:backward"),
+    ("llama", {"mlp.up_proj": _scaled}, "mlp.down_proj:backward"),  # a subclass with a forward of its own
     ("granite_multipliers", {"self_attn.o_proj": LoraLike, "mlp.down_proj": LoraLike}, None),  # residual multipliers
     ("phi3_fused_projections_partial_rope", {"self_attn.qkv_proj": LoraLike, "mlp.gate_up_proj": LoraLike}, None),
     ("qwen3_qk_norm", {"self_attn.k_proj": LoraLike, "mlp.up_proj": LoraLike}, None),  # QK-norm after the projections
-    ("moe_qwen2_shared_expert_dense_layer", {"self_attn.v_proj": LoraLike, "self_attn.o_proj": LoraLike}, None),
     ("arcee_ungated_mlp_bias", {"mlp.up_proj": LoraLike}, None),  # no gate
     ("gemma2_sandwich_norms_softcaps", {"self_attn.q_proj": LoraLike, "mlp.gate_proj": LoraLike}, "mlp.down_proj"),
 ]
@@ -1366,24 +1364,26 @@ def test_projections_it_cannot_read_are_called_the_rest_fused(key, wrapped, hook
         (None, None)] * 2
 
 
-@pytest.mark.parametrize("path", ["self_attn.v_proj", "mlp.up_proj"])
-def test_a_projection_wrapped_after_patching_is_called(path):
-    """A projection wrapped after patching (PEFT's get_peft_model on a patched model) is seen at
-    the next forward and called; replacing the wrapper by the plain nn.Linear again (PEFT's
-    merge_and_unload) makes its weight read again."""
+def test_projections_wrapped_after_patching_are_called():
+    """Projections wrapped after patching (PEFT's get_peft_model on a patched model) are seen at
+    the next forward and called; replacing the wrappers by the plain nn.Linears again (PEFT's
+    merge_and_unload) makes their weights read again."""
     ref = tiny("LlamaForCausalLM")
     model = codetta.patch(copy.deepcopy(ref))
     ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
     assert_same_training_step(ref, model, input_ids=ids, labels=ids)
-    plain = model.get_submodule(f"model.layers.0.{path}")
+    paths = ("model.layers.0.self_attn.v_proj", "model.layers.1.mlp.up_proj")
+    plain = [model.get_submodule(path) for path in paths]
     for m in (ref, model):
         torch.manual_seed(3)
-        _wrap(m, f"model.layers.0.{path}", LoraLike)
+        for path in paths:
+            _wrap(m, path, LoraLike)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert_same_training_step(ref, model, input_ids=ids, labels=ids)
-    _wrap(model, f"model.layers.0.{path}", lambda _: plain)
-    _wrap(ref, f"model.layers.0.{path}", lambda m: m.base_layer)
+    for path, linear in zip(paths, plain):
+        _wrap(model, path, lambda _: linear)
+        _wrap(ref, path, lambda m: m.base_layer)
     assert_same_training_step(ref, model, input_ids=ids, labels=ids)
 
 
