@@ -12,8 +12,8 @@ from .swiglu import rmsnorm_swiglu
 from .weight_grads import accumulate_weight_grads
 
 __all__ = [
-    "accumulate_weight_grads", "apply_rope", "linear_cross_entropy", "linear", "linear_residual", "rms_norm", "rmsnorm_linear",
-    "rmsnorm_qkv_rope", "rmsnorm_swiglu", "swiglu_mlp",
+    "accumulate_weight_grads", "apply_rope", "linear_cross_entropy", "linear", "linear_residual", "rms_norm",
+    "rmsnorm_linear", "rmsnorm_qkv_rope", "rmsnorm_swiglu", "swiglu_mlp",
 ]
 
 key_compile_caches_on_source()

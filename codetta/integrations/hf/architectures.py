@@ -479,11 +479,11 @@ def why_unfusable(modules: dict, arch: Architecture, classes: ModelClasses):
     """None when the fused forward computes what these :func:`fused_modules` compute, else why not."""
     own = {"self_attn": classes.attention, "mlp": classes.mlp}
     for path, module in modules.items():
-        if path in arch.projections:
-            continue  # any module: its weight read where it is a plain nn.Linear, else called (reads_weight)
-        elif path == arch.activation:
-            continue  # any module: run in the epilogue where gate_activation names it, else as itself
-        elif path in RESIDUAL_DROPOUTS:
+        if path in arch.projections or path == arch.activation:
+            # any module: a projection's weight read where it is a plain nn.Linear, else the module called
+            # (reads_weight); the activation run in the epilogue where gate_activation names it, else as itself
+            continue
+        if path in RESIDUAL_DROPOUTS:
             if type(module).forward is not torch.nn.Dropout.forward:
                 return f"{path} is a {type(module).__name__}, not torch.nn.Dropout"
         else:
