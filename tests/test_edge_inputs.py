@@ -288,6 +288,7 @@ def test_fake_implementations_give_the_real_strides_for_transposed_views():
                                                                    inv_freq.to(DEVICE), head_dim=hd), -1),
         "apply_rope": lambda: torch.cat(ops.apply_rope(x[..., :2 * hd].transpose(0, 1), x[..., hd:].transpose(0, 1),
                                                        positions, inv_freq.to(DEVICE), head_dim=hd), -1),
+        "gated_activation": lambda: ops.gated_activation(a.transpose(0, 1), a.transpose(0, 1) * 0.5 + 1),
     }
     leaves = (x, a, g, wq, wk, wv, wg, wu, wd, wo)
     for name, call in calls.items():
@@ -332,6 +333,7 @@ def test_vmap_runs_every_operator_per_sample_forward_and_backward():
         "rmsnorm_qkv_rope": lambda t: torch.cat(
             ops.rmsnorm_qkv_rope(t, g, w[:4], w[4:6], wo[:2], positions, inv_freq, head_dim=2)[:3], -1),
         "apply_rope": lambda t: torch.cat(ops.apply_rope(t, t[..., :2] * 2, positions, inv_freq, head_dim=2), -1),
+        "gated_activation": lambda t: ops.gated_activation(t, t * 0.5 + 1),
     }
     for name, call in calls.items():
         results = []

@@ -1335,7 +1335,7 @@ def test_projections_it_cannot_read_are_called_the_rest_fused(key, wrapped, hook
     forward), or a forward pre-hook or full backward hook on one: the fused forward calls those modules where the model's
     attention and MLP do (the QKV projections on the input norm's output, RoPE after them by
     codetta.ops.apply_rope; o_proj on the attention's output; gate and up on the MLP norm's output,
-    then the activation module; down_proj on its output; a called o_proj's and down_proj's added to
+    then act(gate) * up by codetta.ops.gated_activation; down_proj on its output; a called o_proj's and down_proj's added to
     the residual stream as the layer adds them), without a warning; the rest of the layer stays
     fused and the training step equals the unpatched model's."""
     name, overrides = MODELS[key]
@@ -1353,6 +1353,7 @@ def test_projections_it_cannot_read_are_called_the_rest_fused(key, wrapped, hook
                 module.register_forward_pre_hook(_shift_input)
     rope_kernels = count_calls(monkeypatch, "codetta.integrations.hf.layer.apply_rope")
     fused_attention = count_calls(monkeypatch, "codetta.integrations.hf.layer._rotated_qkv")
+    activation_kernels = count_calls(monkeypatch, "codetta.integrations.hf.layer.gated_activation")
     ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -1360,6 +1361,8 @@ def test_projections_it_cannot_read_are_called_the_rest_fused(key, wrapped, hook
     called = {*(p.rpartition(".")[2] for p in wrapped), *([hooked.rpartition(".")[2]] if hooked else [])}
     assert (len(rope_kernels), len(fused_attention)) == (1 if called & {"q_proj", "k_proj", "v_proj", "qkv_proj"} else 0,
                                                          2)
+    gated = model.config.model_type != "arcee"  # Arcee's MLP has no gate: act(up) is its module's
+    assert len(activation_kernels) == (1 if gated and called & {"gate_proj", "up_proj", "gate_up_proj"} else 0)
     assert [(layer._codetta_plan.unfused_half, layer._codetta_plan.unfusable) for layer in model.model.layers] == [
         (None, None)] * 2
 

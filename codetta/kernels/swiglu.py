@@ -1,11 +1,12 @@
-"""Gated-MLP backward in one memory-bound kernel, with the row dot product the norm backward needs.
+"""Gated-MLP activation in one memory-bound kernel each way, with the row dot product the norm backward needs.
 
-With z = [z_g | z_u] ([M, 2F]: gate block then up block, as the forward of
-:func:`codetta.ops.rmsnorm_swiglu` stores it), y = act(z_g) * z_u and dy [M, F], everything
-in fp32:
+With gate and up [M, F] (z = [z_g | z_u], [M, 2F]: gate block then up block, as the forward
+of :func:`codetta.ops.rmsnorm_swiglu` stores it; or two tensors, the outputs of projections
+no GEMM of codetta runs: :func:`codetta.ops.gated_activation`), y = act(z_g) * z_u and dy
+[M, F], everything in fp32:
 
     dz_g = dy * z_u * act'(z_g),   dz_u = dy * act(z_g)
-    zdz_i = sum_k z_ik dz_ik  over the 2F columns (fp32)
+    zdz_i = sum_k z_ik dz_ik  over the 2F columns (fp32; only where a norm backward needs it)
 
 for the activations of :mod:`codetta.ops.activations` (s = sigmoid(.), Phi = the normal CDF):
 
@@ -15,18 +16,18 @@ for the activations of :mod:`codetta.ops.activations` (s = sigmoid(.), Phi = the
     gelu       act = g Phi(g)                   act' = Phi(g) + g exp(-g^2 / 2) / sqrt(2 pi)
     relu       act = max(g, 0)                  act' = 1 where g > 0, else 0 (as torch)
 
-dz is stored in z's dtype, rounded to nearest even. zdz is taken from dz *after* that
+y and dz are stored in z's dtype, rounded to nearest even. zdz is taken from dz *after* that
 rounding (each stored value read back as fp32): it is then exactly the row dot product of
 the z and dz that the next GEMM (dL/dh = dz W) consumes, as eager PyTorch would compute it
 from the stored tensors. In fp32 the two are the same.
 
-One pass: each program reads a [BM, BF] tile of dy and the matching tiles of z_g and z_u,
-writes those of dz_g and dz_u and one fp32 partial row sum per row into a [M, T] buffer
-(T column blocks of F); the partials are summed after in torch, in a fixed order
-(deterministic, no atomics). Offsets are int64 (M * 2F may exceed 2^31); rows may have
-any stride, columns must be contiguous.
+One pass each way: each program reads a [BM, BF] tile of z_g and z_u (and dy), writes that
+of y (or those of dz_g and dz_u, and one fp32 partial row sum per row into a [M, T] buffer,
+T column blocks of F; the partials are summed after in torch, in a fixed order:
+deterministic, no atomics). Offsets are int64 (M * 2F may exceed 2^31); rows may have any
+stride, columns must be contiguous.
 
-Optionally the same pass also writes y = act(z_g) * z_u (rounded to z's dtype) from the
+Optionally the backward pass also writes y = act(z_g) * z_u (rounded to z's dtype) from the
 tiles it has read: one [M, F] write that lets a caller recompute the activation instead of
 keeping it from the forward (:func:`codetta.ops.swiglu_mlp` needs y only for dW_down, in
 this same backward). Computed from the stored z, it is the y eager PyTorch computes from
@@ -76,10 +77,24 @@ def _activation_and_slope(g, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def _gated_activation_kernel(g_ptr, u_ptr, y_ptr, M, F, g_s0, u_s0, y_s0,
+                             BM: tl.constexpr, BF: tl.constexpr, ACTIVATION: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = (tl.program_id(1) * BF + tl.arange(0, BF)).to(tl.int64)[None, :]
+    mask = (rows < M)[:, None] & (cols < F)
+    rows64 = rows.to(tl.int64)[:, None]
+    g = tl.load(g_ptr + rows64 * g_s0 + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + rows64 * u_s0 + cols, mask=mask, other=0.0).to(tl.float32)
+    act, _ = _activation_and_slope(g, ACTIVATION)
+    tl.store(y_ptr + rows64 * y_s0 + cols, cast(act * u, y_ptr.dtype.element_ty, EMULATE_RNE), mask=mask)
+
+
+@triton.jit
 def _swiglu_backward_kernel(
-    dy_ptr, z_ptr, dz_ptr, part_ptr, y_ptr, M, F,
-    dy_s0, z_s0, dz_s0, part_s0, y_s0,
-    BM: tl.constexpr, BF: tl.constexpr, ACTIVATION: tl.constexpr, STORE_Y: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, part_ptr, y_ptr, M, F,
+    dy_s0, g_s0, u_s0, dg_s0, du_s0, part_s0, y_s0,
+    BM: tl.constexpr, BF: tl.constexpr, ACTIVATION: tl.constexpr, ROW_DOT: tl.constexpr, STORE_Y: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_f = tl.program_id(1)
@@ -87,39 +102,104 @@ def _swiglu_backward_kernel(
     cols = pid_f * BF + tl.arange(0, BF)
     row_ok = rows < M
     mask = row_ok[:, None] & (cols < F)[None, :]
-    rows64 = rows.to(tl.int64)
+    rows64 = rows.to(tl.int64)[:, None]
     cols64 = cols.to(tl.int64)[None, :]
 
-    dy = tl.load(dy_ptr + rows64[:, None] * dy_s0 + cols64, mask=mask, other=0.0).to(tl.float32)
-    z_row = z_ptr + rows64[:, None] * z_s0
-    g = tl.load(z_row + cols64, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(z_row + F + cols64, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + rows64 * dy_s0 + cols64, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + rows64 * g_s0 + cols64, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + rows64 * u_s0 + cols64, mask=mask, other=0.0).to(tl.float32)
 
     act, slope = _activation_and_slope(g, ACTIVATION)
-    dg = dy * u * slope
-    du = dy * act
-
-    dg_st = cast(dg, dz_ptr.dtype.element_ty, EMULATE_RNE)
-    du_st = cast(du, dz_ptr.dtype.element_ty, EMULATE_RNE)
-    dz_row = dz_ptr + rows64[:, None] * dz_s0
-    tl.store(dz_row + cols64, dg_st, mask=mask)
-    tl.store(dz_row + F + cols64, du_st, mask=mask)
+    dg_st = cast(dy * u * slope, dg_ptr.dtype.element_ty, EMULATE_RNE)
+    du_st = cast(dy * act, du_ptr.dtype.element_ty, EMULATE_RNE)
+    tl.store(dg_ptr + rows64 * dg_s0 + cols64, dg_st, mask=mask)
+    tl.store(du_ptr + rows64 * du_s0 + cols64, du_st, mask=mask)
     if STORE_Y:
         y = cast(act * u, y_ptr.dtype.element_ty, EMULATE_RNE)
-        tl.store(y_ptr + rows64[:, None] * y_s0 + cols64, y, mask=mask)
-
-    # masked lanes hold g = u = 0, so they add nothing
-    part = tl.sum(g * dg_st.to(tl.float32) + u * du_st.to(tl.float32), axis=1)
-    tl.store(part_ptr + rows64 * part_s0 + pid_f, part, mask=row_ok)
+        tl.store(y_ptr + rows64 * y_s0 + cols64, y, mask=mask)
+    if ROW_DOT:  # masked lanes hold g = u = 0, so they add nothing
+        part = tl.sum(g * dg_st.to(tl.float32) + u * du_st.to(tl.float32), axis=1)
+        tl.store(part_ptr + rows.to(tl.int64) * part_s0 + pid_f, part, mask=row_ok)
 
 
 def _rows_contiguous(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _check_out(name: str, t: Optional[Tensor], like: Tensor, shape: tuple[int, int]) -> None:
+    """A given output: [shape] in like's dtype, on its device, with contiguous columns."""
+    if t is not None and (t.shape != shape or t.dtype != like.dtype or t.device != like.device or t.stride(-1) != 1):
+        raise ValueError(f"{name} must be [{shape[0]}, {shape[1]}] {like.dtype} on {like.device} with contiguous "
+                         f"columns, got {tuple(t.shape)} {t.dtype} {t.device} strides {t.stride()}")
+
+
+def _grid_and_block(m: int, f: int, block: Optional[tuple[int, int, int]]):
+    bm, bf, warps = block or (INTERPRET_BLOCK if interpreting() else GPU_BLOCK)
+    return (triton.cdiv(m, bm), triton.cdiv(f, bf)), bm, bf, warps
+
+
+def gated_activation(gate: Tensor, up: Tensor, *, activation: str = "silu", out: Optional[Tensor] = None,
+                     block: Optional[tuple[int, int, int]] = None) -> Tensor:
+    """y = act(gate) * up, [M, F] in fp32, rounded once to gate's dtype.
+
+    gate, up: [M, F], one dtype and device, any row strides (columns of one [M, 2F] tensor
+    too); out: optional [M, F] tensor of that dtype with contiguous columns to write y into;
+    activation and block as :func:`swiglu_backward` takes them.
+    """
+    if gate.dim() != 2 or gate.shape != up.shape or gate.dtype != up.dtype or gate.device != up.device:
+        raise ValueError(f"need gate and up [M, F] of one dtype and device, got {gate.dtype} {tuple(gate.shape)} "
+                         f"on {gate.device} and {up.dtype} {tuple(up.shape)} on {up.device}")
+    m, f = gate.shape
+    _check_out("out", out, gate, (m, f))
+    out = gate.new_empty(m, f) if out is None else out
+    if m == 0 or f == 0:
+        return out
+    grid, bm, bf, warps = _grid_and_block(m, f, block)
+    gate, up = _rows_contiguous(gate), _rows_contiguous(up)
+    launch(_gated_activation_kernel, grid, gate, up, out, m, f, gate.stride(0), up.stride(0), out.stride(0),
+           BM=bm, BF=bf, ACTIVATION=check_activation(activation), EMULATE_RNE=interpreting(), num_warps=warps)
+    return out
+
+
+def gated_activation_backward(dy: Tensor, gate: Tensor, up: Tensor, *, activation: str = "silu",
+                              dgate_out: Optional[Tensor] = None, dup_out: Optional[Tensor] = None,
+                              y_out: Optional[Tensor] = None, row_dot: bool = False,
+                              block: Optional[tuple[int, int, int]] = None):
+    """(dgate, dup, zdz) of y = act(gate) * up given dy; see the module doc for the math.
+
+    dy, gate, up: [M, F], one dtype and device, any row strides. dgate_out, dup_out, y_out:
+    optional [M, F] tensors of that dtype with contiguous columns to write dgate, dup and y
+    (``y_out`` only: the pass then also writes y) into. zdz [M] fp32 with ``row_dot``, else None.
+    """
+    if dy.dim() != 2 or not dy.shape == gate.shape == up.shape:
+        raise ValueError(f"need dy, gate and up [M, F], got {tuple(dy.shape)}, {tuple(gate.shape)} and {tuple(up.shape)}")
+    if not dy.dtype == gate.dtype == up.dtype or not dy.device == gate.device == up.device:
+        raise ValueError(f"dy ({dy.dtype}, {dy.device}), gate ({gate.dtype}, {gate.device}) and up ({up.dtype}, "
+                         f"{up.device}) differ")
+    m, f = dy.shape
+    for name, t in (("dgate_out", dgate_out), ("dup_out", dup_out), ("y_out", y_out)):
+        _check_out(name, t, gate, (m, f))
+    dgate = gate.new_empty(m, f) if dgate_out is None else dgate_out
+    dup = gate.new_empty(m, f) if dup_out is None else dup_out
+    if m == 0 or f == 0:
+        return dgate, dup, torch.zeros(m, device=gate.device, dtype=torch.float32) if row_dot else None
+    grid, bm, bf, warps = _grid_and_block(m, f, block)
+    dy, gate, up = (_rows_contiguous(t) for t in (dy, gate, up))
+    part = torch.empty(m, grid[1], device=gate.device, dtype=torch.float32) if row_dot else dgate  # dgate: unused
+    y = dgate if y_out is None else y_out  # not written without y_out
+    launch(_swiglu_backward_kernel, grid,
+        dy, gate, up, dgate, dup, part, y, m, f,
+        dy.stride(0), gate.stride(0), up.stride(0), dgate.stride(0), dup.stride(0), part.stride(0), y.stride(0),
+        BM=bm, BF=bf, ACTIVATION=check_activation(activation), ROW_DOT=row_dot, STORE_Y=y_out is not None,
+        EMULATE_RNE=interpreting(), num_warps=warps,
+    )
+    return dgate, dup, row_sum(part) if row_dot else None
+
+
 def swiglu_backward(dy: Tensor, z: Tensor, *, activation: str = "silu", out: Optional[Tensor] = None,
                     y_out: Optional[Tensor] = None, block: Optional[tuple[int, int, int]] = None) -> tuple[Tensor, Tensor]:
-    """(dz, zdz) of y = act(z_g) * z_u given dy; see the module doc for the math.
+    """(dz, zdz) of y = act(z_g) * z_u given dy, with z = [z_g | z_u] as the fused forward stores it
+    (:func:`gated_activation_backward` over z's two column blocks); see the module doc for the math.
 
     Args:
         dy: [M, F]; z: [M, 2F] = [z_g | z_u] in the same dtype as dy. Any row strides.
@@ -135,24 +215,9 @@ def swiglu_backward(dy: Tensor, z: Tensor, *, activation: str = "silu", out: Opt
     """
     if dy.dim() != 2 or z.dim() != 2 or z.shape != (dy.shape[0], 2 * dy.shape[1]):
         raise ValueError(f"need dy [M, F] and z [M, 2F], got {tuple(dy.shape)} and {tuple(z.shape)}")
-    if dy.dtype != z.dtype or dy.device != z.device:
-        raise ValueError(f"dy ({dy.dtype}, {dy.device}) and z ({z.dtype}, {z.device}) differ")
     m, f = dy.shape
+    _check_out("out", out, z, (m, 2 * f))
     out = z.new_empty(m, 2 * f) if out is None else out
-    for name, t, shape in (("out", out, (m, 2 * f)), ("y_out", y_out, (m, f))):
-        if t is not None and (t.shape != shape or t.dtype != z.dtype or t.device != z.device or t.stride(-1) != 1):
-            raise ValueError(f"{name} must be [{shape[0]}, {shape[1]}] {z.dtype} on {z.device} with contiguous "
-                             f"columns, got {tuple(t.shape)} {t.dtype} {t.device} strides {t.stride()}")
-    if m == 0 or f == 0:
-        return out, torch.zeros(m, device=z.device, dtype=torch.float32)
-    bm, bf, warps = block or (INTERPRET_BLOCK if interpreting() else GPU_BLOCK)
-    dy, z = _rows_contiguous(dy), _rows_contiguous(z)
-    grid = (triton.cdiv(m, bm), triton.cdiv(f, bf))
-    part = torch.empty(m, grid[1], device=z.device, dtype=torch.float32)
-    y = out if y_out is None else y_out  # not written without y_out
-    launch(_swiglu_backward_kernel, grid,
-        dy, z, out, part, y, m, f, dy.stride(0), z.stride(0), out.stride(0), part.stride(0), y.stride(0),
-        BM=bm, BF=bf, ACTIVATION=check_activation(activation), STORE_Y=y_out is not None,
-        EMULATE_RNE=interpreting(), num_warps=warps,
-    )
-    return out, row_sum(part)
+    _, _, zdz = gated_activation_backward(dy, z[:, :f], z[:, f:], activation=activation, dgate_out=out[:, :f],
+                                          dup_out=out[:, f:], y_out=y_out, row_dot=True, block=block)
+    return out, zdz

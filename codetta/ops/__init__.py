@@ -3,6 +3,7 @@
 from .apply_rope import apply_rope
 from .compile_cache import key_compile_caches_on_source
 from .cross_entropy import linear_cross_entropy
+from .gated_activation import gated_activation
 from .linear import linear
 from .mlp import swiglu_mlp
 from .norm import rms_norm
@@ -12,8 +13,8 @@ from .swiglu import rmsnorm_swiglu
 from .weight_grads import accumulate_weight_grads
 
 __all__ = [
-    "accumulate_weight_grads", "apply_rope", "linear_cross_entropy", "linear", "linear_residual", "rms_norm",
-    "rmsnorm_linear", "rmsnorm_qkv_rope", "rmsnorm_swiglu", "swiglu_mlp",
+    "accumulate_weight_grads", "apply_rope", "gated_activation", "linear_cross_entropy", "linear", "linear_residual",
+    "rms_norm", "rmsnorm_linear", "rmsnorm_qkv_rope", "rmsnorm_swiglu", "swiglu_mlp",
 ]
 
 key_compile_caches_on_source()

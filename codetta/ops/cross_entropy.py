@@ -128,19 +128,22 @@ _CHUNK_BYTES = 2**30  # one chunk of logits (dz) in the input dtype
 _MAX_VOCAB = 2**24  # column indices and targets are compared as fp32 in the epilogue
 
 
-def default_chunk_size(vocab: int, dtype: torch.dtype = torch.bfloat16, *, rows: int = 0, d: int = 0) -> int:
+def default_chunk_size(vocab: int, dtype: torch.dtype = torch.bfloat16, *, rows: int = 0, d: int = 0,
+                       weight_grad: bool = True) -> int:
     """Rows per chunk so that one chunk of logits takes at most 2^30 bytes (1 GiB) in ``dtype``
     (rounded down to a multiple of 128 rows, one GEMM tile, when that many fit): 4096 rows
     at V = 128256 in bf16, 2048 in fp32.
 
-    Given the problem's ``rows`` and width ``d``: all rows in one chunk when their logits
-    take no more than a chunk plus the fp32 [V, d] dW accumulator that several chunks
-    need (e.g. 8192 rows at V = 128256, d = 4096: 2.1 GB instead of 1.1 + 2.1 GB); one
-    chunk also writes dW once, in the weight's dtype.
+    Given the problem's ``rows`` and width ``d``, when the weight needs a gradient
+    (``weight_grad``): all rows in one chunk when their logits take no more than a chunk
+    plus the fp32 [V, d] dW accumulator that several chunks need (e.g. 8192 rows at
+    V = 128256, d = 4096: 2.1 GB instead of 1.1 + 2.1 GB); one chunk also writes dW once,
+    in the weight's dtype. A frozen weight (LoRA, a tied embedding not trained) has no
+    accumulator, and the rows stay in chunks.
     """
     chunk = max(1, _CHUNK_BYTES // (dtype.itemsize * vocab))
     chunk = chunk if chunk < 128 else chunk - chunk % 128
-    if chunk < rows and rows * dtype.itemsize <= chunk * dtype.itemsize + 4 * d:
+    if weight_grad and chunk < rows and rows * dtype.itemsize <= chunk * dtype.itemsize + 4 * d:
         return rows
     return chunk
 
@@ -610,12 +613,13 @@ def linear_cross_entropy(x, weight, target, *, bias=None, ignore_index=-100, red
                   ignore_index=ignore_index, eps=eps)
     vocab, d = weight.shape
     x2 = shapes.rows(x)
-    chunk = default_chunk_size(vocab, weight.dtype, rows=x2.shape[0], d=d) if chunk_size is None else int(chunk_size)
     refuse_unsupported_autodiff("codetta::linear_cross_entropy", (x, weight, bias, norm_weight))
     # Under a torch.func transform (vmap) the gradients are not made in the forward: the
     # backward recomputes them with the gradients autograd asks for there.
     grad = torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
     needs = [grad and t is not None and t.requires_grad for t in (x, weight, bias, norm_weight)]
+    chunk = default_chunk_size(vocab, weight.dtype, rows=x2.shape[0], d=d, weight_grad=needs[1]) \
+        if chunk_size is None else int(chunk_size)
     loss, *_ = _forward(x2, weight, target.reshape(-1).long(), bias, norm_weight,
                         int(ignore_index), reduction, float(eps), float(label_smoothing), float(z_loss),
                         float(softcap or 0.0), chunk, *needs)

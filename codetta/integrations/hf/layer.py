@@ -22,8 +22,9 @@ Where the fused forward cannot read a projection's weight (a PEFT LoRA adapter o
 quantized layer, hooks on it: :func:`.architectures.reads_weight`), it calls that module where
 the model's attention or MLP does and fuses the rest: the QKV projections on the input norm's
 output (:func:`codetta.ops.rms_norm`), then RoPE by :func:`codetta.ops.apply_rope`; o_proj on
-the attention's output; gate and up on the MLP norm's output, then the activation module;
-down_proj on the activation's; a called o_proj's or down_proj's output added to the residual
+the attention's output; gate and up on the MLP norm's output, then act(gate) * up by
+:func:`codetta.ops.gated_activation` (the activation module where the kernels do not compute
+it, or with ``swiglu=False``); down_proj on the activation's; a called o_proj's or down_proj's output added to the residual
 stream as the model's layer adds it. Where one half of the layer (the attention's,
 x1 = x + attention(norm(x)), or the MLP's) has another module the fused forward cannot read
 (a norm, attention or MLP of another class) or one with hooks it would skip, that half runs
@@ -55,8 +56,8 @@ from typing import Optional
 import torch
 from torch.nn.utils import parametrize
 
-from ...ops import (apply_rope, linear_residual, rms_norm, rmsnorm_linear, rmsnorm_qkv_rope, rmsnorm_swiglu,
-                    swiglu_mlp)
+from ...ops import (apply_rope, gated_activation, linear_residual, rms_norm, rmsnorm_linear, rmsnorm_qkv_rope,
+                    rmsnorm_swiglu, swiglu_mlp)
 from ...ops.autocast import stream_under_autocast
 from ...ops.rmsnorm import NormStats, scaled, stream_fits, weight_readable_ahead
 from ...ops.rope import angles_need_grad
@@ -636,13 +637,13 @@ def _mlp_hidden(layer, plan: LayerPlan, x1, g2, eps2, stats):
     act(h W_u^T + b_u) without a gate (Arcee), h = RMSNorm(x1) folded into the gate/up GEMM; the
     activation in its epilogue where :func:`_gate_in_epilogue`, else the model's module after it.
     Where the fused forward cannot read a gate or up projection (:func:`.architectures.reads_weight`),
-    the modules on h made by :func:`codetta.ops.rms_norm` (the weight g2 as read), then the
-    activation module."""
+    the modules on h made by :func:`codetta.ops.rms_norm` (the weight g2 as read), then
+    :func:`_gated_activation_of_modules`."""
     arch, mlp = plan.arch, layer.mlp
     act = layer.get_submodule(arch.activation)
     if not all(map(reads_weight, arch.gate_up_projections(mlp))):
         gate, up = arch.gate_up_of_modules(mlp, _norm_like_module(arch, layer.get_submodule(arch.mlp_norm), x1, g2))
-        return act(up) if gate is None else act(gate) * up
+        return act(up) if gate is None else _gated_activation_of_modules(plan, act, gate, up)
     (w_gate, w_up), (b_gate, b_up) = arch.gate_up_weights(mlp)
     if _gate_in_epilogue(plan, mlp):
         return rmsnorm_swiglu(x1, g2, w_gate, w_up, eps2, stats=stats, bias=(b_gate, b_up), activation=plan.activation)
@@ -651,4 +652,14 @@ def _mlp_hidden(layer, plan: LayerPlan, x1, g2, eps2, stats):
         return act(up if b_up is None else up + b_up)
     gate, up = torch.chunk(rmsnorm_linear(x1, g2, [w_gate, w_up], eps2, stats=stats), 2, dim=-1)
     gate, up = (z if b is None else z + b for z, b in ((gate, b_gate), (up, b_up)))
+    return act(gate) * up
+
+
+def _gated_activation_of_modules(plan: LayerPlan, act, gate, up):
+    """act(gate) * up for gate and up projections the model's modules made: one kernel each way
+    (:func:`codetta.ops.gated_activation`, which keeps gate and up for the backward, not also
+    act(gate)) where the epilogue's activations include the module's (``plan.activation``),
+    swiglu fusion is on and the two are alike; else the activation module, as the model's MLP."""
+    if plan.fuse_swiglu and plan.activation is not None and gate.shape == up.shape and gate.dtype == up.dtype:
+        return gated_activation(gate, up, plan.activation)
     return act(gate) * up

@@ -1,0 +1,87 @@
+"""``codetta.ops.gated_activation``: a gated MLP's act(gate) * up that no GEMM's epilogue computes,
+one kernel each way.
+
+Where the gate and up projections are not GEMMs codetta runs (PEFT LoRA adapters on them:
+the projections are the model's own modules), the activation still need not be eager
+PyTorch's ``act_fn(gate) * up``: that writes act(gate) [M, F], keeps gate, act(gate) and up for
+the backward (three [M, F] tensors), and backward runs a product's backward and the
+activation's, five passes more. Here :func:`codetta.kernels.swiglu.gated_activation` reads gate
+and up and writes y = act(gate) * up (fp32, rounded once), and the backward is one pass of
+:func:`codetta.kernels.swiglu.gated_activation_backward`,
+
+    dgate = dy * up * act'(gate),   dup = dy * act(gate),
+
+from the two saved inputs. The op is the custom op ``codetta::gated_activation`` (its backward
+``codetta::gated_activation_backward``), so torch.compile traces it without a graph break.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from ..kernels.swiglu import gated_activation as gated_activation_kernel
+from ..kernels.swiglu import gated_activation_backward
+from ..matmul import KERNEL_DTYPES, check_device
+from .activations import check_activation
+from .autograd import arguments_needing_grad, direct_op
+from .shapes import rows
+
+
+@direct_op("codetta::gated_activation")
+def _gated_activation_op(gate: Tensor, up: Tensor, activation: str) -> Tensor:
+    return gated_activation_kernel(rows(gate), rows(up), activation=activation).reshape(gate.shape)
+
+
+@_gated_activation_op.register_fake
+def _(gate, up, activation):
+    return gate.new_empty(gate.shape)
+
+
+@direct_op("codetta::gated_activation_backward")
+def _gated_activation_backward_op(dy: Tensor, gate: Tensor, up: Tensor, activation: str) -> tuple[Tensor, Tensor]:
+    dgate, dup, _ = gated_activation_backward(rows(dy.to(gate.dtype)), rows(gate), rows(up),
+                                              activation=activation)
+    return dgate.reshape(gate.shape), dup.reshape(gate.shape)
+
+
+@_gated_activation_backward_op.register_fake
+def _(dy, gate, up, activation):
+    return gate.new_empty(gate.shape), gate.new_empty(gate.shape)
+
+
+def _setup(ctx, inputs, output):
+    gate, up, activation = inputs
+    ctx.save_for_backward(gate, up)
+    ctx.activation = activation
+
+
+def _backward(ctx, dy):
+    gate, up = ctx.saved_tensors
+    need_gate, need_up = arguments_needing_grad(ctx)[:2]
+    dgate, dup = _gated_activation_backward_op(dy, gate, up, ctx.activation)
+    return dgate if need_gate else None, dup if need_up else None, None
+
+
+_gated_activation_op.register_autograd(_backward, setup_context=_setup)
+
+
+def gated_activation(gate: Tensor, up: Tensor, activation: str = "silu") -> Tensor:
+    """act(gate) * up, computed in fp32 and rounded once; differentiable in gate and up.
+
+    Equals ``(F.silu(gate.float()) * up.float()).to(gate.dtype)`` for SwiGLU, likewise for the
+    other activations of :data:`codetta.ops.activations.GATE_ACTIVATIONS` ("silu", "gelu"
+    (erf), "gelu_tanh", "relu"). gate and up: [..., F] of one shape, dtype (fp16, bf16 or
+    fp32) and device. Returns [..., F] in their dtype.
+    """
+    for name, t in (("gate", gate), ("up", up)):
+        if not isinstance(t, Tensor) or t.dim() < 1 or t.dtype not in KERNEL_DTYPES:
+            raise ValueError(f"gated_activation: {name} must be a tensor [..., F] in {KERNEL_DTYPES}, got "
+                             + (f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__))
+    if up.shape != gate.shape or up.dtype != gate.dtype or up.device != gate.device:
+        raise ValueError(f"gated_activation: gate and up must share their shape, dtype and device, got gate "
+                         f"{gate.dtype} {tuple(gate.shape)} on {gate.device} and up {up.dtype} {tuple(up.shape)} "
+                         f"on {up.device}")
+    check_activation(activation)
+    if not gate.is_meta:  # on the meta device the registered op's fake implementation gives the shapes
+        check_device(gate.device, "gate")
+    return _gated_activation_op(gate, up, activation)

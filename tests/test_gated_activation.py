@@ -1,0 +1,117 @@
+"""act(gate) * up by itself (codetta.ops.gated_activation): output and gradients against torch's
+own activations in fp64, bf16 within twice eager PyTorch's error, both routes (eager and the
+registered op under torch.compile), its kernel writing exactly its output, bad inputs refused."""
+
+import pytest
+import torch
+
+from codetta.kernels.swiglu import gated_activation as gated_activation_kernel
+from codetta.ops import gated_activation
+from conftest import DEVICE, INTERPRET
+from test_ops_swiglu import TORCH_ACTIVATIONS, rel
+
+
+def eager(gate, up, activation):
+    return TORCH_ACTIVATIONS[activation](gate) * up
+
+
+def output_and_grads(fn, gate, up, dy, dtype):
+    """(y, dL/dgate, dL/dup) for L = sum(y dy), inputs cast to dtype."""
+    gate, up = (t.detach().to(dtype).requires_grad_() for t in (gate, up))
+    y = fn(gate, up)
+    (y * dy.to(dtype)).sum().backward()
+    return y, gate.grad, up.grad
+
+
+@pytest.mark.parametrize("activation", sorted(TORCH_ACTIVATIONS))
+@pytest.mark.parametrize("shape", [(1, 1), (37, 70), (2, 9, 130)], ids=str)
+def test_forward_backward_fp32(shape, activation):
+    """fp32 against fp64 torch; gate and up the two column blocks of one [..., 2F] tensor (as a
+    fused gate_up projection returns them: row strides of 2F)."""
+    f = shape[-1]
+    both = torch.randn(*shape[:-1], 2 * f, device=DEVICE) * 2
+    dy = torch.randn(shape, device=DEVICE)
+
+    def ours(gate, up):
+        return gated_activation(gate, up, activation)
+
+    def split(fn):
+        def run(gate, up):
+            return fn(*torch.cat((gate, up), -1).split(f, -1))
+        return run
+
+    got = output_and_grads(split(ours), both[..., :f], both[..., f:], dy, torch.float32)
+    want = output_and_grads(lambda g, u: eager(g, u, activation), both[..., :f], both[..., f:], dy, torch.float64)
+    for name, a, b in zip(("y", "dgate", "dup"), got, want):
+        assert a.shape == b.shape and a.dtype == torch.float32, name
+        assert rel(a, b) < 1e-6, (name, rel(a, b))
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_bf16_within_twice_eager_error(activation):
+    """bf16: output and gradients within twice the error of eager PyTorch's act(gate) * up in
+    bf16, both against fp64."""
+    m, f = (64, 96) if INTERPRET else (4096, 8192)
+    gate, up, dy = (torch.randn(m, f, device=DEVICE) * 2 for _ in range(3))
+    got = output_and_grads(lambda g, u: gated_activation(g, u, activation), gate, up, dy, torch.bfloat16)
+    base = output_and_grads(lambda g, u: eager(g, u, activation), gate, up, dy, torch.bfloat16)
+    want = output_and_grads(lambda g, u: eager(g, u, activation), gate, up, dy, torch.float64)
+    for name, a, e, r in zip(("y", "dgate", "dup"), got, base, want):
+        assert a.dtype == torch.bfloat16, name
+        assert rel(a, r) <= 2 * rel(e, r), (name, rel(a, r), rel(e, r))
+
+
+def test_one_input_requiring_grad_and_compiled_route():
+    """Only up requiring grad (gate's gradient not made), and the registered op under
+    torch.compile (fullgraph) giving the same output and gradients as the eager route."""
+    gate, up, dy = (torch.randn(3, 5, 24, device=DEVICE) for _ in range(3))
+
+    def step(fn):
+        up_leaf = up.clone().requires_grad_()
+        y = fn(gate, up_leaf, "silu")
+        (y * dy).sum().backward()
+        return y.detach(), up_leaf.grad
+
+    direct = step(gated_activation)
+    compiled = step(torch.compile(gated_activation, backend="aot_eager", fullgraph=True))
+    assert rel(direct[1], torch.nn.functional.silu(gate.double()) * dy) < 1e-6
+    for got, ref in zip(compiled, direct):
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_custom_op_passes_opcheck():
+    gate, up = (torch.randn(5, 2, 24, device=DEVICE, requires_grad=True) for _ in range(2))
+    torch.library.opcheck(torch.ops.codetta.gated_activation.default, (gate, up, "gelu"),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_kernel_writes_exactly_its_output():
+    """The forward kernel into a view of a larger NaN-filled tensor: every element of the view
+    written, nothing outside it; an empty input gives an empty output."""
+    m, f = 21, 70
+    gate, up = (torch.randn(m, f, device=DEVICE) for _ in range(2))
+    big = torch.full((m + 3, f + 10), float("nan"), device=DEVICE)
+    out = big[1:m + 1, 4:4 + f]
+    y = gated_activation_kernel(gate, up, activation="relu", out=out)
+    assert y.data_ptr() == out.data_ptr() and not out.isnan().any()
+    inside = torch.zeros_like(big, dtype=torch.bool)
+    inside[1:m + 1, 4:4 + f] = True
+    assert big[~inside].isnan().all()
+    assert rel(out, torch.relu(gate.double()) * up.double()) < 1e-6
+    assert gated_activation(gate[:0], up[:0]).shape == (0, f)
+
+
+def test_bad_inputs():
+    gate, up = torch.randn(4, 8, device=DEVICE), torch.randn(4, 8, device=DEVICE)
+    cases = [
+        (dict(gate=gate.double(), up=up.double()), "gate must be a tensor .* in"),
+        (dict(up=up.half()), "gate and up must share their shape, dtype and device"),
+        (dict(up=up[:, :7]), "gate and up must share"),
+        (dict(up=[1.0]), "up must be a tensor"),
+        (dict(activation="gelu_erf"), "activation must be one of"),
+    ]
+    for change, message in cases:
+        with pytest.raises(ValueError, match=message):
+            gated_activation(**(dict(gate=gate, up=up) | change))
+    with pytest.raises(ValueError, match="out must be"):
+        gated_activation_kernel(gate, up, out=torch.empty(8, 4, device=DEVICE).t())
