@@ -83,7 +83,8 @@ chunk dW is written directly in the weight's dtype); fp32 [V] for db. The defaul
 the buffer at C * V * itemsize <= 2^30 bytes (1 GiB): 4096 rows at V = 128256 in bf16; or
 takes all M rows when their logits need no more memory than such a chunk plus the fp32 dW
 accumulator (M <= C + 4d / itemsize: 8192 rows at d = 2048 or 4096), which also saves dW's
-read-modify-write per chunk. The gradients computed in the forward live until the backward.
+read-modify-write per chunk. A frozen weight (no dW) keeps the buffer at 2^29 bytes: 2048
+rows. The gradients computed in the forward live until the backward.
 
 The RMSNorm of each chunk, forward and backward, is one row kernel each
 (:mod:`codetta.kernels.rmsnorm`): h in fp32 rounded once to the input dtype, and dx, dg
@@ -130,18 +131,23 @@ _MAX_VOCAB = 2**24  # column indices and targets are compared as fp32 in the epi
 
 def default_chunk_size(vocab: int, dtype: torch.dtype = torch.bfloat16, *, rows: int = 0, d: int = 0,
                        weight_grad: bool = True) -> int:
-    """Rows per chunk so that one chunk of logits takes at most 2^30 bytes (1 GiB) in ``dtype``
-    (rounded down to a multiple of 128 rows, one GEMM tile, when that many fit): 4096 rows
-    at V = 128256 in bf16, 2048 in fp32.
+    """Rows per chunk so that one chunk of logits takes at most 2^30 bytes (1 GiB) in ``dtype``,
+    2^29 where the weight needs no gradient (rounded down to a multiple of 128 rows, one GEMM
+    tile, when that many fit): 4096 rows at V = 128256 in bf16 (2048 for a frozen weight),
+    2048 in fp32.
 
     Given the problem's ``rows`` and width ``d``, when the weight needs a gradient
     (``weight_grad``): all rows in one chunk when their logits take no more than a chunk
     plus the fp32 [V, d] dW accumulator that several chunks need (e.g. 8192 rows at
     V = 128256, d = 4096: 2.1 GB instead of 1.1 + 2.1 GB); one chunk also writes dW once,
     in the weight's dtype. A frozen weight (LoRA, a tied embedding not trained) has no
-    accumulator, and the rows stay in chunks.
+    accumulator to read and write per chunk, and smaller chunks cost no time: 8192 rows at
+    V = 128256, d = 2048 took 14.4 ms forward and backward in chunks of 2048 rows (0.54 GiB),
+    14.5 ms in 4096 (1.05 GiB), 15.4 ms in one (2.07 GiB) on the H200
+    (bench/results/ce_chunk_probe_h200.log).
     """
-    chunk = max(1, _CHUNK_BYTES // (dtype.itemsize * vocab))
+    budget = _CHUNK_BYTES if weight_grad else _CHUNK_BYTES // 2
+    chunk = max(1, budget // (dtype.itemsize * vocab))
     chunk = chunk if chunk < 128 else chunk - chunk % 128
     if weight_grad and chunk < rows and rows * dtype.itemsize <= chunk * dtype.itemsize + 4 * d:
         return rows
@@ -598,7 +604,8 @@ def linear_cross_entropy(x, weight, target, *, bias=None, ignore_index=-100, red
         target: integer class indices of x's leading shape; ``ignore_index`` rows count nothing.
         reduction: "mean" (over the rows not ignored), "sum", or "none" (x's leading shape).
         chunk_size: rows per chunk (default :func:`default_chunk_size`: 2^30 bytes of
-            logits in x's dtype at most, or all rows when that takes less memory).
+            logits in x's dtype at most (2^29 for a frozen weight), or all rows when that
+            takes less memory).
         label_smoothing: e in [0, 1], as PyTorch's: the target distribution is (1 - e) one-hot
             + e uniform. z_loss: c >= 0, the coefficient of the auxiliary loss c lse^2 (PaLM).
         softcap: None, or s > 0: the logits are soft-capped to s tanh(logits / s) before the
