@@ -845,15 +845,18 @@ def test_evaluation_loss_and_generate_without_autograd(mode):
     assert torch.equal(out, out_ref)
 
 
-def enable_checkpointing(model, every_n_layers=1):
+def enable_checkpointing(model, every_n_layers=1, **checkpoint_kwargs):
     """Activation checkpointing through the name transformers gives it (``activation_checkpointing_enable``
-    since 5.23, ``gradient_checkpointing_enable`` before)."""
+    since 5.23, ``gradient_checkpointing_enable`` before), with torch.utils.checkpoint's
+    ``checkpoint_kwargs`` (use_reentrant) where given."""
     enable = getattr(model, "activation_checkpointing_enable", None)
+    kwargs = dict(activation_checkpointing_kwargs=checkpoint_kwargs) if checkpoint_kwargs else {}
     if enable is None:
         if every_n_layers != 1:
             pytest.skip("this transformers checkpoints every layer or none")
         enable = model.gradient_checkpointing_enable
-    enable(**({} if every_n_layers == 1 else dict(every_n_layers=every_n_layers)))
+        kwargs = dict(gradient_checkpointing_kwargs=checkpoint_kwargs) if checkpoint_kwargs else {}
+    enable(**kwargs, **({} if every_n_layers == 1 else dict(every_n_layers=every_n_layers)))
     model.train()
 
 
@@ -1463,6 +1466,37 @@ def test_peft_lora_adapters_on_a_patched_model(monkeypatch):
         warnings.simplefilter("error")
         assert_same_training_step(ref, model, input_ids=ids, labels=ids)
     assert all(layer._codetta_plan.unfused_half is None for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("targets, reentrant", [(["q_proj", "v_proj"], False), ("all-linear", True)],
+                         ids=["q_v-nonreentrant", "all_linear-reentrant"])
+def test_peft_lora_under_gradient_checkpointing(targets, reentrant, monkeypatch):
+    """The usual LoRA recipe: adapters on a patched model, its base frozen, gradient
+    checkpointing on (reentrant or not) with enable_input_require_grads: the loss and every
+    adapter's gradient equal the unpatched model's; with adapters on every projection the
+    layers' activations run by codetta.ops.gated_activation, again in the recomputation."""
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)
+    base = tiny("LlamaForCausalLM")
+    ref = peft.get_peft_model(copy.deepcopy(base), lora)
+    with torch.no_grad():  # PEFT starts lora_B at 0, where the adapters would change nothing
+        for name, param in ref.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+    model = peft.get_peft_model(codetta.patch(copy.deepcopy(base)), lora)
+    model.load_state_dict(ref.state_dict())
+    for m in (ref, model):
+        enable_checkpointing(m, use_reentrant=reentrant)
+        m.enable_input_require_grads()
+    activation_kernels = count_calls(monkeypatch, "codetta.integrations.hf.layer.gated_activation")
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", message=".*(use_cache|checkpointing)")
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    assert len(activation_kernels) == (2 * 2 if targets == "all-linear" else 0)  # 2 layers, each recomputed
+    assert sum("lora_A" in n and p.grad is not None for n, p in model.named_parameters()) == \
+        sum("lora_A" in n for n, _ in model.named_parameters())
 
 
 @pytest.mark.parametrize("when", ["before_patch", "after_patch"])
