@@ -1432,6 +1432,20 @@ def test_a_layer_fuses_again_once_its_modules_are_plain():
     assert model.model.layers[0]._codetta_plan.unfused_half is None
 
 
+def _with_same_adapters(peft, base, lora):
+    """(unpatched, patched) copies of ``base`` with the same PEFT adapters of ``lora``
+    (get_peft_model after codetta.patch), lora_B drawn at random (PEFT starts it at 0, where
+    the adapters would change nothing)."""
+    ref = peft.get_peft_model(copy.deepcopy(base), lora)
+    with torch.no_grad():
+        for name, param in ref.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+    model = peft.get_peft_model(codetta.patch(copy.deepcopy(base)), lora)
+    model.load_state_dict(ref.state_dict())
+    return ref, model
+
+
 def test_peft_lora_adapters_on_a_patched_model(monkeypatch):
     """PEFT's LoRA on a patched model (get_peft_model after codetta.patch), on PEFT's default
     targets (q_proj, v_proj) of one layer: the fused forward calls the adapted projections, the
@@ -1443,13 +1457,7 @@ def test_peft_lora_adapters_on_a_patched_model(monkeypatch):
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], layers_to_transform=[1],
                            lora_dropout=0.0)
     base = tiny("LlamaForCausalLM")
-    ref = peft.get_peft_model(copy.deepcopy(base), lora)
-    with torch.no_grad():  # PEFT starts lora_B at 0, where the adapters would change nothing
-        for name, param in ref.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.1)
-    model = peft.get_peft_model(codetta.patch(copy.deepcopy(base)), lora)
-    model.load_state_dict(ref.state_dict())
+    ref, model = _with_same_adapters(peft, base, lora)
     ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
     rope_kernels = count_calls(monkeypatch, "codetta.integrations.hf.layer.apply_rope")
     with warnings.catch_warnings():
@@ -1478,13 +1486,7 @@ def test_peft_lora_under_gradient_checkpointing(targets, reentrant, monkeypatch)
     peft = pytest.importorskip("peft")
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)
     base = tiny("LlamaForCausalLM")
-    ref = peft.get_peft_model(copy.deepcopy(base), lora)
-    with torch.no_grad():  # PEFT starts lora_B at 0, where the adapters would change nothing
-        for name, param in ref.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.1)
-    model = peft.get_peft_model(codetta.patch(copy.deepcopy(base)), lora)
-    model.load_state_dict(ref.state_dict())
+    ref, model = _with_same_adapters(peft, base, lora)
     for m in (ref, model):
         enable_checkpointing(m, use_reentrant=reentrant)
         m.enable_input_require_grads()
