@@ -6,7 +6,8 @@ The model of bench/train_bench.py; after warm-up steps (tuning), each profiled s
 issued behind a GPU spin (``torch.cuda._sleep``) so that the host never waits for the GPU:
 what the profile holds is the host's own cost (Python, autograd, launches). cProfile's own
 overhead inflates many-call functions; read the shares, not the absolute times. Prints the
-functions by own time and by cumulative time; writes bench/results/host_profile_<variant>.txt.
+functions by own time and by cumulative time; writes bench/results/host_profile_<variant>.txt
+(with --lora: host_profile_<variant>_lora_<targets>.txt).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def main():
     for order in ("tottime", "cumulative"):
         print(f"\n## by {order}, {args.steps} steps", file=text)
         pstats.Stats(profiler, stream=text).strip_dirs().sort_stats(order).print_stats(args.top)
-    (RESULTS / f"host_profile_{args.variant}.txt").write_text(text.getvalue())
+    lora = "_lora_" + args.lora.replace(",", "_") if args.lora else ""
+    (RESULTS / f"host_profile_{args.variant}{lora}.txt").write_text(text.getvalue())
     print(text.getvalue())
 
 
