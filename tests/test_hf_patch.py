@@ -1370,6 +1370,30 @@ def test_projections_it_cannot_read_are_called_the_rest_fused(key, wrapped, hook
         (None, None)] * 2
 
 
+@pytest.mark.parametrize("wrapped, made", [((), 3), (("1.self_attn.q_proj",), 2), (("0.mlp.up_proj",), 2),
+                                            (("0.mlp.up_proj", "1.self_attn.v_proj"), 1)],
+                         ids=["plain", "next_qkv_called", "gate_up_called", "both"])
+def test_norm_statistics_made_only_for_a_gemm_that_reads_them(wrapped, made, monkeypatch):
+    """A residual add's GEMM makes the next norm's statistics (o_proj's for the MLP norm, down_proj's
+    for the next layer's input norm) only where the GEMM after that norm reads them: not where
+    the gate/up or QKV projections are called (LoRA-like), which get the norm's output made whole;
+    the training step equals the unpatched model's either way."""
+    ref = tiny("LlamaForCausalLM")
+    for path in wrapped:
+        _wrap(ref, f"model.layers.{path}", LoraLike)
+    model = codetta.patch(copy.deepcopy(ref))
+    residual_adds = []  # whether each fused residual add (linear_residual, swiglu_mlp) makes statistics
+    for name, next_norm in (("linear_residual", "norm_weight"), ("swiglu_mlp", "next_norm_weight")):
+        def recording(*args, original=getattr(codetta.integrations.hf.layer, name), next_norm=next_norm, **kwargs):
+            residual_adds.append(inspect.signature(original).bind(*args, **kwargs).arguments.get(next_norm) is not None)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(codetta.integrations.hf.layer, name, recording)
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    assert sum(residual_adds) == made and len(residual_adds) == 4  # 2 layers' o_proj and down_proj fused
+
+
 def test_projections_wrapped_after_patching_are_called():
     """Projections wrapped after patching (PEFT's get_peft_model on a patched model) are seen at
     the next forward and called; replacing the wrappers by the plain nn.Linears again (PEFT's

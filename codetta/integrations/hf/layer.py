@@ -530,10 +530,12 @@ def _attention_residual(layer, plan: LayerPlan, x, a):
 
 def _residuals(layer, plan: LayerPlan, x, a):
     """x2 from the layer's input x and the attention's output a: the O-projection's residual add
-    (making the MLP norm's statistics where the MLP is fused and o_proj read), then
-    :func:`_mlp_residual`."""
+    (making the MLP norm's statistics where the MLP is fused and o_proj and the gate/up
+    projections are read), then :func:`_mlp_residual`."""
     arch, attn = plan.arch, layer.self_attn
-    if not plan.mlp_fused or not reads_weight(attn.o_proj):  # a mixture of experts; o_proj called
+    # a mixture of experts; o_proj called; gate/up called (on the norm's output made whole: no statistics read)
+    if not plan.mlp_fused or not reads_weight(attn.o_proj) \
+            or not all(map(reads_weight, arch.gate_up_projections(layer.mlp))):
         return _mlp_residual(layer, plan, _attention_residual(layer, plan, x, a))
     ln2 = layer.get_submodule(arch.mlp_norm)
     # each norm weight read once: a parametrized weight is new at each read (and Gemma's 1 + w a new
@@ -577,6 +579,7 @@ def _mlp_residual(layer, plan: LayerPlan, x1, stats=None, g2=None):
         # the model's own norm (one replaced after patching may have no weight or epsilon to read)
         and is_models_norm(ln_next, plan.classes)
         and weight_readable_ahead(ln_next, ln_next.weight)
+        and _reads_qkv_weights(next_layer.self_attn, plan)
     )
     next_norm = dict(next_norm_weight=arch.norm_weight(ln_next), next_eps=arch.norm_epsilon(ln_next)) if hand_on else {}
     if _gate_in_epilogue(plan, mlp):
@@ -591,6 +594,15 @@ def _mlp_residual(layer, plan: LayerPlan, x1, stats=None, g2=None):
     x2, stats2 = out
     plan.outgoing.put(x2, stats2, next_norm["next_norm_weight"])
     return x2
+
+
+def _reads_qkv_weights(attn, plan: LayerPlan) -> bool:
+    """Whether the fused forward reads this attention's QKV projections' weights (the model's
+    attention module, each projection a plain ``nn.Linear`` without hooks): the only reader of
+    the input-norm statistics a previous layer hands on (called projections get the norm's
+    output made whole, an attention of another class runs as its module)."""
+    return (type(attn).forward is plan.classes.attention.forward
+            and all(map(reads_weight, plan.arch.qkv_projections(attn))))
 
 
 def _sandwiched_residuals(layer, plan: LayerPlan, x, a):
