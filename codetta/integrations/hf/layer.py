@@ -24,8 +24,8 @@ the model's attention or MLP does and fuses the rest: the QKV projections on the
 output (:func:`codetta.ops.rms_norm`), then RoPE by :func:`codetta.ops.apply_rope`; o_proj on
 the attention's output; gate and up on the MLP norm's output, then act(gate) * up by
 :func:`codetta.ops.gated_activation` (the activation module where the kernels do not compute
-it, or with ``swiglu=False``); down_proj on the activation's; a called o_proj's or down_proj's output added to the residual
-stream as the model's layer adds it. Where one half of the layer (the attention's,
+it, or with ``swiglu=False``); down_proj on the activation's; a called o_proj's or down_proj's
+output added to the residual stream as the model's layer adds it. Where one half of the layer (the attention's,
 x1 = x + attention(norm(x)), or the MLP's) has another module the fused forward cannot read
 (a norm, attention or MLP of another class) or one with hooks it would skip, that half runs
 as the model's own modules (:func:`_own_half`) and the other stays fused
