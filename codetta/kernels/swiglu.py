@@ -172,7 +172,8 @@ def gated_activation_backward(dy: Tensor, gate: Tensor, up: Tensor, *, activatio
     (``y_out`` only: the pass then also writes y) into. zdz [M] fp32 with ``row_dot``, else None.
     """
     if dy.dim() != 2 or not dy.shape == gate.shape == up.shape:
-        raise ValueError(f"need dy, gate and up [M, F], got {tuple(dy.shape)}, {tuple(gate.shape)} and {tuple(up.shape)}")
+        raise ValueError(f"need dy, gate and up [M, F], got {tuple(dy.shape)}, {tuple(gate.shape)} and "
+                         f"{tuple(up.shape)}")
     if not dy.dtype == gate.dtype == up.dtype or not dy.device == gate.device == up.device:
         raise ValueError(f"dy ({dy.dtype}, {dy.device}), gate ({gate.dtype}, {gate.device}) and up ({up.dtype}, "
                          f"{up.device}) differ")
