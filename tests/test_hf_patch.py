@@ -1338,9 +1338,9 @@ def test_projections_it_cannot_read_are_called_the_rest_fused(key, wrapped, hook
     forward), or a forward pre-hook or full backward hook on one: the fused forward calls those modules where the model's
     attention and MLP do (the QKV projections on the input norm's output, RoPE after them by
     codetta.ops.apply_rope; o_proj on the attention's output; gate and up on the MLP norm's output,
-    then act(gate) * up by codetta.ops.gated_activation; down_proj on its output; a called o_proj's and down_proj's added to
-    the residual stream as the layer adds them), without a warning; the rest of the layer stays
-    fused and the training step equals the unpatched model's."""
+    then act(gate) * up by codetta.ops.gated_activation; down_proj on its output; a called
+    o_proj's and down_proj's added to the residual stream as the layer adds them), without a
+    warning; the rest of the layer stays fused and the training step equals the unpatched model's."""
     name, overrides = MODELS[key]
     ref = tiny(name, num_hidden_layers=2, **overrides)
     for path, make in wrapped.items():
