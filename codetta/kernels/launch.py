@@ -7,9 +7,15 @@ specialization and then calls the compiled kernel directly. Its key is at least 
 Triton's own specialization: per tensor its dtype, device and 16-byte alignment; per
 integer its width class, divisibility by 16 and equality to 1; floats by type only (Triton
 does not specialize on them); the constexprs and num_warps by value.
+
+Triton launches on the current CUDA device (its stream, the kernel loaded there), which need
+not be the one that holds the tensors (a model on cuda:1 while cuda:0 is current, layers spread
+over GPUs by a device map): :func:`on_device` makes the tensors' device current for a launch.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -30,6 +36,15 @@ def _spec(value):
     raise TypeError(f"launch() takes tensors, numbers, bools and None as runtime arguments, got {type(value).__name__}")
 
 
+def on_device(tensor):
+    """A context in which ``tensor``'s GPU is the current device (nothing to do where it already
+    is, or for a CPU tensor or anything else)."""
+    device = getattr(tensor, "device", None)
+    if device is None or device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device.index)
+
+
 def launch(kernel, grid, *args, num_warps: int = 4, **constexprs):
     """``kernel[grid](*args, **constexprs, num_warps=num_warps)``: ``args`` are the kernel's
     runtime parameters in order, ``constexprs`` all the others by name."""
@@ -41,7 +56,8 @@ def launch(kernel, grid, *args, num_warps: int = 4, **constexprs):
         return
     key = (kernel, num_warps, tuple(map(_spec, args)), tuple(full[len(args):]))
     compiled = _COMPILED.get(key)
-    if compiled is not None:
-        compiled[(*grid, 1, 1)[:3]](*full)  # a compiled kernel takes a 3-d grid
-    else:
-        _COMPILED[key] = kernel[grid](*full, num_warps=num_warps)
+    with on_device(next((a for a in args if isinstance(a, torch.Tensor)), None)):
+        if compiled is not None:
+            compiled[(*grid, 1, 1)[:3]](*full)  # a compiled kernel takes a 3-d grid
+        else:
+            _COMPILED[key] = kernel[grid](*full, num_warps=num_warps)

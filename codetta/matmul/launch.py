@@ -24,6 +24,7 @@ import triton
 
 from ..epilogue.ir import EpilogueError, Program
 from ..interpreter import interpreting
+from ..kernels.launch import on_device
 from . import config as tile_configs, tuning
 from .call import Call, GemmError, Interleaved
 from .config import Config, candidates, interpreter_config
@@ -74,11 +75,12 @@ def gemm(a, b, epilogue: Program | None = None, *, out=None, config=None, finish
     written = written_in_place(program, operands, out)
     check_untracked(written)
     check_written_apart(program, a, b, operands, out)  # before any launch: the tuner's write into out too
-    plan = _plan(a, b, program, operands, out, config)
-    if plan is None:
-        results = _trivial(Call(a, b, program, operands, out), finish)
-    else:
-        results = plan.execute(a, b, operands, out, finish)
+    with on_device(a):  # tuning and launches on a's GPU, whichever is current
+        plan = _plan(a, b, program, operands, out, config)
+        if plan is None:
+            results = _trivial(Call(a, b, program, operands, out), finish)
+        else:
+            results = plan.execute(a, b, operands, out, finish)
     count_writes(written)
     return results["out"] if epilogue is None else results
 
