@@ -121,7 +121,10 @@ def models(draw, family, min_hidden=1, all_experts=False):
         config["rope_parameters"]["llama_4_scaling_beta"] = draw(st.sampled_from([0.1, 0.5]))
         config["rope_parameters"].setdefault("original_max_position_embeddings", draw(st.integers(2, 8)))
     if family in ("Phi3", "Glm", "Glm4", "Glm4Moe"):  # RoPE on the first dims of each head (0.75: 6 of 8, 9 -> 10 of 12, ...)
-        config["rope_parameters"]["partial_rotary_factor"] = draw(st.sampled_from([0.25, 0.5, 0.75, 1.0]))
+        shares = [0.25, 0.5, 0.75, 1.0]
+        if config["rope_parameters"]["rope_type"] == "dynamic":  # transformers' dynamic NTK divides by (rotary dims - 2)
+            shares = [share for share in shares if int(head_dim * share) > 2]
+        config["rope_parameters"]["partial_rotary_factor"] = draw(st.sampled_from(shares))
     if family == "Phi3":
         config["sliding_window"] = draw(st.sampled_from([None, 3, 8]))
         config["rope_parameters"] = draw(phi3_rope_parameters(config))
