@@ -89,14 +89,12 @@ def synchronizing_calls(step) -> str:
         found.append(f"{message}\n" + "".join(traceback.format_stack(limit=14)[:-1]))
 
     torch.cuda.set_sync_debug_mode("warn")
-    show = warnings.showwarning
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # restores warnings.showwarning on exit
         warnings.simplefilter("always")
         warnings.showwarning = record
         try:
             step()
         finally:
-            warnings.showwarning = show
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     return f"\n## synchronizing calls in one step: {len(found)}\n" + "\n".join(found)
