@@ -1138,9 +1138,30 @@ def test_unsupported_models_and_options_are_refused_untouched():
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16),
         vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
                            image_size=28, patch_size=14), mm_tokens_per_image=4))
-    with pytest.raises(UnsupportedModelError, match="Gemma3Model .a multimodal model: patch its text decoder"):
+    with pytest.raises(UnsupportedModelError, match=r"Gemma3Model .a model around a Gemma3TextModel.*text decoder: "
+                                                    r"patch that one, model\.language_model;"):
         codetta.patch(multimodal)
     assert codetta.patch(multimodal.language_model).layers[0]._codetta_plan is not None
+
+
+def test_a_multimodal_model_names_its_text_decoder_whose_patch_keeps_its_loss_and_gradients():
+    """Mistral 3 (Pixtral vision, a Mistral text decoder): refused as a whole, with the path of the
+    decoder inside; that decoder patched, the model's text-only training step is the unpatched one."""
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16)
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, head_dim=8,
+                  image_size=16, patch_size=8)
+    ref = transformers.Mistral3ForConditionalGeneration(transformers.Mistral3Config(
+        text_config=text, vision_config=vision, image_token_index=VOCAB - 1, spatial_merge_size=1)).to(DEVICE)
+    model = copy.deepcopy(ref)
+    with pytest.raises(codetta.UnsupportedModelError, match=r"got Mistral3ForConditionalGeneration .a model around "
+                                                            r"a MistralModel.*model\.model\.language_model;"):
+        codetta.patch(model)
+    assert "forward" not in model.model.language_model.layers[0].__dict__
+    codetta.patch(model.model.language_model)
+    assert all(layer._codetta_plan.unfusable is None for layer in model.model.language_model.layers)
+    ids = torch.randint(0, VOCAB - 1, (2, 11), device=DEVICE)
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
 
 
 class LoraLike(torch.nn.Module):

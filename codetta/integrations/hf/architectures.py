@@ -506,15 +506,22 @@ def _wrapped_model(model):
     return None
 
 
+def _decoder_inside(model):
+    """(the class name, the path) of the first module inside ``model`` that codetta patches, such as a
+    multimodal model's text decoder (Mistral3's MistralModel at ``model.language_model``); else None."""
+    for path, module in model.named_modules():
+        if path and family_and_kind(type(module)):
+            return type(module).__name__, path
+    return None
+
+
 def architecture_of(model) -> Architecture:
     found = family_and_kind(type(model))
     if found is None:
         base = next((c.__name__ for c in type(model).__mro__[1:] if family_and_kind(c)), None)
         wrapped = _wrapped_model(model)
-        if type(model).__name__ in MULTIMODAL:
-            why = (" (a multimodal model: patch its text decoder, its language_model, a Gemma3TextModel; or use "
-                   "Gemma3ForCausalLM for text)")
-        elif family_and_kind(type(model), any_module=True):  # e.g. a model's remote code (trust_remote_code=True)
+        decoder = _decoder_inside(model)
+        if family_and_kind(type(model), any_module=True):  # e.g. a model's remote code (trust_remote_code=True)
             why = f" from {type(model).__module__}, not transformers' own class of that name, whose forward codetta computes"
         elif wrapped:
             inner, where = wrapped
@@ -524,6 +531,9 @@ def architecture_of(model) -> Architecture:
             why = (f" (a subclass of {base}: codetta patches transformers' classes themselves, not a subclass that "
                    "may compute otherwise; a wrapper's, as FSDP2's fully_shard(model) makes, is patched before "
                    "wrapping: patch, then wrap)")
+        elif decoder:
+            why = (f" (a model around a {decoder[0]}, as a multimodal model holds its text decoder: patch that one, "
+                   f"model.{decoder[1]}; the model's own head and loss run around it)")
         else:
             why = ""
         raise UnsupportedModelError(
