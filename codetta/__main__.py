@@ -83,17 +83,19 @@ def fused_program_check(args):
             print(f"FAILED: {name} is less accurate than twice eager PyTorch's error", file=sys.stderr)
             return 1
     if gpu:
-        import triton
+        import statistics
 
-        def ms(fn):
-            return triton.testing.do_bench(fn, return_mode="median")
+        import triton
 
         u, rstd = norm_inputs()
         rows = (("cuBLAS GEMM alone (speed of light)", lambda: x @ w13.t()),
                 ("codetta GEMM + epilogue", lambda: codetta.gemm(u, w13.t(), program, rstd=rstd)),
                 ("  + the two passes making u, rstd", fused),
                 ("eager PyTorch, unfused", lambda: _unfused(torch, x, w13, gamma, eps)))
-        times = [ms(fn) for _, fn in rows]
+        # Rounds over all variants in turn, each variant's median over them: a GPU that slows as it
+        # warms under load would otherwise favour whichever variant ran first.
+        rounds = [[triton.testing.do_bench(fn, return_mode="median") for _, fn in rows] for _ in range(5)]
+        times = [statistics.median(column) for column in zip(*rounds)]
         print(f"\n{'variant':34} {'ms':>8} {'vs cuBLAS GEMM':>15}")
         for (name, _), t in zip(rows, times):
             print(f"{name:34} {t:8.3f} {t / times[0]:14.2f}x")
