@@ -508,7 +508,7 @@ def _wrapped_model(model):
 
 def _decoder_inside(model):
     """(the class name, the path) of the first module inside ``model`` that codetta patches, such as a
-    multimodal model's text decoder (Mistral3's MistralModel at ``model.language_model``); else None."""
+    multimodal model's text decoder (Mistral3Model's MistralModel at ``language_model``); else None."""
     for path, module in model.named_modules():
         if path and family_and_kind(type(module)):
             return type(module).__name__, path
@@ -520,7 +520,6 @@ def architecture_of(model) -> Architecture:
     if found is None:
         base = next((c.__name__ for c in type(model).__mro__[1:] if family_and_kind(c)), None)
         wrapped = _wrapped_model(model)
-        decoder = _decoder_inside(model)
         if family_and_kind(type(model), any_module=True):  # e.g. a model's remote code (trust_remote_code=True)
             why = f" from {type(model).__module__}, not transformers' own class of that name, whose forward codetta computes"
         elif wrapped:
@@ -531,7 +530,7 @@ def architecture_of(model) -> Architecture:
             why = (f" (a subclass of {base}: codetta patches transformers' classes themselves, not a subclass that "
                    "may compute otherwise; a wrapper's, as FSDP2's fully_shard(model) makes, is patched before "
                    "wrapping: patch, then wrap)")
-        elif decoder:
+        elif decoder := _decoder_inside(model):
             why = (f" (a model around a {decoder[0]}, as a multimodal model holds its text decoder: patch that one, "
                    f"model.{decoder[1]}; the model's own head and loss run around it)")
         else:
