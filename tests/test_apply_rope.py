@@ -45,6 +45,11 @@ CASES = {  # lead dims, q heads, kv heads, head_dim, rotary_dim, interleaved
     "partial_rotary": ((13,), 3, 1, 32, 16, False),
     "interleaved": ((3, 5), 2, 2, 16, 16, True),
     "one_token": ((1, 1), 2, 1, 8, 8, False),
+    # no power of two (Phi-3-mini's head_dim is 96): runs of 12 and 48 columns read pair by pair
+    "head_dim_24": ((2, 5), 4, 1, 24, 24, False),
+    "head_dim_96": ((7,), 2, 1, 96, 96, False),
+    "partial_rotary_6_of_12": ((9,), 2, 2, 12, 6, False),
+    "interleaved_head_dim_24": ((11,), 2, 1, 24, 24, True),
 }
 
 
@@ -140,7 +145,8 @@ def test_bad_inputs():
         (dict(k=k.half()), "q and k must share their leading dims, dtype and device"),
         (dict(k=k[:3]), "q and k must share"),
         (dict(k=torch.randn(4, 12, device=DEVICE)), "not whole heads of 8"),
-        (dict(rotary_dim=6), "rotary_dim 6 must be a power of two dividing head_dim 8"),
+        (dict(rotary_dim=6), "rotary_dim 6 must be even and divide head_dim 8"),
+        (dict(rotary_dim=3, head_dim=6, q=q[:, :12], k=k[:, :6]), "rotary_dim 3 must be even and divide head_dim 6"),
         (dict(inv_freq=torch.ones(4, device=DEVICE, requires_grad=True)), "requires grad"),
         (dict(positions=torch.arange(3, device=DEVICE)), "positions .* are not one per token"),
         (dict(cos_sin=(torch.ones(4, 8, device=DEVICE),) * 2), "give positions and inv_freq, or cos_sin, not both"),

@@ -23,7 +23,9 @@ from conftest import DEVICE
 from unfused_roundings import worse_of_two_roundings
 
 transformers = pytest.importorskip("transformers")
-from codetta.integrations.hf.architectures import ATTENTION, MLP  # noqa: E402 (it imports transformers)
+from codetta.integrations.hf import layer as layer_module  # noqa: E402 (it imports transformers)
+from codetta.integrations.hf.architectures import ATTENTION, MLP  # noqa: E402
+from codetta.ops import apply_rope  # noqa: E402
 
 VOCAB = 96
 
@@ -343,16 +345,28 @@ def test_qk_norm_epsilons_made_different_after_patching_run_unfused():
         assert_same_training_step(ref, model, input_ids=ids, labels=ids)
 
 
-@pytest.mark.parametrize("name", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
-def test_head_dim_not_a_power_of_two_keeps_the_models_rope(name):
-    """head_dim 24: RoPE (and Qwen3's QK-norm) run as the model's own code after the
-    norm-folded QKV GEMM, with a warning; everything else stays fused; parity holds."""
-    ref = tiny(name, hidden_size=48, num_attention_heads=2, num_key_value_heads=1, head_dim=24)
-    with pytest.warns(UserWarning, match="head_dim 24 is not a power of two"):
+@pytest.mark.parametrize("name, head_dim", [("LlamaForCausalLM", 24), ("Qwen3ForCausalLM", 24),
+                                            ("LlamaForCausalLM", 96)])
+def test_head_dim_not_a_power_of_two_rotates_by_codettas_kernel(name, head_dim, monkeypatch):
+    """head_dim 24 or 96 (Phi-3-mini's): the epilogue's segments are power-of-two blocks of a
+    tile, so RoPE (after Qwen3's QK-norm) runs by codetta.ops.apply_rope after the norm-folded QKV
+    GEMM, not by the model's own code, without a warning; parity holds."""
+    ref = tiny(name, hidden_size=48, num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         model = codetta.patch(copy.deepcopy(ref))
-    assert model._codetta_patched["rope"] is False and model._codetta_patched["swiglu"] is True
+    assert model._codetta_patched["rope"] is True and model._codetta_patched["swiglu"] is True
+    modeling = importlib.import_module(type(ref).__module__)
+    calls = []
+    monkeypatch.setattr(layer_module, "apply_rope", lambda *a, **k: calls.append(1) or apply_rope(*a, **k))
     ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
-    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    loss_ref, grads_ref = loss_and_grads(ref, input_ids=ids, labels=ids)
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", None)  # the patched layers must not call it
+    loss, grads = loss_and_grads(model, input_ids=ids, labels=ids)
+    assert len(calls) == len(model.model.layers)
+    assert abs(loss.item() - loss_ref.item()) <= 2e-5 * abs(loss_ref.item())
+    for key, g in grads_ref.items():
+        assert ((grads[key] - g).norm() / g.norm().clamp_min(1e-12)).item() < 2e-4, key
 
 
 @pytest.mark.parametrize("flags", [dict(rope=False), dict(swiglu=False), dict(cross_entropy=False),
@@ -739,7 +753,7 @@ def test_generate_in_the_other_families(key):
 
 def test_partial_rotary_angles_the_epilogue_cannot_take():
     """A Phi-3 layer handed cos and sin for 12 of its 16 dims (a caller's, not the model's 8):
-    segments of 12 columns do not fit the epilogue, so the model's own RoPE runs after the
+    segments of 12 columns do not tile heads of 16, so the model's own RoPE runs after the
     norm-folded GEMM (warned), and the layer's output is the unpatched layer's."""
     ref = tiny("Phi3ForCausalLM", partial_rotary_factor=0.5, pad_token_id=0, eos_token_id=2)
     model = codetta.patch(copy.deepcopy(ref))
@@ -747,7 +761,7 @@ def test_partial_rotary_angles_the_epilogue_cannot_take():
     positions = torch.arange(5, device=DEVICE)[None].expand(2, -1)
     angles = positions[..., None].float() * torch.rand(6, device=DEVICE)
     cos_sin = (torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin())
-    with pytest.warns(UserWarning, match="the rotary dims 12 of head_dim 16 are not a power of two dividing it"):
+    with pytest.warns(UserWarning, match="the rotary dims 12 of head_dim 16 are not an even divisor of it"):
         out = model.model.layers[0](x, position_ids=positions, position_embeddings=cos_sin)
     torch.testing.assert_close(out, ref.model.layers[0](x, position_ids=positions, position_embeddings=cos_sin),
                                rtol=1e-5, atol=1e-5)

@@ -87,16 +87,15 @@ def _rotate_kernel(
     dqkv0, dqkv1, dqkv2, qkv, cos, sin, dz, zdz_part,
     M, N, n_rotated, head_dim, end0, end1,
     s_dqkv0, s_dqkv1, s_dqkv2, s_qkv, s_table, s_dz, s_part,
-    HALF_R: tl.constexpr, HALF_SEGMENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-    TRANSPOSED: tl.constexpr, WITH_ZDZ: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    HALF_R: tl.constexpr, HALF_SEGMENT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr, TRANSPOSED: tl.constexpr, WITH_ZDZ: tl.constexpr, EMULATE_RNE: tl.constexpr,
 ):
     """dqkv in three parts: columns [0, end0), [end0, end1), [end1, N). A pair's columns lie
     HALF_SEGMENT apart inside segments of 2 HALF_SEGMENT columns (R/2: rotate_half; 1: interleaved).
-    Where they lie in runs of fewer than 16 columns (32 bytes of bf16, a memory sector), a program
-    reads and writes its 2 BLOCK_P columns as one contiguous block (BLOCK_P a multiple of
+    SPLIT (runs of fewer than 16 columns, 32 bytes of bf16, a memory sector, and a power of two): a
+    program reads and writes its 2 BLOCK_P columns as one contiguous block (BLOCK_P a multiple of
     HALF_SEGMENT: whole segments) and splits it into pairs in registers; otherwise each half of
-    its pairs is read as it lies, in runs of whole sectors."""
-    SPLIT: tl.constexpr = HALF_SEGMENT < 16
+    its pairs is read as it lies (in runs of whole sectors where HALF_SEGMENT is 16 or more)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     rows64 = rows.to(tl.int64)[:, None]
@@ -166,7 +165,11 @@ def rotate(dqkv: torch.Tensor | list[torch.Tensor], qkv: Optional[torch.Tensor],
     half_r = cos.shape[1]
     half_segment = 1 if interleaved else half_r
     block_m, block_p, warps = INTERPRET_BLOCK if interpreting() else GPU_BLOCK
-    block_p = max(block_p, half_segment)  # whole segments (both powers of two)
+    # short runs (under a 32-byte sector) are read as whole segments and split in registers,
+    # which takes power-of-two segments; any other run length is read pair by pair, as it lies
+    split = half_segment < 16 and half_segment & (half_segment - 1) == 0
+    if split:
+        block_p = max(block_p, half_segment)  # whole segments (both powers of two)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n // 2, block_p))
     dz = torch.empty(m, n, device=parts[0].device, dtype=parts[0].dtype)
     part = torch.empty(m, grid[1], device=dz.device, dtype=torch.float32) if with_zdz else cos  # cos: unused
@@ -174,7 +177,7 @@ def rotate(dqkv: torch.Tensor | list[torch.Tensor], qkv: Optional[torch.Tensor],
         launch(_rotate_kernel, grid,
             *parts, qkv, cos, sin, dz, part, m, n, n_rotated, head_dim, ends[0], ends[1],
             *(t.stride(0) for t in parts), qkv.stride(0), cos.stride(0), dz.stride(0), part.stride(0),
-            HALF_R=half_r, HALF_SEGMENT=half_segment, BLOCK_M=block_m, BLOCK_P=block_p,
+            HALF_R=half_r, HALF_SEGMENT=half_segment, SPLIT=split, BLOCK_M=block_m, BLOCK_P=block_p,
             TRANSPOSED=transposed, WITH_ZDZ=with_zdz, EMULATE_RNE=interpreting(), num_warps=warps,
         )
     return dz, part.sum(dim=1) if with_zdz else None

@@ -93,7 +93,8 @@ def apply_rope(q: Tensor, k: Tensor, positions: Tensor | None = None, inv_freq: 
     :func:`codetta.ops.rmsnorm_qkv_rope`: ``positions`` (one per token of q's leading dims) and
     ``inv_freq`` [R/2] with ``attention_scaling``, or ``cos_sin``, a Hugging Face rotary
     embedding's (cos, sin) [..., R] (broadcasting to q's leading dims, the two halves of each
-    equal); rotary_dim R (default D) a power of two dividing D. q and k: fp16, bf16 or fp32, one
+    equal); rotary_dim R (default D) even and dividing D (no power of two needed here, unlike
+    the QKV epilogue: Phi-3-mini's D = 96 rotates too). q and k: fp16, bf16 or fp32, one
     dtype, the same leading dims, on one device. Returns [..., H_q D] and [..., H_kv D] in q's dtype.
     """
     for name, t in (("q", q), ("k", k)):
@@ -105,7 +106,7 @@ def apply_rope(q: Tensor, k: Tensor, positions: Tensor | None = None, inv_freq: 
                          f"{tuple(q.shape)} on {q.device} and k {k.dtype} {tuple(k.shape)} on {k.device}")
     head_dim, _, cos, sin = rope_tables_for(q, head_dim, positions, inv_freq, rotary_dim=rotary_dim,
                                             attention_scaling=attention_scaling, cos_sin=cos_sin,
-                                            interleaved=interleaved)
+                                            interleaved=interleaved, in_epilogue=False)
     if q.shape[-1] % head_dim or k.shape[-1] % head_dim or not q.shape[-1] or not k.shape[-1]:
         raise ValueError(f"apply_rope: q {tuple(q.shape)} and k {tuple(k.shape)} are not whole heads of {head_dim}")
     if not q.is_meta:  # on the meta device the registered op's fake implementation gives the shapes

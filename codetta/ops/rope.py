@@ -379,10 +379,12 @@ def _check_cos_sin(cos_sin, positions, inv_freq, rotary_dim, attention_scaling, 
 
 
 def rope_tables_for(x: Tensor, head_dim, positions, inv_freq, *, rotary_dim, attention_scaling, cos_sin,
-                    interleaved) -> tuple[int, int, Tensor, Tensor]:
+                    interleaved, in_epilogue: bool = True) -> tuple[int, int, Tensor, Tensor]:
     """(head_dim, rotary_dim, cos, sin): the RoPE arguments of :func:`rmsnorm_qkv_rope` and
     :func:`codetta.ops.apply_rope` checked (a ValueError naming the wrong one), and the per-token
-    tables [M, R/2] fp32 for x's tokens (``x.shape[:-1]``)."""
+    tables [M, R/2] fp32 for x's tokens (``x.shape[:-1]``). R must divide head_dim and be even;
+    ``in_epilogue`` (a GEMM epilogue rotates: its segments are power-of-two blocks of a tile)
+    also a power of two."""
     if isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral) or head_dim < 1:
         raise ValueError(f"head_dim must be a positive integer, got {head_dim!r}")
     head_dim = int(head_dim)
@@ -396,8 +398,10 @@ def rope_tables_for(x: Tensor, head_dim, positions, inv_freq, *, rotary_dim, att
     rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
     if not isinstance(interleaved, bool):
         raise ValueError(f"interleaved must be a bool, got {interleaved!r}")
-    if rotary_dim < 2 or rotary_dim & (rotary_dim - 1) or head_dim % rotary_dim:
+    if in_epilogue and (rotary_dim < 2 or rotary_dim & (rotary_dim - 1) or head_dim % rotary_dim):
         raise ValueError(f"rotary_dim {rotary_dim} must be a power of two dividing head_dim {head_dim}")
+    if rotary_dim < 2 or rotary_dim % 2 or head_dim % rotary_dim:
+        raise ValueError(f"rotary_dim {rotary_dim} must be even and divide head_dim {head_dim}")
     if cos_sin is None:
         cos, sin = _tables_of_positions(positions, inv_freq, rotary_dim, attention_scaling, x)
     else:

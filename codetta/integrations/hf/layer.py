@@ -65,8 +65,8 @@ from .. import warn_unless_traced
 from . import checkpointing
 from .architectures import (ATTENTION, MLP, RESIDUAL_DROPOUTS, Architecture, ModelClasses, fused_modules,
                             gate_activation, halves, halves_separate, hooked_module, hooks_between, is_hooked,
-                            is_models_norm, mlp_is_fused, reads_weight, stored_weight, why_rotary_dims_unfit,
-                            why_rotary_unfusable, why_unfusable)
+                            is_models_norm, mlp_is_fused, reads_weight, rotary_dims_fit_epilogue, stored_weight,
+                            why_rotary_dims_unfit, why_rotary_unfusable, why_unfusable)
 
 try:  # transformers' collector of recorded outputs (output_attentions=True, output_hidden_states=True)
     from transformers.utils.output_capturing import _active_collector
@@ -281,8 +281,10 @@ def _rotated_qkv(layer, plan: LayerPlan, x, norm, position_ids, position_embeddi
     """q, k, v of the norm-folded QKV GEMM, RoPE (and QK-norm) in its epilogue where it fuses.
     Where the fused forward cannot read a QKV projection (:func:`.architectures.reads_weight`: a
     PEFT LoRA adapter on it, hooks), the projection modules on the input norm's output (codetta's
-    row kernel), QK-norm likewise, RoPE by :func:`codetta.ops.apply_rope` (one kernel each way).
-    Where RoPE does not fuse, the model's own code applies it after either (none in a layer
+    row kernel), QK-norm likewise, RoPE by :func:`codetta.ops.apply_rope` (one kernel each way);
+    after the norm-folded GEMM likewise where the rotary dims are no power of two (Phi-3-mini's
+    head_dim 96: the epilogue's segments are power-of-two blocks of a tile).
+    Where codetta cannot apply RoPE, the model's own code applies it after either (none in a layer
     without RoPE)."""
     attn, ln, arch = layer.self_attn, layer.input_layernorm, plan.arch
     (stats, g1), eps = norm, arch.norm_epsilon(ln)
@@ -293,7 +295,8 @@ def _rotated_qkv(layer, plan: LayerPlan, x, norm, position_ids, position_embeddi
         warn_unless_traced(f"codetta: {why_not}; RoPE runs as the model's own code on its position_embeddings",
                            stacklevel=5)
     weights, biases = arch.qkv_weights(attn) if all(map(reads_weight, arch.qkv_projections(attn))) else (None, None)
-    if rope is not None and weights is not None:
+    if rope is not None and weights is not None and rotary_dims_fit_epilogue(
+            rope.get("rotary_dim", attn.head_dim), attn.head_dim, arch.has_qk_norm(attn)):
         qk_norm = {}
         if arch.has_qk_norm(attn):  # the modules' own weights: their gradients land there
             qk_norm = dict(q_norm_weight=arch.norm_weight(attn.q_norm), k_norm_weight=arch.norm_weight(attn.k_norm),
