@@ -50,6 +50,11 @@ CASES = {  # lead dims, q heads, kv heads, head_dim, rotary_dim, interleaved
     "head_dim_96": ((7,), 2, 1, 96, 96, False),
     "partial_rotary_6_of_12": ((9,), 2, 2, 12, 6, False),
     "interleaved_head_dim_24": ((11,), 2, 1, 24, 24, True),
+    # rotary dims no divisor of head_dim (Phi-4-mini: 96 of 128): runs of R/2, then of (D - R)/2
+    "partial_rotary_6_of_8": ((2, 3), 2, 1, 8, 6, False),
+    "partial_rotary_24_of_32": ((5,), 3, 1, 32, 24, False),
+    "partial_rotary_interleaved_6_of_8": ((7,), 2, 2, 8, 6, True),
+    "partial_rotary_4_of_6": ((6,), 1, 1, 6, 4, False),
 }
 
 
@@ -145,8 +150,10 @@ def test_bad_inputs():
         (dict(k=k.half()), "q and k must share their leading dims, dtype and device"),
         (dict(k=k[:3]), "q and k must share"),
         (dict(k=torch.randn(4, 12, device=DEVICE)), "not whole heads of 8"),
-        (dict(rotary_dim=6), "rotary_dim 6 must be even and divide head_dim 8"),
-        (dict(rotary_dim=3, head_dim=6, q=q[:, :12], k=k[:, :6]), "rotary_dim 3 must be even and divide head_dim 6"),
+        (dict(rotary_dim=10), "rotary_dim 10 must be even and at most head_dim 8, itself even"),
+        (dict(rotary_dim=3, head_dim=6, q=q[:, :12], k=k[:, :6]), "rotary_dim 3 must be even and at most head_dim 6"),
+        (dict(rotary_dim=2, head_dim=3, q=q[:, :12], k=k[:, :6], inv_freq=inv_freq[:1]),
+         "rotary_dim 2 must be even and at most head_dim 3, itself even"),
         (dict(inv_freq=torch.ones(4, device=DEVICE, requires_grad=True)), "requires grad"),
         (dict(positions=torch.arange(3, device=DEVICE)), "positions .* are not one per token"),
         (dict(cos_sin=(torch.ones(4, 8, device=DEVICE),) * 2), "give positions and inv_freq, or cos_sin, not both"),

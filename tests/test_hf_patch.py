@@ -345,13 +345,17 @@ def test_qk_norm_epsilons_made_different_after_patching_run_unfused():
         assert_same_training_step(ref, model, input_ids=ids, labels=ids)
 
 
-@pytest.mark.parametrize("name, head_dim", [("LlamaForCausalLM", 24), ("Qwen3ForCausalLM", 24),
-                                            ("LlamaForCausalLM", 96)])
-def test_head_dim_not_a_power_of_two_rotates_by_codettas_kernel(name, head_dim, monkeypatch):
-    """head_dim 24 or 96 (Phi-3-mini's): the epilogue's segments are power-of-two blocks of a
-    tile, so RoPE (after Qwen3's QK-norm) runs by codetta.ops.apply_rope after the norm-folded QKV
-    GEMM, not by the model's own code, without a warning; parity holds."""
-    ref = tiny(name, hidden_size=48, num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim)
+@pytest.mark.parametrize("name, head_dim, share", [("LlamaForCausalLM", 24, None), ("Qwen3ForCausalLM", 24, None),
+                                                   ("LlamaForCausalLM", 96, None), ("Phi3ForCausalLM", 24, 0.75),
+                                                   ("Phi3ForCausalLM", 32, 0.75)])
+def test_rotary_dims_the_epilogue_cannot_take_rotate_by_codettas_kernel(name, head_dim, share, monkeypatch):
+    """head_dim 24 or 96 (Phi-3-mini's), or partial rotary dims that do not divide head_dim (18
+    of 24; 24 of 32, as Phi-4-mini's 96 of 128): the epilogue's segments are power-of-two blocks
+    of a tile, so RoPE (after Qwen3's QK-norm) runs by codetta.ops.apply_rope after the
+    norm-folded QKV GEMM, not by the model's own code, without a warning; parity holds."""
+    extra = {} if share is None else dict(partial_rotary_factor=share, pad_token_id=0, eos_token_id=2)
+    ref = tiny(name, hidden_size=2 * head_dim if share else 48, num_attention_heads=2, num_key_value_heads=1,
+               head_dim=head_dim, **extra)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model = codetta.patch(copy.deepcopy(ref))
@@ -748,20 +752,45 @@ def test_generate_in_the_other_families(key):
     assert torch.equal(out, out_ref)
 
 
-def test_partial_rotary_angles_the_epilogue_cannot_take():
-    """A Phi-3 layer handed cos and sin for 12 of its 16 dims (a caller's, not the model's 8):
-    segments of 12 columns do not tile heads of 16, so the model's own RoPE runs after the
-    norm-folded GEMM (warned), and the layer's output is the unpatched layer's."""
+@pytest.mark.parametrize("rotated", [12, 18])
+def test_partial_rotary_angles_a_caller_hands_a_layer(rotated):
+    """A Phi-3 layer handed cos and sin for more of its 16 dims than the model's 8 (a caller's):
+    12 of 16 rotate by codetta's kernel after the norm-folded GEMM (segments of 12 columns do not
+    tile heads of 16), silently; 18 of 16 are more than a head has, so the model's own RoPE runs
+    (warned; it fails as the model fails). The layer's output is the unpatched layer's."""
     ref = tiny("Phi3ForCausalLM", partial_rotary_factor=0.5, pad_token_id=0, eos_token_id=2)
     model = codetta.patch(copy.deepcopy(ref))
     x = torch.randn(2, 5, 64, device=DEVICE)
     positions = torch.arange(5, device=DEVICE)[None].expand(2, -1)
-    angles = positions[..., None].float() * torch.rand(6, device=DEVICE)
+    angles = positions[..., None].float() * torch.rand(rotated // 2, device=DEVICE)
     cos_sin = (torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin())
-    with pytest.warns(UserWarning, match="the rotary dims 12 of head_dim 16 are not an even divisor of it"):
-        out = model.model.layers[0](x, position_ids=positions, position_embeddings=cos_sin)
+    layer = model.model.layers[0]
+    if rotated > 16:
+        with pytest.warns(UserWarning, match="the rotary angles cover 18 of head_dim 16 dims"):
+            with pytest.raises(RuntimeError):
+                layer(x, position_ids=positions, position_embeddings=cos_sin)
+        with pytest.raises(RuntimeError):
+            ref.model.layers[0](x, position_ids=positions, position_embeddings=cos_sin)
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = layer(x, position_ids=positions, position_embeddings=cos_sin)
     torch.testing.assert_close(out, ref.model.layers[0](x, position_ids=positions, position_embeddings=cos_sin),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_odd_head_dim_keeps_the_models_rope():
+    """Phi-3 with heads of 15 dims, the first 8 rotated (a rotary share of 0.5 gives 7, rounded up
+    to whole pairs by the model's frequencies): the 7 dims passing through make no pairs, so the
+    model's own RoPE runs after the norm-folded GEMM, warned at patch time; parity holds."""
+    ref = tiny("Phi3ForCausalLM", hidden_size=30, num_attention_heads=2, num_key_value_heads=1, head_dim=15,
+               partial_rotary_factor=0.5, pad_token_id=0, eos_token_id=2)
+    with pytest.warns(UserWarning, match="head_dim 15 is odd"):
+        model = codetta.patch(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # said at patch time, and again at each layer's call
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
 
 
 def test_granite_logits_scaling_with_a_head_bias():

@@ -24,11 +24,15 @@ dqkv may come in parts along the columns (dq, dk, dv as autograd hands them back
 its part, so that they need not be concatenated into one [M, N] tensor first (a read and a
 write of all of dqkv).
 
-The kernel works in the space of column pairs: pair p sits at columns
-(p // (R/2)) R + p % (R/2) and R/2 further on (interleaved: 2p and 2p + 1), its angle's
-frequency is p % (R/2). Its grid is (row blocks, pair blocks); a block of pairs is whole
-segments of contiguous columns. The interleaved pairs are read as that block and split in
-registers (read as two stride-2 halves, they made the kernel 0.2 of the op's 1.25x of its
+The kernel works in the space of column pairs, D/2 per head (D even): pair j of a head
+(p = head D/2 + j) is, for j < R/2, rotated, columns j and j + R/2 of the head (interleaved:
+2j and 2j + 1) by the angle of frequency j; for j >= R/2 it passes through, columns
+R + (j - R/2) and (D - R)/2 further on (interleaved: R + 2(j - R/2) and the next), so that
+any even R <= D works (Phi-4-mini rotates 96 of its 128). Where R divides D those are the
+pairs of segments of R columns, pair p at columns (p // (R/2)) R + p % (R/2) and R/2 further
+on. Its grid is (row blocks, pair blocks). Pairs closer than a 32-byte sector (interleaved,
+or R/2 a power of two under 16 dividing D/2) are read as a block of whole segments of
+contiguous columns and split in registers (read as two stride-2 halves, they made the kernel 0.2 of the op's 1.25x of its
 GEMM on the H200); rotate_half's halves, runs of R/2 columns, as they lie (the block split in
 registers took 7% longer there: 0.182 against 0.170 ms, ops_breakdown). Each
 program writes its partial row sums of zdz to an fp32 [M, pair blocks] buffer, summed after
@@ -90,22 +94,30 @@ def _rotate_kernel(
     HALF_R: tl.constexpr, HALF_SEGMENT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_P: tl.constexpr, TRANSPOSED: tl.constexpr, WITH_ZDZ: tl.constexpr, EMULATE_RNE: tl.constexpr,
 ):
-    """dqkv in three parts: columns [0, end0), [end0, end1), [end1, N). A pair's columns lie
-    HALF_SEGMENT apart inside segments of 2 HALF_SEGMENT columns (R/2: rotate_half; 1: interleaved).
-    SPLIT (runs of fewer than 16 columns, 32 bytes of bf16, a memory sector, and a power of two): a
-    program reads and writes its 2 BLOCK_P columns as one contiguous block (BLOCK_P a multiple of
-    HALF_SEGMENT: whole segments) and splits it into pairs in registers; otherwise each half of
-    its pairs is read as it lies (in runs of whole sectors where HALF_SEGMENT is 16 or more)."""
+    """dqkv in three parts: columns [0, end0), [end0, end1), [end1, N); head_dim even.
+    SPLIT (interleaved, HALF_SEGMENT 1; or rotate_half with R/2 = HALF_SEGMENT a power of two
+    under 16 columns, 32 bytes of bf16, a memory sector, and R dividing D): a pair's columns lie
+    HALF_SEGMENT apart inside segments of 2 HALF_SEGMENT columns tiling the heads, and a program
+    reads and writes its 2 BLOCK_P columns as one contiguous block (BLOCK_P a multiple of
+    HALF_SEGMENT: whole segments), split into pairs in registers. Otherwise (rotate_half) each
+    half of its pairs is read as it lies, in runs of R/2 and (D - R)/2 columns."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     rows64 = rows.to(tl.int64)[:, None]
-    first = ((pairs // HALF_SEGMENT) * (2 * HALF_SEGMENT) + pairs % HALF_SEGMENT)[None, :]  # each pair's first column
-    second = first + HALF_SEGMENT
+    half_d = head_dim // 2
+    j = pairs % half_d  # the pair's index in its head: rotated by frequency j when j < R/2
+    if SPLIT:  # segments of 2 HALF_SEGMENT columns tile the heads
+        first = (pairs // HALF_SEGMENT) * (2 * HALF_SEGMENT) + pairs % HALF_SEGMENT
+        second = first + HALF_SEGMENT
+    else:  # rotate_half: runs of R/2 rotated, then runs of (D - R)/2 passing through
+        first = (pairs - j) * 2 + tl.where(j < HALF_R, j, HALF_R + j)
+        second = first + tl.where(j < HALF_R, HALF_R, half_d - HALF_R)
+    first, second = first[None, :], second[None, :]
     cols = (tl.program_id(1) * 2 * BLOCK_P + tl.arange(0, 2 * BLOCK_P))[None, :]  # the block's columns, in order
-    freq = pairs % HALF_R
+    freq = j[None, :]
     ok = (rows < M)[:, None] & (cols < N)
     pair_ok = (rows < M)[:, None] & (pairs < N // 2)[None, :]
-    rotated = (first % head_dim < 2 * HALF_R) & (first < n_rotated)
+    rotated = (j < HALF_R)[None, :] & (first < n_rotated)
     parts = (dqkv0, dqkv1, dqkv2, end0, end1, s_dqkv0, s_dqkv1, s_dqkv2)
 
     if SPLIT:
@@ -114,8 +126,8 @@ def _rotate_kernel(
     else:
         d1 = tl.load(_dqkv_at(first, rows64, *parts), mask=pair_ok, other=0.0).to(tl.float32)
         d2 = tl.load(_dqkv_at(second, rows64, *parts), mask=pair_ok, other=0.0).to(tl.float32)
-    c = tl.load(cos + rows64 * s_table + freq[None, :], mask=pair_ok & rotated, other=1.0)
-    s = tl.load(sin + rows64 * s_table + freq[None, :], mask=pair_ok & rotated, other=0.0)
+    c = tl.load(cos + rows64 * s_table + freq, mask=pair_ok & rotated, other=1.0)
+    s = tl.load(sin + rows64 * s_table + freq, mask=pair_ok & rotated, other=0.0)
     if not TRANSPOSED:  # the forward rotation: the transposed one by -theta
         s = -s
 
@@ -166,8 +178,8 @@ def rotate(dqkv: torch.Tensor | list[torch.Tensor], qkv: Optional[torch.Tensor],
     half_segment = 1 if interleaved else half_r
     block_m, block_p, warps = INTERPRET_BLOCK if interpreting() else GPU_BLOCK
     # short runs (under a 32-byte sector) are read as whole segments and split in registers,
-    # which takes power-of-two segments; any other run length is read pair by pair, as it lies
-    split = half_segment < 16 and half_segment & (half_segment - 1) == 0
+    # which takes power-of-two segments tiling the heads; any other run is read pair by pair, as it lies
+    split = half_segment < 16 and half_segment & (half_segment - 1) == 0 and head_dim % (2 * half_segment) == 0
     if split:
         block_p = max(block_p, half_segment)  # whole segments (both powers of two)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n // 2, block_p))

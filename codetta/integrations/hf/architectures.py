@@ -639,27 +639,27 @@ def why_rotary_unfusable(rotary, classes: ModelClasses):
 
 
 def why_rotary_dims_unfit(rotated: int, head_dim: int):
-    """None when codetta can apply RoPE to the first ``rotated`` dims of each head (it rotates
-    within column segments of that many columns: an even number dividing head_dim), else why not.
-    In the QKV epilogue where they are also a power of two (:func:`rotary_dims_fit_epilogue`),
-    else by codetta's rotation kernel after the QKV GEMM."""
-    if rotated > 0 and rotated % 2 == 0 and head_dim % rotated == 0:
-        return None
-    if rotated == head_dim:
+    """None when codetta can apply RoPE to the first ``rotated`` dims of each head (an even
+    number, at most head_dim, itself even), else why not. In the QKV epilogue where they are a
+    power of two dividing head_dim (:func:`rotary_dims_fit_epilogue`), else by codetta's rotation
+    kernel after the QKV GEMM."""
+    if head_dim % 2:
         return f"head_dim {head_dim} is odd"
-    return f"the rotary dims {rotated} of head_dim {head_dim} are not an even divisor of it"
+    if rotated <= 0 or rotated % 2 or rotated > head_dim:
+        return f"the rotary dims {rotated} of head_dim {head_dim} are not an even number up to it"
+    return None
 
 
 def rotary_dims_fit_epilogue(rotated: int, head_dim: int, qk_norm: bool) -> bool:
-    """Whether the QKV GEMM's epilogue can rotate these dims (a power of two: the tile's segments),
-    and normalize whole heads before (QK-norm: a power-of-two head_dim)."""
-    return rotated & (rotated - 1) == 0 and not (qk_norm and head_dim & (head_dim - 1))
+    """Whether the QKV GEMM's epilogue can rotate these dims (a power of two dividing head_dim:
+    the tile's segments), and normalize whole heads before (QK-norm: a power-of-two head_dim)."""
+    return rotated & (rotated - 1) == 0 and head_dim % rotated == 0 and not (qk_norm and head_dim & (head_dim - 1))
 
 
 def why_rope_unfusable(model, arch: Architecture):
-    """None when codetta can apply the layers' RoPE, else why not: it rotates within column
-    segments of R columns, R (the rotary dims: head_dim, or as many as the rotary frequencies
-    give angles for where the family's RoPE is partial) even and dividing head_dim."""
+    """None when codetta can apply the layers' RoPE, else why not: R (the rotary dims: head_dim,
+    or as many as the rotary frequencies give angles for where the family's RoPE is partial)
+    even and at most head_dim, itself even (:func:`why_rotary_dims_unfit`)."""
     decoder = decoder_of(model)
     for layer in decoder.layers:
         head_dim = layer.self_attn.head_dim
