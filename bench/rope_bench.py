@@ -17,11 +17,15 @@ host's Python and launch costs, what a training step sees where the GPU waits fo
 from __future__ import annotations
 
 import importlib
+import sys
+from pathlib import Path
 
 import torch
 
-from codetta.ops import apply_rope
-from common import markdown_table, median_graph_ms, median_ms, require_gpu, write_results
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from codetta.ops import apply_rope  # noqa: E402
+from common import markdown_table, median_graph_ms, median_ms, require_gpu, write_results  # noqa: E402
 
 SHAPES = {  # q heads, kv heads, head_dim, rotary dims
     "llama3-8b": (32, 8, 128, 128),
