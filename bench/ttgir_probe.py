@@ -129,14 +129,17 @@ def row_kernels():
         dict(dy_ptr="bf16", z_ptr="bf16", dz_ptr="bf16", part_ptr="fp32", y_ptr="bf16"),
         dict(M=i32, F=i32, dy_s0=i64, z_s0=i64, dz_s0=i64, part_s0=i64, y_s0=i64),
         dict(BM=bm, BF=bf, ACTIVATION="silu", STORE_Y=y, EMULATE_RNE=False), w)) for y in (False, True)]
-    bm, bp, w = rope_k.GPU_BLOCK
-    kernels.append((f"rope backward (head_dim 128) {bm}x{bp}", (
+    bm, heads, w = rope_k.GPU_BLOCK
+    kernels += [(f"rope backward (head_dim {d}, rotary dims {2 * r}{', interleaved' if il else ''}) {bm} rows x "
+                 f"{heads} heads", (
         rope_k._rotate_kernel,
         dict(dqkv0="bf16", dqkv1="bf16", dqkv2="bf16", qkv="bf16", cos="fp32", sin="fp32", dz="bf16",
              zdz_part="fp32"),
-        dict(M=i32, N=i32, n_rotated=i32, head_dim=i32, end0=i32, end1=i32, s_dqkv0=i64, s_dqkv1=i64, s_dqkv2=i64,
+        dict(M=i32, n_heads=i32, n_rotated_heads=i32, end0=i32, end1=i32, s_dqkv0=i64, s_dqkv1=i64, s_dqkv2=i64,
              s_qkv=i64, s_table=i64, s_dz=i64, s_part=i64),
-        dict(HALF_R=64, HALF_SEGMENT=64, BLOCK_M=bm, BLOCK_P=bp, WITH_ZDZ=True, EMULATE_RNE=False), w)))
+        dict(HEAD_DIM=d, HALF_R=r, HALF_P=r_p, REST_P=rest_p, INTERLEAVED=il, BLOCK_M=bm, HEADS=heads,
+             TRANSPOSED=True, WITH_ZDZ=True, EMULATE_RNE=False), w))
+        for d, r, r_p, rest_p, il in ((128, 64, 64, 0, False), (128, 64, 64, 0, True), (128, 48, 64, 32, False))]
     bm, bn, w = softmax_k.GPU_BLOCK
     kernels.append((f"softmax gradient {bm}x{bn}", (
         softmax_k._softmax_grad_kernel,

@@ -439,16 +439,18 @@ def test_traces_with_dynamic_shapes():
 
 @pytest.mark.parametrize("transposed", [True, False], ids=["transposed", "forward"])
 @pytest.mark.parametrize("head_dim, rotary_dim, interleaved", [(8, 8, False), (64, 32, False), (64, 64, False),
-                                                               (16, 8, True), (128, 128, True)])
+                                                               (16, 8, True), (128, 128, True), (12, 8, False),
+                                                               (24, 24, False), (16, 6, True), (10, 10, True)])
 def test_rotation_kernel_either_way(head_dim, rotary_dim, interleaved, transposed):
     """The rotation kernel by itself (fp32): q, k, v as three parts with row strides of their
-    own, an odd row count; rotate_half's halves of 16 columns and more are read as they lie,
-    narrower ones (and interleaved pairs) as one block split in registers: both must give the
-    rotation of the q and k heads (transposed: RoPE's backward, with zdz = sum_k qkv_ik dqkv_ik;
-    else RoPE's forward), applied here pair by pair in fp64."""
+    own, an odd row count, five heads (two groups of a program's four in the interpreter); rotary
+    dims whole heads, a share, no power of two (24, 10: padded runs) or no divisor of head_dim
+    (8 of 12, 6 of 16): the rotation of the q and k heads' first rotary_dim columns (transposed:
+    RoPE's backward, with zdz = sum_k qkv_ik dqkv_ik; else RoPE's forward), applied here pair by
+    pair in fp64, every other column passing through."""
     from codetta.kernels.rope import rotate
 
-    m, n_q, n_kv = 37, 2, 1
+    m, n_q, n_kv = 37, 3, 1
     g = torch.Generator().manual_seed(head_dim + rotary_dim + interleaved)
     widths = [n_q * head_dim, n_kv * head_dim, n_kv * head_dim]
     parts = [torch.randn(m, w + 8, generator=g)[:, 3:3 + w].to(DEVICE) for w in widths]  # strides of their own
