@@ -126,9 +126,9 @@ def row_kernels():
     bm, bf, w = swiglu_k.GPU_BLOCK
     kernels += [(f"swiglu backward{', recomputing y' if y else ''} {bm}x{bf}", (
         swiglu_k._swiglu_backward_kernel,
-        dict(dy_ptr="bf16", z_ptr="bf16", dz_ptr="bf16", part_ptr="fp32", y_ptr="bf16"),
-        dict(M=i32, F=i32, dy_s0=i64, z_s0=i64, dz_s0=i64, part_s0=i64, y_s0=i64),
-        dict(BM=bm, BF=bf, ACTIVATION="silu", STORE_Y=y, EMULATE_RNE=False), w)) for y in (False, True)]
+        dict(dy_ptr="bf16", g_ptr="bf16", u_ptr="bf16", dg_ptr="bf16", du_ptr="bf16", part_ptr="fp32", y_ptr="bf16"),
+        dict(M=i32, F=i32, dy_s0=i64, g_s0=i64, u_s0=i64, dg_s0=i64, du_s0=i64, part_s0=i64, y_s0=i64),
+        dict(BM=bm, BF=bf, ACTIVATION="silu", ROW_DOT=True, STORE_Y=y, EMULATE_RNE=False), w)) for y in (False, True)]
     bm, heads, w = rope_k.GPU_BLOCK
     kernels += [(f"rope backward (head_dim {d}, rotary dims {2 * r}{', interleaved' if il else ''}) {bm} rows x "
                  f"{heads} heads", (

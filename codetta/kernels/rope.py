@@ -50,7 +50,9 @@ from ..matmul.mainloop import cast
 from .launch import launch
 
 
-# (rows, heads, warps) per program.
+# (rows, heads, warps) per program. On an H100 (bench/rope_kernel_probe.py, code a08b3f1) 2.4-2.7
+# TB/s at Llama-3-8B's, Phi-3-mini's and Phi-4-mini's heads, within 5% of the best of ten blocks
+# (4-32 rows, 4-16 heads, 4 or 8 warps); 140 registers (232 interleaved) on sm_90, no spills.
 GPU_BLOCK = (16, 8, 4)
 INTERPRET_BLOCK = (16, 4, 4)
 
