@@ -24,6 +24,17 @@ from ..interpreter import INTERPRETER_LOCK, interpreting
 _COMPILED = {}
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for a grid: ``triton.cdiv`` is a constexpr function in Triton 3.9, whose call
+    from Python costs several µs of host time, as much as a launch of a compiled kernel."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= n (n >= 1), in plain Python for the reason of :func:`cdiv`."""
+    return 1 << (n - 1).bit_length()
+
+
 def _spec(value):
     if isinstance(value, torch.Tensor):
         return value.dtype, value.device, value.data_ptr() % 16 == 0

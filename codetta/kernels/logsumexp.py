@@ -19,7 +19,7 @@ import triton.language as tl
 from ..interpreter import interpreting
 from ..matmul.mainloop import tanh
 from .finish import row_max_and_log_sum, row_sum
-from .launch import launch
+from .launch import cdiv, launch
 
 # (rows, columns, warps) per program. On the H200 (bench/ce_logits_probe.py, 8192 x 128256 bf16)
 # 1 x 4096 read at 3.4-3.6 TB/s, 4 x 1024 (the softmax-gradient pass's block) at 2.9-3.1,
@@ -75,10 +75,10 @@ def row_stats(z: torch.Tensor, target: torch.Tensor, *, logit_sum: bool = False,
         raise ValueError(f"row_stats: z needs unit column stride, got strides {z.stride()}")
     if target.shape != (m,) or target.dtype.is_floating_point:
         raise ValueError(f"row_stats: target must be integer [{m}], got {target.dtype} {tuple(target.shape)}")
-    parts = max(1, triton.cdiv(n, block_n))
+    parts = max(1, cdiv(n, block_n))
     stats = torch.empty(4 if logit_sum else 3, m, parts, device=z.device, dtype=torch.float32)
     if m and n:
-        launch(_row_stats_kernel, (triton.cdiv(m, block_m), parts), z, z.stride(0), target.contiguous(), stats[0],
+        launch(_row_stats_kernel, (cdiv(m, block_m), parts), z, z.stride(0), target.contiguous(), stats[0],
                stats[1], stats[2], stats[3] if logit_sum else stats[2], m, n, parts, float(softcap or 1.0),
                BLOCK_M=block_m, BLOCK_N=block_n, LOGIT_SUM=logit_sum, CAPPED=bool(softcap), num_warps=GPU_BLOCK[2])
     else:

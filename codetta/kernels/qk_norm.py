@@ -35,7 +35,7 @@ from torch import Tensor
 from ..interpreter import interpreting
 from ..matmul.mainloop import cast
 from .finish import row_sum
-from .launch import launch
+from .launch import cdiv, launch
 
 
 @triton.jit
@@ -85,7 +85,7 @@ def _block(m: int, head_dim: int) -> tuple[int, int, int]:
     if interpreting():
         return 16, 1, 1
     block_m = max(1, min(64, 4096 // head_dim))
-    iters = max(1, min(8, triton.cdiv(m, block_m * 1024)))  # keep >= ~1K row programs
+    iters = max(1, min(8, cdiv(m, block_m * 1024)))  # keep >= ~1K row programs
     return block_m, iters, 4
 
 
@@ -115,7 +115,7 @@ def qk_norm_backward(dzn: Tensor, z: Tensor, q_weight: Tensor, k_weight: Tensor,
         out = torch.empty_like(dzn)
     w = torch.stack([q_weight, k_weight]).float()
     block_m, iters, warps = _block(m, head_dim)
-    grid = (triton.cdiv(m, block_m * iters), n_heads)
+    grid = (cdiv(m, block_m * iters), n_heads)
     zdz_part = torch.empty(m, n_heads, device=z.device, dtype=torch.float32)
     dw_part = torch.zeros(grid[0], n_normed, head_dim, device=z.device, dtype=torch.float32)
     if m:

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from ..interpreter import interpreting
 from ..matmul.mainloop import cast
-from .launch import launch
+from .launch import cdiv, launch
 
 GPU_BLOCK = (8, 512, 4)  # (rows, columns per step, warps)
 # the backward holds more values per element: half the tile (sm_90, local Triton 3.9: 109
@@ -130,7 +130,7 @@ def rstd_of_partial_sums(part: Tensor, d: int, eps: float) -> Tensor:
     rstd = torch.empty(m, device=part.device, dtype=torch.float32)
     if m:
         bm, bt, warps = (16, 8, 1) if interpreting() else (128, 32, 4)
-        launch(_rstd_of_partials_kernel, (triton.cdiv(m, bm),), part, rstd, m, t, d, float(eps),
+        launch(_rstd_of_partials_kernel, (cdiv(m, bm),), part, rstd, m, t, d, float(eps),
                BM=bm, BT=bt, num_warps=warps)
     return rstd
 
@@ -158,7 +158,7 @@ def _rows_pass(x: Tensor, norm_weight: Tensor, eps: float, normalize: bool, dtyp
     rstd = torch.empty(m, device=x.device, dtype=torch.float32) if d else _rstd_of_no_columns(m, x.device)
     if m and d:
         bm, bd, warps = _block()
-        launch(_rmsnorm_rows_kernel, (triton.cdiv(m, bm),),
+        launch(_rmsnorm_rows_kernel, (cdiv(m, bm),),
             x2, norm_weight.contiguous(), out, rstd, m, d, x2.stride(0), out.stride(0), float(eps),
             BM=bm, BD=bd, NORMALIZE=normalize, EMULATE_RNE=interpreting(), num_warps=warps,
         )
@@ -199,7 +199,7 @@ def rmsnorm_backward(x: Tensor, norm_weight: Tensor, rstd: Tensor, dh: Tensor, *
     if not (m and d):
         return dx_out.zero_(), torch.zeros(d, device=x.device, dtype=torch.float32)
     bm, bd, warps = _block(GPU_BACKWARD_BLOCK)
-    grid = triton.cdiv(m, bm)
+    grid = cdiv(m, bm)
     dg_part = torch.empty(grid, d, device=x.device, dtype=torch.float32)
     launch(_rmsnorm_backward_kernel, (grid,),
         x2, norm_weight.contiguous(), rstd.contiguous(), dh2, dx_out, dg_part, m, d,

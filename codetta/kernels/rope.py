@@ -47,11 +47,11 @@ import triton.language as tl
 
 from ..interpreter import interpreting
 from ..matmul.mainloop import cast
-from .launch import launch
+from .launch import cdiv, launch, next_power_of_2
 
 
 # (rows, heads, warps) per program. On an H100 (bench/rope_kernel_probe.py, code a08b3f1) 2.4-2.7
-# TB/s at Llama-3-8B's, Phi-3-mini's and Phi-4-mini's heads, within 5% of the best of ten blocks
+# TB/s at Llama-3-8B's, Phi-3-mini's and Phi-4-mini's heads, within 7% of the best of ten blocks
 # (4-32 rows, 4-16 heads, 4 or 8 warps); 140 registers (232 interleaved) on sm_90, no spills.
 GPU_BLOCK = (16, 8, 4)
 INTERPRET_BLOCK = (16, 4, 4)
@@ -155,7 +155,7 @@ def rotate(dqkv: torch.Tensor | list[torch.Tensor], qkv: Optional[torch.Tensor],
     qkv = (qkv if qkv.stride(1) == 1 else qkv.contiguous()) if with_zdz else parts[0]
     m, n = parts[0].shape[0], ends[-1]
     block_m, heads, warps = block or (INTERPRET_BLOCK if interpreting() else GPU_BLOCK)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n // head_dim, heads))
+    grid = (cdiv(m, block_m), cdiv(n // head_dim, heads))
     dz = torch.empty(m, n, device=parts[0].device, dtype=parts[0].dtype)
     part = torch.empty(m, grid[1], device=dz.device, dtype=torch.float32) if with_zdz else cos  # cos: unused
     rest = head_dim - 2 * half_r
@@ -163,8 +163,8 @@ def rotate(dqkv: torch.Tensor | list[torch.Tensor], qkv: Optional[torch.Tensor],
         launch(_rotate_kernel, grid,
             *parts, qkv, cos, sin, dz, part, m, n // head_dim, n_rotated // head_dim, ends[0], ends[1],
             *(t.stride(0) for t in parts), qkv.stride(0), cos.stride(0), dz.stride(0), part.stride(0),
-            HEAD_DIM=head_dim, HALF_R=half_r, HALF_P=triton.next_power_of_2(half_r),
-            REST_P=triton.next_power_of_2(rest) if rest else 0, INTERLEAVED=interleaved, BLOCK_M=block_m,
+            HEAD_DIM=head_dim, HALF_R=half_r, HALF_P=next_power_of_2(half_r),
+            REST_P=next_power_of_2(rest) if rest else 0, INTERLEAVED=interleaved, BLOCK_M=block_m,
             HEADS=heads, TRANSPOSED=transposed, WITH_ZDZ=with_zdz, EMULATE_RNE=interpreting(), num_warps=warps,
         )
     return dz, part.sum(dim=1) if with_zdz else None

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from ..interpreter import interpreting
 from ..matmul.mainloop import cast
-from .launch import launch
+from .launch import cdiv, launch
 
 GPU_BLOCK, GPU_PROGRAMS = 4096, 1024  # elements per program step; programs striding over t
 INTERPRET_BLOCK, INTERPRET_PROGRAMS = 64, 4
@@ -44,5 +44,5 @@ def scale_unless_one_(t: torch.Tensor, s: torch.Tensor) -> None:
     if n == 0:
         return
     block, programs = (INTERPRET_BLOCK, INTERPRET_PROGRAMS) if interpreting() else (GPU_BLOCK, GPU_PROGRAMS)
-    launch(_scale_unless_one_kernel, (min(triton.cdiv(n, block), programs),), t, s, n,
+    launch(_scale_unless_one_kernel, (min(cdiv(n, block), programs),), t, s, n,
            BLOCK=block, EMULATE_RNE=interpreting())

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ..interpreter import interpreting
 from ..matmul.mainloop import cast, tanh
-from .launch import launch
+from .launch import cdiv, launch
 
 
 # (rows, columns, warps) per program: 89 registers on sm_90 (local Triton 3.9), 20 warps per
@@ -97,7 +97,7 @@ def softmax_grad_(z: torch.Tensor, lse, target: torch.Tensor, scale: torch.Tenso
     if target.shape != (m,) or target.dtype.is_floating_point:
         raise ValueError(f"softmax_grad_: target must be integer [{m}], got {target.dtype} {tuple(target.shape)}")
     if m and n:
-        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+        grid = (cdiv(m, block_m), cdiv(n, block_n))
         launch(_softmax_grad_kernel, grid, z, z.stride(0), shift.contiguous(), log_sum.contiguous(), target.contiguous(),
                scale.contiguous(), m, n, 1.0 - label_smoothing, label_smoothing / n, 2.0 * z_loss,
                float(softcap or 1.0),

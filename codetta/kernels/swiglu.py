@@ -47,7 +47,7 @@ from ..interpreter import interpreting
 from ..matmul.mainloop import cast
 from ..ops.activations import check_activation
 from .finish import row_sum
-from .launch import launch
+from .launch import cdiv, launch
 
 # [rows, columns of F] per program and warps: on a GPU 2K elements of each tile per program,
 # 8 per thread (sm_90, local Triton 3.9: 64 registers, 80 with y; 32 x 256 took 255 and
@@ -135,7 +135,7 @@ def _check_out(name: str, t: Optional[Tensor], like: Tensor, shape: tuple[int, i
 
 def _grid_and_block(m: int, f: int, block: Optional[tuple[int, int, int]]):
     bm, bf, warps = block or (INTERPRET_BLOCK if interpreting() else GPU_BLOCK)
-    return (triton.cdiv(m, bm), triton.cdiv(f, bf)), bm, bf, warps
+    return (cdiv(m, bm), cdiv(f, bf)), bm, bf, warps
 
 
 def gated_activation(gate: Tensor, up: Tensor, *, activation: str = "silu", out: Optional[Tensor] = None,

@@ -77,7 +77,7 @@ from .rmsnorm import (_check_norm_inputs, _weight_t, check_eps, given_stats, nor
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .weight_grads import for_autograd, run_backward, skipping, weight_grads_like
-from .shapes import check_biases, check_vector, concat_biases, rows
+from .shapes import broadcasts_to, check_biases, check_vector, concat_biases, rows
 
 
 def _pair_segment(rotary_dim: int, interleaved: bool) -> int:
@@ -320,11 +320,8 @@ def _token_positions(positions: Tensor, lead: torch.Size) -> Tensor:
         return positions
     if positions.dim() == 1 and len(lead) != 1 and positions.numel() == lead.numel():  # flat [M] (M = 1: a 1-d x)
         return positions.reshape(lead)
-    try:
-        if torch.broadcast_shapes(positions.shape, lead) == lead:
-            return positions.expand(lead)
-    except RuntimeError:
-        pass
+    if broadcasts_to(positions.shape, lead):
+        return positions.expand(lead)
     raise ValueError(f"positions {tuple(positions.shape)} are not one per token of x's leading dims {tuple(lead)}")
 
 
@@ -366,11 +363,7 @@ def _check_cos_sin(cos_sin, positions, inv_freq, rotary_dim, attention_scaling, 
     for name, t in (("cos", cos), ("sin", sin)):
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
-    try:
-        fits = torch.broadcast_shapes(cos.shape[:-1], lead) == lead
-    except RuntimeError:
-        fits = False
-    if not fits:
+    if not broadcasts_to(cos.shape[:-1], lead):
         raise ValueError(f"cos and sin {tuple(cos.shape)} are not [..., R] for each token of x's leading dims "
                          f"{tuple(lead)}")
     if rotary_dim is not None and rotary_dim != cos.shape[-1]:
