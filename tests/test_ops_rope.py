@@ -359,7 +359,7 @@ def test_bad_inputs():
     tensors, _, pos, inv_freq = make(4, 16, 16, 2, 1, 16, False, 8)
     with pytest.raises(ValueError, match="whole heads"):
         rmsnorm_qkv_rope(*tensors, pos, inv_freq[:4], head_dim=24, rotary_dim=8)
-    with pytest.raises(ValueError, match="power of two"):
+    with pytest.raises(ValueError, match="power of two dividing head_dim 16 .*apply_rope after rmsnorm_linear"):
         rmsnorm_qkv_rope(*tensors, pos, inv_freq[:3], head_dim=16, rotary_dim=6)
     with pytest.raises(ValueError, match="inv_freq"):
         rmsnorm_qkv_rope(*tensors, pos, inv_freq[:3], head_dim=16)

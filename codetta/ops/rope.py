@@ -392,7 +392,8 @@ def rope_tables_for(x: Tensor, head_dim, positions, inv_freq, *, rotary_dim, att
     if not isinstance(interleaved, bool):
         raise ValueError(f"interleaved must be a bool, got {interleaved!r}")
     if in_epilogue and (rotary_dim < 2 or rotary_dim & (rotary_dim - 1) or head_dim % rotary_dim):
-        raise ValueError(f"rotary_dim {rotary_dim} must be a power of two dividing head_dim {head_dim}")
+        raise ValueError(f"rotary_dim {rotary_dim} must be a power of two dividing head_dim {head_dim} in the QKV "
+                         f"epilogue (codetta.ops.apply_rope after rmsnorm_linear takes any even one up to head_dim)")
     if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim or head_dim % 2:
         raise ValueError(f"rotary_dim {rotary_dim} must be even and at most head_dim {head_dim}, itself even")
     if cos_sin is None:
