@@ -370,6 +370,29 @@ def test_rotary_dims_the_epilogue_cannot_take_rotate_by_codettas_kernel(name, he
     assert len(ours) == len(models) == len(ref.model.layers)  # the model's own RoPE in the unpatched run only
 
 
+@pytest.mark.parametrize("share, rotated, where", [(1 / 3, 32, "epilogue"), (2 / 3, 64, "kernel")])
+def test_power_of_two_rotary_dims_of_a_head_of_96(share, rotated, where, monkeypatch):
+    """Phi-3 with heads of 96 rotating a power of two of their dims: 32 divide 96, so segments of
+    32 columns tile the heads and the QKV epilogue rotates them; 64 do not (the epilogue's
+    segments would straddle heads), so codetta's rotation kernel does, after the norm-folded QKV
+    GEMM. Both silently, both with the unpatched model's loss and gradients."""
+    ref = tiny("Phi3ForCausalLM", hidden_size=192, num_attention_heads=2, num_key_value_heads=1, head_dim=96,
+               partial_rotary_factor=share, pad_token_id=0, eos_token_id=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = codetta.patch(copy.deepcopy(ref))
+    calls = {"epilogue": [], "kernel": []}
+    fused, rotate = layer_module.rmsnorm_qkv_rope, layer_module.apply_rope
+    monkeypatch.setattr(layer_module, "rmsnorm_qkv_rope",
+                        lambda *a, **k: calls["epilogue"].append(k["rotary_dim"]) or fused(*a, **k))
+    monkeypatch.setattr(layer_module, "apply_rope", lambda *a, **k: calls["kernel"].append(k["rotary_dim"])
+                        or rotate(*a, **k))
+    ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    other = "kernel" if where == "epilogue" else "epilogue"
+    assert calls[where] == [rotated] * len(ref.model.layers) and not calls[other]
+
+
 @pytest.mark.parametrize("flags", [dict(rope=False), dict(swiglu=False), dict(cross_entropy=False),
                                    dict(rms_norm=False, rope=False, swiglu=False)], ids=str)
 @pytest.mark.parametrize("key", ["qwen2_bias", "granite_multipliers", "phi3_fused_projections_partial_rope"])
