@@ -3,7 +3,8 @@ backward, in fp32 against the same math written here unfused in fp64.
 
 The sizes are drawn with no regard for tiles (1 to a few tile widths, odd values), the
 leading dims with one or two axes, the options each operator takes drawn together (GQA
-ratios 1-8, head_dim 2-128 with partial rotary, interleaved pairs, QK-norm, biases, long
+ratios 1-8, head_dim 2-128 with partial rotary (apply_rope: any even head_dim up to 160 and any
+even rotary dims up to it), interleaved pairs, QK-norm, biases, long
 positions; reductions, ignored rows, label smoothing, z-loss, soft cap, chunking; gate
 activations, branch scales, the next norm's statistics). The loss is a fixed random
 weighting of every differentiable output, so that each gradient is exercised.
@@ -117,22 +118,53 @@ def test_rmsnorm_qkv_rope(data):
         q, k, v = (F.linear(h, w, b) for w, b in zip((wq, wk, wv), bias or (None,) * 3))
         if qk_norm:
             q, k = (rms_norm64(t.unflatten(-1, (-1, head_dim)), w, eps).flatten(-2) for t, w in ((q, qn), (k, kn)))
-        angles = positions.double().unsqueeze(-1) * inv_freq.double()
-        cos, sin = ((f(angles) * scaling).unsqueeze(-2) for f in (torch.cos, torch.sin))
-
-        def rope(t):
-            heads = t.unflatten(-1, (-1, head_dim))
-            rot, rest = heads[..., :rotary_dim], heads[..., rotary_dim:]
-            if interleaved:
-                x1, x2 = rot[..., 0::2], rot[..., 1::2]
-                rotated = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).flatten(-2)
-            else:
-                x1, x2 = rot.chunk(2, -1)
-                rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
-            return torch.cat([rotated, rest], -1).flatten(-2)
-        return rope(q), rope(k), v
+        return (*(rope64(t, positions, inv_freq, scaling, head_dim, rotary_dim, interleaved) for t in (q, k)), v)
 
     check(fused, reference, inputs)
+
+
+def rope64(t, positions, inv_freq, scaling, head_dim, rotary_dim, interleaved):
+    """RoPE on t [..., heads * head_dim] in fp64: each head's first rotary_dim columns rotated
+    (rotate_half's halves, or adjacent pairs), the others as they are."""
+    angles = positions.double().unsqueeze(-1) * inv_freq.double()
+    cos, sin = ((f(angles) * scaling).unsqueeze(-2) for f in (torch.cos, torch.sin))
+    heads = t.unflatten(-1, (-1, head_dim))
+    rot, rest = heads[..., :rotary_dim], heads[..., rotary_dim:]
+    if interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).flatten(-2)
+    else:
+        x1, x2 = rot.chunk(2, -1)
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+    return torch.cat([rotated, rest], -1).flatten(-2)
+
+
+@_SETTINGS
+@given(data=st.data())
+def test_apply_rope(data):
+    """Any even head_dim (no power of two needed) and any even rotary dims up to it; q and k as
+    column slices of wider tensors (row strides of their own)."""
+    head_dim = 2 * data.draw(st.integers(1, 80), "head_dim / 2")
+    rotary_dim = 2 * data.draw(st.integers(1, head_dim // 2), "rotary_dim / 2")
+    n_kv = data.draw(st.integers(1, 3), "n_kv")
+    n_q = n_kv * data.draw(st.sampled_from([1, 2, 4, 8]), "group")
+    lead = leading_shape(data)
+    interleaved = data.draw(st.booleans(), "interleaved")
+    scaling = data.draw(st.sampled_from([1.0, 0.7]), "attention_scaling")
+    positions = torch.randint(0, 1 << data.draw(st.sampled_from([4, 12, 20]), "log2 positions"), lead, device=DEVICE)
+    inv_freq = (1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, device=DEVICE, dtype=torch.float64) / rotary_dim))).float()
+    pad = data.draw(st.integers(0, 3), "columns around q and k")
+    q_wide, k_wide = param(*lead, n_q * head_dim + pad), param(*lead, n_kv * head_dim + pad)
+
+    def fused(q_wide, k_wide):
+        return ops.apply_rope(q_wide[..., pad:], k_wide[..., :n_kv * head_dim], positions, inv_freq, head_dim=head_dim,
+                              rotary_dim=rotary_dim, attention_scaling=scaling, interleaved=interleaved)
+
+    def reference(q_wide, k_wide):
+        return tuple(rope64(t, positions, inv_freq, scaling, head_dim, rotary_dim, interleaved)
+                     for t in (q_wide[..., pad:], k_wide[..., :n_kv * head_dim]))
+
+    check(fused, reference, [q_wide, k_wide])
 
 
 @_SETTINGS
