@@ -52,11 +52,11 @@ def main():
         qk = sum(t.numel() for t in parts[:2]) * 2
         for block in blocks:
             extra = {} if block is None else dict(block=block)
+            common = dict(n_rotated=n_rot, head_dim=d, interleaved=interleaved, **extra)
             runs = {
-                "forward q, k": (lambda: rope_kernels.rotate(parts[:2], None, cos, sin, n_rotated=n_rot, head_dim=d,
-                                                            interleaved=interleaved, transposed=False, **extra), 2 * qk),
-                "transposed q, k, v + zdz": (lambda: rope_kernels.rotate(parts, qkv, cos, sin, n_rotated=n_rot,
-                                                                        head_dim=d, interleaved=interleaved, **extra),
+                "forward q, k": (lambda: rope_kernels.rotate(parts[:2], None, cos, sin, transposed=False, **common),
+                                 2 * qk),
+                "transposed q, k, v + zdz": (lambda: rope_kernels.rotate(parts, qkv, cos, sin, **common),
                                              3 * qkv.numel() * 2),
             }
             for what, (run, moved) in runs.items():

@@ -152,7 +152,8 @@ def test_apply_rope(data):
     interleaved = data.draw(st.booleans(), "interleaved")
     scaling = data.draw(st.sampled_from([1.0, 0.7]), "attention_scaling")
     positions = torch.randint(0, 1 << data.draw(st.sampled_from([4, 12, 20]), "log2 positions"), lead, device=DEVICE)
-    inv_freq = (1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, device=DEVICE, dtype=torch.float64) / rotary_dim))).float()
+    exponents = torch.arange(0, rotary_dim, 2, device=DEVICE, dtype=torch.float64) / rotary_dim
+    inv_freq = (1.0 / 10000**exponents).float()
     pad = data.draw(st.integers(0, 3), "columns around q and k")
     q_wide, k_wide = param(*lead, n_q * head_dim + pad), param(*lead, n_kv * head_dim + pad)
 

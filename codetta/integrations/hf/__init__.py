@@ -84,18 +84,21 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
 
     rms_norm: fold each RMSNorm that a GEMM reads into that GEMM (and its statistics into the
         GEMM before it); the others (Gemma 2's and GLM-4's output norms, a mixture of experts'
-        MLP norm) run as :func:`codetta.ops.rms_norm`; without it no layer is patched; rope: RoPE in the QKV GEMM's epilogue (with Qwen3's QK-norm before it,
-        in the same epilogue; where the rotary dims, or head_dim with QK-norm, are no power of two,
-        as Phi-3-mini's head_dim 96, or do not divide head_dim, as Phi-4-mini's 96 of 128, by
+        MLP norm) run as :func:`codetta.ops.rms_norm`; without it no layer is patched.
+    rope: RoPE in the QKV GEMM's epilogue (with Qwen3's QK-norm before it, in the same
+        epilogue); where the rotary dims, or head_dim with QK-norm, are no power of two, as
+        Phi-3-mini's head_dim 96, or do not divide head_dim, as Phi-4-mini's 96 of 128, by
         codetta's rotation kernel after the norm-folded QKV GEMM; a model with an odd head_dim or
-        odd rotary dims keeps the model's own RoPE, with a warning); swiglu: the gated MLP's activation in the gate/up
-        GEMM's epilogue (SwiGLU; GELU and ReLU gates too, see :func:`.architectures.gate_activation`;
-        any other activation module runs as itself after that GEMM, with a warning);
-        cross_entropy: LM head + loss fused when labels are given in training mode (``logits`` is
-            then None; in eval mode the model's own head and loss run and return the logits).
-            A causal LM's only: the other models have no LM loss, and their heads and losses run
-            as the model's own code.
-        ``rope`` and ``swiglu`` need ``rms_norm``.
+        odd rotary dims keeps the model's own RoPE, with a warning.
+    swiglu: the gated MLP's activation in the gate/up GEMM's epilogue (SwiGLU; GELU and ReLU
+        gates too, see :func:`.architectures.gate_activation`; any other activation module runs
+        as itself after that GEMM, with a warning).
+    cross_entropy: LM head + loss fused when labels are given in training mode (``logits`` is
+        then None; in eval mode the model's own head and loss run and return the logits). A
+        causal LM's only: the other models have no LM loss, and their heads and losses run as
+        the model's own code.
+
+    ``rope`` and ``swiglu`` need ``rms_norm``.
 
     Raises UnsupportedModelError (a ValueError) for a model or option it cannot patch,
     before changing anything.
