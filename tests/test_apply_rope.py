@@ -55,6 +55,9 @@ CASES = {  # lead dims, q heads, kv heads, head_dim, rotary_dim, interleaved
     "partial_rotary_24_of_32": ((5,), 3, 1, 32, 24, False),
     "partial_rotary_interleaved_6_of_8": ((7,), 2, 2, 8, 6, True),
     "partial_rotary_4_of_6": ((6,), 1, 1, 6, 4, False),
+    # an odd head_dim: its D - R columns pass through, no pairs needed
+    "head_dim_15_rotating_8": ((2, 4), 2, 1, 15, 8, False),
+    "interleaved_head_dim_9_rotating_6": ((5,), 2, 2, 9, 6, True),
 }
 
 
@@ -150,10 +153,8 @@ def test_bad_inputs():
         (dict(k=k.half()), "q and k must share their leading dims, dtype and device"),
         (dict(k=k[:3]), "q and k must share"),
         (dict(k=torch.randn(4, 12, device=DEVICE)), "not whole heads of 8"),
-        (dict(rotary_dim=10), "rotary_dim 10 must be even and at most head_dim 8, itself even"),
+        (dict(rotary_dim=10), "rotary_dim 10 must be even and at most head_dim 8"),
         (dict(rotary_dim=3, head_dim=6, q=q[:, :12], k=k[:, :6]), "rotary_dim 3 must be even and at most head_dim 6"),
-        (dict(rotary_dim=2, head_dim=3, q=q[:, :12], k=k[:, :6], inv_freq=inv_freq[:1]),
-         "rotary_dim 2 must be even and at most head_dim 3, itself even"),
         (dict(inv_freq=torch.ones(4, device=DEVICE, requires_grad=True)), "requires grad"),
         (dict(positions=torch.arange(3, device=DEVICE)), "positions .* are not one per token"),
         (dict(cos_sin=(torch.ones(4, 8, device=DEVICE),) * 2), "give positions and inv_freq, or cos_sin, not both"),

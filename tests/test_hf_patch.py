@@ -347,12 +347,13 @@ def test_qk_norm_epsilons_made_different_after_patching_run_unfused():
 
 @pytest.mark.parametrize("name, head_dim, share", [("LlamaForCausalLM", 24, None), ("Qwen3ForCausalLM", 24, None),
                                                    ("LlamaForCausalLM", 96, None), ("Phi3ForCausalLM", 24, 0.75),
-                                                   ("Phi3ForCausalLM", 32, 0.75)])
+                                                   ("Phi3ForCausalLM", 32, 0.75), ("Phi3ForCausalLM", 15, 0.5)])
 def test_rotary_dims_the_epilogue_cannot_take_rotate_by_codettas_kernel(name, head_dim, share, monkeypatch):
     """head_dim 24 or 96 (Phi-3-mini's), or partial rotary dims that do not divide head_dim (18
-    of 24; 24 of 32, as Phi-4-mini's 96 of 128): the epilogue's segments are power-of-two blocks
-    of a tile, so RoPE (after Qwen3's QK-norm) runs by codetta.ops.apply_rope after the
-    norm-folded QKV GEMM, not by the model's own code, without a warning; parity holds."""
+    of 24; 24 of 32, as Phi-4-mini's 96 of 128; 8 of an odd 15, the model's frequencies rounding
+    its 7.5 up to whole pairs): the epilogue's segments are power-of-two blocks of a tile, so
+    RoPE (after Qwen3's QK-norm) runs by codetta.ops.apply_rope after the norm-folded QKV GEMM,
+    not by the model's own code, without a warning; parity holds."""
     extra = {} if share is None else dict(partial_rotary_factor=share, pad_token_id=0, eos_token_id=2)
     ref = tiny(name, hidden_size=2 * head_dim if share else 48, num_attention_heads=2, num_key_value_heads=1,
                head_dim=head_dim, **extra)
@@ -800,20 +801,6 @@ def test_partial_rotary_angles_a_caller_hands_a_layer(rotated):
         out = layer(x, position_ids=positions, position_embeddings=cos_sin)
     torch.testing.assert_close(out, ref.model.layers[0](x, position_ids=positions, position_embeddings=cos_sin),
                                rtol=1e-5, atol=1e-5)
-
-
-def test_odd_head_dim_keeps_the_models_rope():
-    """Phi-3 with heads of 15 dims, the first 8 rotated (a rotary share of 0.5 gives 7, rounded up
-    to whole pairs by the model's frequencies): the 7 dims passing through make no pairs, so the
-    model's own RoPE runs after the norm-folded GEMM, warned at patch time; parity holds."""
-    ref = tiny("Phi3ForCausalLM", hidden_size=30, num_attention_heads=2, num_key_value_heads=1, head_dim=15,
-               partial_rotary_factor=0.5, pad_token_id=0, eos_token_id=2)
-    with pytest.warns(UserWarning, match="head_dim 15 is odd"):
-        model = codetta.patch(copy.deepcopy(ref))
-    ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # said at patch time, and again at each layer's call
-        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
 
 
 def test_granite_logits_scaling_with_a_head_bias():

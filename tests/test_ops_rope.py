@@ -440,14 +440,15 @@ def test_traces_with_dynamic_shapes():
 @pytest.mark.parametrize("transposed", [True, False], ids=["transposed", "forward"])
 @pytest.mark.parametrize("head_dim, rotary_dim, interleaved", [(8, 8, False), (64, 32, False), (64, 64, False),
                                                                (16, 8, True), (128, 128, True), (12, 8, False),
-                                                               (24, 24, False), (16, 6, True), (10, 10, True)])
+                                                               (24, 24, False), (16, 6, True), (10, 10, True),
+                                                               (15, 8, False), (9, 6, True)])
 def test_rotation_kernel_either_way(head_dim, rotary_dim, interleaved, transposed):
     """The rotation kernel by itself (fp32): q, k, v as three parts with row strides of their
     own, an odd row count, five heads (two groups of a program's four in the interpreter); rotary
     dims whole heads, a share, no power of two (24, 10: padded runs) or no divisor of head_dim
-    (8 of 12, 6 of 16): the rotation of the q and k heads' first rotary_dim columns (transposed:
-    RoPE's backward, with zdz = sum_k qkv_ik dqkv_ik; else RoPE's forward), applied here pair by
-    pair in fp64, every other column passing through."""
+    (8 of 12, 6 of 16, 8 of an odd 15, 6 of 9): the rotation of the q and k heads' first
+    rotary_dim columns (transposed: RoPE's backward, with zdz = sum_k qkv_ik dqkv_ik; else RoPE's
+    forward), applied here pair by pair in fp64, every other column passing through."""
     from codetta.kernels.rope import rotate
 
     m, n_q, n_kv = 37, 3, 1

@@ -144,10 +144,9 @@ def rotate(dqkv: torch.Tensor | list[torch.Tensor], qkv: Optional[torch.Tensor],
         raise ValueError(f"dqkv must be a tensor or up to three parts of one dtype and row count, got "
                          f"{[(tuple(t.shape), t.dtype) for t in parts]}")
     half_r = cos.shape[1]
-    if head_dim % 2 or not 0 < 2 * half_r <= head_dim or any(t.shape[1] % head_dim for t in parts) \
-            or n_rotated % head_dim:
-        raise ValueError(f"head_dim {head_dim} must be even, the rotary dims {2 * half_r} at most head_dim, and "
-                         f"the parts {[t.shape[1] for t in parts]} and the {n_rotated} rotated columns whole heads")
+    if not 0 < 2 * half_r <= head_dim or any(t.shape[1] % head_dim for t in parts) or n_rotated % head_dim:
+        raise ValueError(f"the rotary dims {2 * half_r} must be at most head_dim {head_dim}, and the parts "
+                         f"{[t.shape[1] for t in parts]} and the {n_rotated} rotated columns whole heads")
     ends = list(itertools.accumulate(t.shape[1] for t in parts))  # where each part's columns end
     parts += [parts[-1]] * (3 - len(parts))
     ends += [ends[-1]] * (3 - len(ends))

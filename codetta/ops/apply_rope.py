@@ -93,9 +93,9 @@ def apply_rope(q: Tensor, k: Tensor, positions: Tensor | None = None, inv_freq: 
     :func:`codetta.ops.rmsnorm_qkv_rope`: ``positions`` (one per token of q's leading dims) and
     ``inv_freq`` [R/2] with ``attention_scaling``, or ``cos_sin``, a Hugging Face rotary
     embedding's (cos, sin) [..., R] (broadcasting to q's leading dims, the two halves of each
-    equal); rotary_dim R (default D) even and at most D, D even (no power of two and no divisor
-    of D needed here, unlike the QKV epilogue: Phi-3-mini's D = 96 rotates, and Phi-4-mini's 96
-    of 128). q and k: fp16, bf16 or fp32, one
+    equal); rotary_dim R (default D) even and at most D (no power of two and no divisor of D
+    needed here, unlike the QKV epilogue: Phi-3-mini's D = 96 rotates, and Phi-4-mini's 96 of
+    128). q and k: fp16, bf16 or fp32, one
     dtype, the same leading dims, on one device. Returns [..., H_q D] and [..., H_kv D] in q's dtype.
     """
     for name, t in (("q", q), ("k", k)):

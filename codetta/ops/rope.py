@@ -375,8 +375,8 @@ def rope_tables_for(x: Tensor, head_dim, positions, inv_freq, *, rotary_dim, att
                     interleaved, in_epilogue: bool = True) -> tuple[int, int, Tensor, Tensor]:
     """(head_dim, rotary_dim, cos, sin): the RoPE arguments of :func:`rmsnorm_qkv_rope` and
     :func:`codetta.ops.apply_rope` checked (a ValueError naming the wrong one), and the per-token
-    tables [M, R/2] fp32 for x's tokens (``x.shape[:-1]``). R must be even and at most head_dim,
-    itself even; ``in_epilogue`` (a GEMM epilogue rotates: its segments are power-of-two blocks of
+    tables [M, R/2] fp32 for x's tokens (``x.shape[:-1]``). R must be even and at most head_dim;
+    ``in_epilogue`` (a GEMM epilogue rotates: its segments are power-of-two blocks of
     a tile) a power of two dividing head_dim."""
     if isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral) or head_dim < 1:
         raise ValueError(f"head_dim must be a positive integer, got {head_dim!r}")
@@ -394,8 +394,8 @@ def rope_tables_for(x: Tensor, head_dim, positions, inv_freq, *, rotary_dim, att
     if in_epilogue and (rotary_dim < 2 or rotary_dim & (rotary_dim - 1) or head_dim % rotary_dim):
         raise ValueError(f"rotary_dim {rotary_dim} must be a power of two dividing head_dim {head_dim} in the QKV "
                          f"epilogue (codetta.ops.apply_rope after rmsnorm_linear takes any even one up to head_dim)")
-    if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim or head_dim % 2:
-        raise ValueError(f"rotary_dim {rotary_dim} must be even and at most head_dim {head_dim}, itself even")
+    if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(f"rotary_dim {rotary_dim} must be even and at most head_dim {head_dim}")
     if cos_sin is None:
         cos, sin = _tables_of_positions(positions, inv_freq, rotary_dim, attention_scaling, x)
     else:

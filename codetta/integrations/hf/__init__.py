@@ -88,8 +88,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
     rope: RoPE in the QKV GEMM's epilogue (with Qwen3's QK-norm before it, in the same
         epilogue); where the rotary dims, or head_dim with QK-norm, are no power of two, as
         Phi-3-mini's head_dim 96, or do not divide head_dim, as Phi-4-mini's 96 of 128, by
-        codetta's rotation kernel after the norm-folded QKV GEMM; a model with an odd head_dim or
-        odd rotary dims keeps the model's own RoPE, with a warning.
+        codetta's rotation kernel after the norm-folded QKV GEMM (an odd head_dim too).
     swiglu: the gated MLP's activation in the gate/up GEMM's epilogue (SwiGLU; GELU and ReLU
         gates too, see :func:`.architectures.gate_activation`; any other activation module runs
         as itself after that GEMM, with a warning).

@@ -640,11 +640,9 @@ def why_rotary_unfusable(rotary, classes: ModelClasses):
 
 def why_rotary_dims_unfit(rotated: int, head_dim: int):
     """None when codetta can apply RoPE to the first ``rotated`` dims of each head (an even
-    number, at most head_dim, itself even), else why not. In the QKV epilogue where they are a
-    power of two dividing head_dim (:func:`rotary_dims_fit_epilogue`), else by codetta's rotation
-    kernel after the QKV GEMM."""
-    if head_dim % 2:
-        return f"head_dim {head_dim} is odd"
+    number, at most head_dim), else why not. In the QKV epilogue where they are a power of two
+    dividing head_dim (:func:`rotary_dims_fit_epilogue`), else by codetta's rotation kernel after
+    the QKV GEMM."""
     if rotated <= 0 or rotated % 2 or rotated > head_dim:
         return f"the rotary dims {rotated} of head_dim {head_dim} are not an even number up to it"
     return None
@@ -659,7 +657,7 @@ def rotary_dims_fit_epilogue(rotated: int, head_dim: int, qk_norm: bool) -> bool
 def why_rope_unfusable(model, arch: Architecture):
     """None when codetta can apply the layers' RoPE, else why not: R (the rotary dims: head_dim,
     or as many as the rotary frequencies give angles for where the family's RoPE is partial)
-    even and at most head_dim, itself even (:func:`why_rotary_dims_unfit`)."""
+    even and at most head_dim (:func:`why_rotary_dims_unfit`)."""
     decoder = decoder_of(model)
     for layer in decoder.layers:
         head_dim = layer.self_attn.head_dim
