@@ -371,6 +371,19 @@ def _check_cos_sin(cos_sin, positions, inv_freq, rotary_dim, attention_scaling, 
     return cos.shape[-1]
 
 
+def _is_power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def fits_qkv_epilogue(rotary_dim: int, head_dim: int, qk_norm: bool) -> bool:
+    """Whether :func:`rmsnorm_qkv_rope`'s epilogue takes these heads: it rotates within column
+    segments of R = ``rotary_dim`` columns and normalizes (QK-norm) within segments of head_dim,
+    segments being power-of-two blocks of a tile; so R a power of two dividing head_dim, and
+    head_dim a power of two with QK-norm. Other even R up to head_dim: :func:`codetta.ops.apply_rope`."""
+    return _is_power_of_two(rotary_dim) and rotary_dim >= 2 and head_dim % rotary_dim == 0 \
+        and (not qk_norm or _is_power_of_two(head_dim))
+
+
 def rope_tables_for(x: Tensor, head_dim, positions, inv_freq, *, rotary_dim, attention_scaling, cos_sin,
                     interleaved, in_epilogue: bool = True) -> tuple[int, int, Tensor, Tensor]:
     """(head_dim, rotary_dim, cos, sin): the RoPE arguments of :func:`rmsnorm_qkv_rope` and
@@ -391,7 +404,7 @@ def rope_tables_for(x: Tensor, head_dim, positions, inv_freq, *, rotary_dim, att
     rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
     if not isinstance(interleaved, bool):
         raise ValueError(f"interleaved must be a bool, got {interleaved!r}")
-    if in_epilogue and (rotary_dim < 2 or rotary_dim & (rotary_dim - 1) or head_dim % rotary_dim):
+    if in_epilogue and not fits_qkv_epilogue(rotary_dim, head_dim, qk_norm=False):
         raise ValueError(f"rotary_dim {rotary_dim} must be a power of two dividing head_dim {head_dim} in the QKV "
                          f"epilogue (codetta.ops.apply_rope after rmsnorm_linear takes any even one up to head_dim)")
     if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
@@ -460,7 +473,7 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("QK-norm needs both q_norm_weight and k_norm_weight (or neither)")
     if q_norm_weight is not None:
-        if head_dim & (head_dim - 1):
+        if not _is_power_of_two(head_dim):
             raise ValueError(f"QK-norm needs a head_dim that is a power of two (the epilogue sums whole heads as "
                              f"power-of-two segments), got {head_dim}")
         for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):

@@ -640,18 +640,12 @@ def why_rotary_unfusable(rotary, classes: ModelClasses):
 
 def why_rotary_dims_unfit(rotated: int, head_dim: int):
     """None when codetta can apply RoPE to the first ``rotated`` dims of each head (an even
-    number, at most head_dim), else why not. In the QKV epilogue where they are a power of two
-    dividing head_dim (:func:`rotary_dims_fit_epilogue`), else by codetta's rotation kernel after
-    the QKV GEMM."""
+    number, at most head_dim), else why not. In the QKV epilogue where it takes them
+    (:func:`codetta.ops.rope.fits_qkv_epilogue`), else by codetta's rotation kernel after the QKV
+    GEMM."""
     if rotated <= 0 or rotated % 2 or rotated > head_dim:
         return f"the rotary dims {rotated} of head_dim {head_dim} are not an even number up to it"
     return None
-
-
-def rotary_dims_fit_epilogue(rotated: int, head_dim: int, qk_norm: bool) -> bool:
-    """Whether the QKV GEMM's epilogue can rotate these dims (a power of two dividing head_dim:
-    the tile's segments), and normalize whole heads before (QK-norm: a power-of-two head_dim)."""
-    return rotated & (rotated - 1) == 0 and head_dim % rotated == 0 and not (qk_norm and head_dim & (head_dim - 1))
 
 
 def why_rope_unfusable(model, arch: Architecture):

@@ -60,13 +60,13 @@ from ...ops import (apply_rope, gated_activation, linear_residual, rms_norm, rms
                     rmsnorm_swiglu, swiglu_mlp)
 from ...ops.autocast import stream_under_autocast
 from ...ops.rmsnorm import NormStats, scaled, stream_fits, weight_readable_ahead
-from ...ops.rope import angles_need_grad
+from ...ops.rope import angles_need_grad, fits_qkv_epilogue
 from .. import warn_unless_traced
 from . import checkpointing
 from .architectures import (ATTENTION, MLP, RESIDUAL_DROPOUTS, Architecture, ModelClasses, fused_modules,
                             gate_activation, halves, halves_separate, hooked_module, hooks_between, is_hooked,
-                            is_models_norm, mlp_is_fused, reads_weight, rotary_dims_fit_epilogue, stored_weight,
-                            why_rotary_dims_unfit, why_rotary_unfusable, why_unfusable)
+                            is_models_norm, mlp_is_fused, reads_weight, stored_weight, why_rotary_dims_unfit,
+                            why_rotary_unfusable, why_unfusable)
 
 try:  # transformers' collector of recorded outputs (output_attentions=True, output_hidden_states=True)
     from transformers.utils.output_capturing import _active_collector
@@ -282,8 +282,8 @@ def _rotated_qkv(layer, plan: LayerPlan, x, norm, position_ids, position_embeddi
     Where the fused forward cannot read a QKV projection (:func:`.architectures.reads_weight`: a
     PEFT LoRA adapter on it, hooks), the projection modules on the input norm's output (codetta's
     row kernel), QK-norm likewise, RoPE by :func:`codetta.ops.apply_rope` (one kernel each way);
-    after the norm-folded GEMM likewise where the rotary dims are no power of two (Phi-3-mini's
-    head_dim 96: the epilogue's segments are power-of-two blocks of a tile).
+    after the norm-folded GEMM likewise where the epilogue cannot take the heads
+    (:func:`codetta.ops.rope.fits_qkv_epilogue`: Phi-3-mini's head_dim 96, Phi-4-mini's 96 of 128).
     Where codetta cannot apply RoPE, the model's own code applies it after either (none in a layer
     without RoPE)."""
     attn, ln, arch = layer.self_attn, layer.input_layernorm, plan.arch
@@ -295,7 +295,7 @@ def _rotated_qkv(layer, plan: LayerPlan, x, norm, position_ids, position_embeddi
         warn_unless_traced(f"codetta: {why_not}; RoPE runs as the model's own code on its position_embeddings",
                            stacklevel=5)
     weights, biases = arch.qkv_weights(attn) if all(map(reads_weight, arch.qkv_projections(attn))) else (None, None)
-    if rope is not None and weights is not None and rotary_dims_fit_epilogue(
+    if rope is not None and weights is not None and fits_qkv_epilogue(
             rope.get("rotary_dim", attn.head_dim), attn.head_dim, arch.has_qk_norm(attn)):
         qk_norm = {}
         if arch.has_qk_norm(attn):  # the modules' own weights: their gradients land there
