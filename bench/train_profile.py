@@ -4,7 +4,9 @@
 
 Builds the model of bench/train_bench.py, runs three warm-up steps (compilation, tuning),
 times ``--steps`` steps unprofiled, profiles as many and prints the kernels with the most GPU time, the total
-GPU time per step, and where the GPU sat idle between kernels (see :func:`idle_report`). Writes
+GPU time per step, the ATen operators (other than GEMMs, attention and the optimizer) with the
+most GPU time by input shapes (what memory-bound work the model does outside codetta's ops),
+and where the GPU sat idle between kernels (see :func:`idle_report`). Writes
 bench/results/profile_<variant>.txt (with --lora: profile_<variant>_lora_<targets>.txt).
 """
 
@@ -57,7 +59,7 @@ def main():
         step()
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - wall) * 1e3 / args.steps
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for _ in range(args.steps):
             step()
         torch.cuda.synchronize()
@@ -65,6 +67,7 @@ def main():
     kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
     gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / args.steps
     table = events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=70)
+    aten = aten_report(prof.key_averages(group_by_input_shape=True), args.steps)
     idle = idle_report(trace_events(prof), args.steps)
     # The GPU's own timeline with the host unslowed: no CPU-side tracing, only kernel records.
     with profile(activities=[ProfilerActivity.CUDA]) as quiet:
@@ -73,7 +76,7 @@ def main():
         torch.cuda.synchronize()
     gaps = gap_report(trace_events(quiet), args.steps)
     text = (f"{environment()}\nvariant {args.variant}: GPU kernel time per step {gpu_ms:.1f} ms, "
-            f"wall time per step {wall_ms:.1f} ms (unprofiled)\n{table}\n{idle}\n\n{gaps}\n")
+            f"wall time per step {wall_ms:.1f} ms (unprofiled)\n{table}\n\n{aten}\n\n{idle}\n\n{gaps}\n")
     RESULTS.mkdir(parents=True, exist_ok=True)
     lora = "_lora_" + args.lora.replace(",", "_") if args.lora else ""
     (RESULTS / f"profile_{args.variant}{lora}.txt").write_text(text)
@@ -81,6 +84,23 @@ def main():
 
 
 _GPU = ("kernel", "gpu_memcpy", "gpu_memset")
+_OPTIMIZER = "multi_tensor_apply"  # the kernels of fused AdamW: the last of a step
+# ATen operators that are the step's FLOPs (GEMMs, attention) or the optimizer, left out of aten_report
+_COMPUTE = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::_fused_adamw_",
+            "aten::scaled_dot_product_attention", "aten::_scaled_dot_product", "aten::_cudnn_attention",
+            "aten::_flash_attention", "aten::_efficient_attention")
+
+
+def aten_report(events, steps: int, rows: int = 15) -> str:
+    """The ATen operators outside the step's GEMMs, attention and optimizer with the most GPU time
+    of their own, by input shapes: copies, concatenations and elementwise passes the model runs
+    around the fused operators (``events``: key averages grouped by input shape)."""
+    memory = sorted((e for e in events if e.key.startswith("aten::") and e.self_device_time_total > 0
+                     and not e.key.startswith(_COMPUTE)), key=lambda e: -e.self_device_time_total)
+    lines = ["| ATen operator | input shapes | calls per step | GPU ms per step |", "|---|---|---|---|"]
+    lines += [f"| {e.key} | {str(e.input_shapes)[:100]} | {e.count / steps:.0f} | "
+              f"{e.self_device_time_total / 1e3 / steps:.3f} |" for e in memory[:rows]]
+    return "\n".join(lines)
 
 
 def trace_events(prof) -> list:
@@ -95,16 +115,21 @@ def gap_report(events: list, steps: int, rows: int = 20) -> str:
     ops = sorted((e for e in events if e.get("cat") in _GPU and "dur" in e), key=lambda e: e["ts"])
     busy = sum(e["dur"] for e in ops)
     by_pair, count, idle, end, before = collections.Counter(), collections.Counter(), 0.0, None, None
+    by_step = [0.0]  # a step ends with the optimizer's multi-tensor kernels (fused AdamW)
     for e in ops:
+        if before is not None and _OPTIMIZER in before and _OPTIMIZER not in e["name"]:
+            by_step.append(0.0)
         if end is not None and e["ts"] > end:
             key = (before[:45], e["name"][:45])
             by_pair[key] += e["ts"] - end
             count[key] += 1
             idle += e["ts"] - end
+            by_step[-1] += e["ts"] - end
         if end is None or e["ts"] + e["dur"] >= end:
             end, before = e["ts"] + e["dur"], e["name"]
     ms = 1e3 * steps
-    lines = [f"CUDA-only profile: GPU busy {busy / ms:.2f} ms, idle {idle / ms:.2f} ms per step",
+    lines = [f"CUDA-only profile of {steps} steps issued back to back: GPU busy {busy / ms:.2f} ms, idle "
+             f"{idle / ms:.2f} ms per step; idle ms in step 1, 2, ...: {', '.join(f'{t / 1e3:.2f}' for t in by_step)}",
              "| before the gap | after the gap | gaps per step | idle ms per step |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {count[(a, b)] / steps:.0f} | {v / ms:.3f} |" for (a, b), v in by_pair.most_common(rows)]
     return "\n".join(lines)
