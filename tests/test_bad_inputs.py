@@ -164,6 +164,32 @@ def test_fused_ops_name_an_fp64_argument_when_refusing_it(call, message):
         call(x, g, w)
 
 
+@pytest.mark.parametrize("call, name", [
+    (lambda x, g, w: ops.rmsnorm_linear(x, g, w), "norm_weight"),
+    (lambda x, g, w: ops.rmsnorm_swiglu(x, g, w, w), "norm_weight"),
+    (lambda x, g, w: ops.swiglu_mlp(x, g, w, w, w.t()), "norm_weight"),
+    (lambda x, g, w: ops.swiglu_mlp(x, dyadic(8), w, w, w.t(), next_norm_weight=g), "next_norm_weight"),
+    (lambda x, g, w: ops.rmsnorm_qkv_rope(x, g, w[:4], w[4:6], w[4:6], torch.arange(3, device=DEVICE),
+                                          torch.ones(1, device=DEVICE), head_dim=2), "norm_weight"),
+    (lambda x, g, w: ops.rmsnorm_qkv_rope(x, dyadic(8), w[:4], w[4:6], w[4:6], torch.arange(3, device=DEVICE),
+                                          torch.ones(1, device=DEVICE), head_dim=2, q_norm_weight=g[:2],
+                                          k_norm_weight=g[:2]), "q_norm_weight"),
+    (lambda x, g, w: ops.linear_residual(x, w, x[:, :6], norm_weight=g[:6]), "norm_weight"),
+    (lambda x, g, w: ops.linear_residual(x, w, x[:, :6], bias=g[:6]), "bias"),
+    (lambda x, g, w: ops.linear_cross_entropy(x, w, torch.zeros(3, dtype=torch.long, device=DEVICE),
+                                              norm_weight=g), "norm_weight"),
+    (lambda x, g, w: ops.rms_norm(x, g), "weight"),
+], ids=["rmsnorm_linear", "rmsnorm_swiglu", "swiglu_mlp", "swiglu_mlp-next", "rmsnorm_qkv_rope", "qk_norm",
+        "linear_residual-norm", "linear_residual-bias", "linear_cross_entropy", "rms_norm"])
+def test_an_fp64_norm_weight_or_bias_is_refused_by_every_op(call, name):
+    """A norm weight or bias in fp64 beside fp32 x and weights is refused by each op that takes
+    one, naming it, as the kernels compute in fp32 at most (not read in silently as fp32, with
+    its gradient returned in fp64)."""
+    x, g, w = dyadic(3, 8), dyadic(8).double(), dyadic(6, 8)
+    with pytest.raises(ValueError, match=rf"{name}.*torch.float64|{name}.*float16, torch.bfloat16, torch.float32"):
+        call(x, g, w)
+
+
 def test_one_dimensional_a_is_refused():
     with pytest.raises(GemmError, match=r"a must be at least 2-d"):
         codetta.gemm(dyadic(5), dyadic(5, 6), store_program())

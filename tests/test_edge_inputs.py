@@ -115,7 +115,7 @@ def test_rope_position_layouts():
 def test_refused_with_a_message_naming_the_problem():
     x, g, wq, wk, wv, inv_freq = rope_inputs(lead=(6,))
     pos = torch.arange(6, device=DEVICE)
-    with pytest.raises(ValueError, match=r"b_q must be a floating point \[16\] tensor on .*, got \(20,\)"):
+    with pytest.raises(ValueError, match=r"b_q must be an \[16\] tensor .* on .*, got \(20,\)"):
         ops.rmsnorm_qkv_rope(x, g, wq, wk, wv, pos, inv_freq, head_dim=8,
                              bias=(torch.randn(20, device=DEVICE), torch.randn(4, device=DEVICE), torch.randn(8, device=DEVICE)))
     with pytest.raises(ValueError, match="head_dim must be a positive integer, got 0"):

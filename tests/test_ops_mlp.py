@@ -199,13 +199,13 @@ def test_bad_inputs():
         swiglu_mlp(x, g, wg, wu[:5], wd)
     with pytest.raises(ValueError, match="next_norm_weight"):
         swiglu_mlp(x, g, wg, wu, wd, next_norm_weight=g[:4])
-    with pytest.raises(ValueError, match=r"next_norm_weight must be a floating point \[8\]"):  # as linear_residual's
+    with pytest.raises(ValueError, match=r"next_norm_weight must be an \[8\]"):  # as linear_residual's
         swiglu_mlp(x, g, wg, wu, wd, next_norm_weight=torch.ones(g.shape, dtype=torch.long, device=g.device))
     with pytest.raises(ValueError, match="next_norm_weight must be .* got float"):
         swiglu_mlp(x, g, wg, wu, wd, next_norm_weight=1.0)
     with pytest.raises(ValueError, match="bias must be a tuple"):
         swiglu_mlp(x, g, wg, wu, wd, bias=(None, None))
-    with pytest.raises(ValueError, match=r"b_down must be a floating point \[8\]"):
+    with pytest.raises(ValueError, match=r"b_down must be an \[8\]"):
         swiglu_mlp(x, g, wg, wu, wd, bias=(None, None, torch.zeros(6, device=DEVICE)))
     with pytest.raises(ValueError, match="activation must be one of"):
         swiglu_mlp(x, g, wg, wu, wd, activation="swish")

@@ -374,18 +374,18 @@ def test_bad_inputs():
         rmsnorm_qkv_rope(*tensors, pos, inv_freq, head_dim=16, q_norm_weight=qn)
     with pytest.raises(ValueError, match="both q_norm_weight and k_norm_weight"):
         rmsnorm_qkv_rope(*tensors, pos, inv_freq, head_dim=16, k_norm_weight=kn)
-    with pytest.raises(ValueError, match=r"k_norm_weight must be a floating point \[16\] tensor"):
+    with pytest.raises(ValueError, match=r"k_norm_weight must be an \[16\] tensor"):
         rmsnorm_qkv_rope(*tensors, pos, inv_freq, head_dim=16, q_norm_weight=qn, k_norm_weight=kn[:8])
-    with pytest.raises(ValueError, match=r"q_norm_weight must be a floating point \[16\] tensor"):
+    with pytest.raises(ValueError, match=r"q_norm_weight must be an \[16\] tensor"):
         rmsnorm_qkv_rope(*tensors, pos, inv_freq, head_dim=16, q_norm_weight=qn.repeat(2, 1), k_norm_weight=kn)
-    with pytest.raises(ValueError, match=r"q_norm_weight must be a floating point \[16\] tensor"):  # was taken
+    with pytest.raises(ValueError, match=r"q_norm_weight must be an \[16\] tensor"):  # was taken
         rmsnorm_qkv_rope(*tensors, pos, inv_freq, head_dim=16, q_norm_weight=qn.long(), k_norm_weight=kn.long())
     b_q, b_kv = torch.zeros(32, device=DEVICE), torch.zeros(16, device=DEVICE)
     with pytest.raises(ValueError, match=r"bias must be a tuple \(b_q, b_k, b_v\), each a tensor or None, got a Tensor"):
         rmsnorm_qkv_rope(*tensors, pos, inv_freq, head_dim=16, bias=torch.zeros(64, device=DEVICE))
-    with pytest.raises(ValueError, match=r"b_k must be a floating point \[16\] tensor"):  # was promoted silently
+    with pytest.raises(ValueError, match=r"b_k must be an \[16\] tensor"):  # was promoted silently
         rmsnorm_qkv_rope(*tensors, pos, inv_freq, head_dim=16, bias=(b_q, b_kv.long(), b_kv))
-    with pytest.raises(ValueError, match=r"b_v must be a floating point \[16\] tensor"):
+    with pytest.raises(ValueError, match=r"b_v must be an \[16\] tensor"):
         rmsnorm_qkv_rope(*tensors, pos, inv_freq, head_dim=16, bias=(b_q, b_kv, b_kv[:8]))
 
 

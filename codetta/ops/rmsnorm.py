@@ -145,8 +145,6 @@ def _check_norm_inputs(x: Tensor, norm_weight: Tensor, weights: list[Tensor], ep
         raise ValueError(f"x must be a tensor [..., d], got {type(x).__name__}")
     if not weights or not all(isinstance(w, Tensor) for w in (norm_weight, *weights)):
         raise ValueError("norm_weight and the weights must be tensors (at least one weight)")
-    if not norm_weight.is_floating_point():
-        raise ValueError(f"norm_weight must be floating point, got {norm_weight.dtype}")
     check_eps(eps=eps)
     d = x.shape[-1]
     if not x.is_meta:  # on the meta device the registered op's fake implementation gives the shapes
@@ -163,6 +161,8 @@ def _check_norm_inputs(x: Tensor, norm_weight: Tensor, weights: list[Tensor], ep
             raise ValueError(f"weight {i} is {w.dtype} but weight 0 is {weights[0].dtype}")
     if weights[0].dtype not in KERNEL_DTYPES:
         raise ValueError(f"the weights are {weights[0].dtype}; the kernels take {KERNEL_DTYPES}")
+    if norm_weight.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"norm_weight is {norm_weight.dtype}; the kernels take {KERNEL_DTYPES}")
     if not stream_fits(x.dtype, weights[0].dtype):
         raise ValueError(f"x is {x.dtype} but the weights are {weights[0].dtype}: x must be in the weights' dtype, "
                          "or fp32 with 16-bit weights")

@@ -8,6 +8,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..matmul import KERNEL_DTYPES
+
 
 def rows(t: Tensor) -> Tensor:
     """t [..., n] as [M, n], M the product of the leading dims (1 for a 1-d t): also where M or n
@@ -22,10 +24,10 @@ def broadcasts_to(shape, target) -> bool:
 
 
 def check_vector(name: str, t, n: int, device) -> None:
-    """``t`` must be a floating point [n] tensor on ``device`` (a norm weight, a bias)."""
-    if not isinstance(t, Tensor) or t.shape != (n,) or not t.is_floating_point() or t.device != device:
+    """``t`` must be an [n] tensor on ``device`` in a dtype the kernels take (a norm weight, a bias)."""
+    if not isinstance(t, Tensor) or t.shape != (n,) or t.dtype not in KERNEL_DTYPES or t.device != device:
         got = f"{tuple(t.shape)} {t.dtype} {t.device}" if isinstance(t, Tensor) else type(t).__name__
-        raise ValueError(f"{name} must be a floating point [{n}] tensor on {device}, got {got}")
+        raise ValueError(f"{name} must be an [{n}] tensor in one of {KERNEL_DTYPES} on {device}, got {got}")
 
 
 def check_biases(bias, names: tuple[str, ...], dims: tuple[int, ...], device) -> tuple:
