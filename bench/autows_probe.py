@@ -103,7 +103,7 @@ def compile_only():
         for variant, (BM, BN, warps, ws) in VARIANTS.items():
             source = ASTSource(probe_gemm, signature, constexprs=dict(BM=BM, BN=BN, BK=64, NUM_SMS=132, WS=ws,
                                                                        EPI=epilogue, GROUP=GROUP_M))
-            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 128),
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                       options={"num_warps": warps, "num_stages": 3})
             ttgir = compiled.asm["ttgir"]
             print(f"{epilogue:9s} {variant:22s} warp_specialize ops {ttgir.count('ttg.warp_specialize')}, "

@@ -401,7 +401,7 @@ def compile_sm90(variant: str, m=16384, n=4096, k=4096):
                  else "constexpr" for name in fn.arg_names}
     source = GluonASTSource(fn, signature, {(fn.arg_names.index(n),): v for n, v in consts.items()})
     options = dict(num_warps=warps, **({"maxnreg": PINGPONG_MAXNREG} if pingpong else {}))
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 128), options=options)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     return compiled, resources(compiled)
 
 

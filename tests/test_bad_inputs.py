@@ -133,7 +133,7 @@ def test_one_dimensional_weight_is_refused():
     x, w = dyadic(8, 5), dyadic(5)
     with pytest.raises(GemmError, match=r"b must be 2-d \[K, N\].*got shape \(5,\)"):
         codetta.gemm(x, w, store_program())
-    with pytest.raises(GemmError, match=r"weight must be 2-d \[N, K\], got shape \(5,\)"):
+    with pytest.raises(GemmError, match=r"weight must be a 2-d tensor \[N, K\], got \(5,\) torch.float32"):
         codetta.linear(x, w)
 
 
@@ -146,6 +146,18 @@ def test_linear_names_x_when_refusing_it():
                        (dyadic(3, 5).double(), r"x has dtype torch.float64; codetta.linear takes")):
         with pytest.raises(GemmError, match=message):
             codetta.linear(x, w)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda x, w: ops.rmsnorm_linear(x[0, 0], dyadic(5), w), r"x must be a tensor \[\.\.\., d\], got \(\) torch.float32"),
+    (lambda x, w: ops.linear_residual(x[0, 0], w, x), r"a must be a tensor of at least 1 dim, got \(\) torch.float32"),
+    (lambda x, w: ops.linear_residual(x, w, 1.0), r"residual must be a tensor of at least 1 dim, got float"),
+    (lambda x, w: codetta.linear(x, w.tolist()), r"weight must be a 2-d tensor \[N, K\], got list"),
+], ids=["rmsnorm_linear-0d", "linear_residual-0d", "linear_residual-float", "linear-list"])
+def test_what_was_given_instead_of_a_tensor_is_named(call, message):
+    """A 0-d tensor or a non-tensor where an op wants a tensor: the message says what it got."""
+    with pytest.raises((ValueError, GemmError), match=message):
+        call(dyadic(3, 5), dyadic(4, 5))
 
 
 @pytest.mark.parametrize("call, message", [
@@ -533,9 +545,11 @@ def test_numpy_integer_segments_and_periods_are_taken():
     torch.testing.assert_close(got["t"], (a @ b) * table.repeat(1, 4))
 
 
+@pytest.mark.parametrize("n", [6, 5])
 @pytest.mark.parametrize("use", ["row_sum", "segment_sum", "pairs", "half_segment"])
-def test_n_not_a_multiple_of_the_segment_is_refused(use):
-    """Segments of 4 columns with N = 6 (or pairs over N/2 = 3 with segments of 4): refused, naming both."""
+def test_n_not_a_multiple_of_the_segment_is_refused(use, n):
+    """Segments of 4 columns with N = 6 or 5 (or pairs over N/2 = 3 with segments of 4): refused,
+    naming both; an odd N is called odd only where the program pairs columns."""
     p = ep.Program("seg4")
     if use == "row_sum":
         p.row_sum("o", p.acc, segment=4)
@@ -545,9 +559,14 @@ def test_n_not_a_multiple_of_the_segment_is_refused(use):
         p.store("o", ep.pairs(p.acc, segment=4)[0])
     else:
         p.row_sum("o", ep.pairs(p.acc)[0], segment=4)
-    n = 12 if use == "half_segment" else 6  # N/2 = 6 for the half-width value
-    width = "half width 6" if use == "half_segment" else "full width 6"
-    with pytest.raises(EpilogueError, match=rf"program 'seg4' uses segments of 4 columns but its {width} is no multiple of 4"):
+    if use in ("pairs", "half_segment") and n % 2:
+        message = rf"program 'seg4' pairs columns but N = {n} is odd"
+    else:
+        if use == "half_segment":
+            n *= 2  # N/2 = 6 for the half-width value
+        width = "half width 6" if use == "half_segment" else f"full width {n}"
+        message = rf"program 'seg4' uses segments of 4 columns but its {width} is no multiple of 4"
+    with pytest.raises(EpilogueError, match=message):
         codetta.gemm(dyadic(8, 5), dyadic(5, n), p)
 
 

@@ -486,3 +486,11 @@ def test_programs_key_dicts_and_caches_by_identity():
     assert a != b and len({a, b}) == 2 and a == a
     assert a.fingerprint() == b.fingerprint()
     assert functools.lru_cache(maxsize=None)(lambda p: p.name)(a) == "twin"
+
+
+def test_both_executors_define_every_elementwise_function_of_the_language():
+    """The language's elementwise functions (epilogue.ir) are the ones the reference executor
+    and the code generator each define: none missing from either, none defined only there."""
+    from codetta.epilogue import codegen, ir, reference
+    assert set(reference._UNARY) == set(codegen._UNARY) == set(ir.UNARY_OPS)
+    assert set(reference._BINARY) == set(codegen._BINARY) == set(ir.BINARY_OPS)

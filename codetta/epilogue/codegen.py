@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from ..cache import cache_root
 from ..interpreter import interpreting
 from .ir import FULL, HALF, EpilogueError, Program
 
@@ -430,8 +431,7 @@ _FALLBACK_DIR = []  # this process's own folder, where the cache folder cannot b
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("CODETTA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "codetta")
-    path = Path(root) / "kernels"
+    path = cache_root() / "kernels"
     path.mkdir(parents=True, exist_ok=True)
     return path
 

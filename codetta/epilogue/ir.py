@@ -49,8 +49,9 @@ class Width(enum.Enum):
 FULL = Width.FULL
 HALF = Width.HALF
 
-# Elementwise functions of one fp32 argument (name -> arity 1). Their meaning is
-# given once, in the reference executor, and once in Triton, in the code generator.
+# The elementwise functions of one and of two fp32 arguments. Their meaning is given once in
+# the reference executor and once in Triton, in the code generator (each a dict by these names:
+# tests/test_epilogue_primitives.py checks that the three agree).
 UNARY_OPS = (
     "neg", "abs", "exp", "log", "sqrt", "rsqrt", "reciprocal", "square",
     "sigmoid", "tanh", "silu", "relu", "gelu_tanh", "gelu_erf", "sin", "cos",
@@ -400,9 +401,6 @@ class Output:
     @property
     def width(self):
         return self.value.width
-
-
-ROW_REDUCTIONS = ("row_sum", "row_max", "row_logsumexp")
 
 
 @dataclass(eq=False)

@@ -60,6 +60,21 @@ def _row_stats_kernel(z_ptr, z_stride, target_ptr, max_ptr, sum_exp_ptr, target_
         tl.store(logit_sum_ptr + out, tl.sum(tl.where(mask, z, 0.0), axis=1), mask=row_ok)
 
 
+def logit_rows(caller: str, z: torch.Tensor, target: torch.Tensor, block: tuple, gpu_block: tuple,
+               interpret_block: tuple) -> tuple[int, int, int, int]:
+    """(M, N, block_m, block_n) for a kernel over the rows of logits z [M, N] with one integer
+    target per row: z and target checked (a ValueError naming ``caller``), a block size not
+    given (None) the caller's default on a GPU or in Triton's interpreter."""
+    default = interpret_block if interpreting() else gpu_block
+    block_m, block_n = block[0] or default[0], block[1] or default[1]
+    m, n = z.shape
+    if z.stride(1) != 1 and n > 1:
+        raise ValueError(f"{caller}: z needs unit column stride, got strides {z.stride()}")
+    if target.shape != (m,) or target.dtype.is_floating_point:
+        raise ValueError(f"{caller}: target must be integer [{m}], got {target.dtype} {tuple(target.shape)}")
+    return m, n, block_m, block_n
+
+
 def row_stats(z: torch.Tensor, target: torch.Tensor, *, logit_sum: bool = False, softcap: float = 0.0,
               block_m: int | None = None, block_n: int | None = None) -> tuple:
     """((m, log s), target_logit, logit_sum or None) of the rows of z [M, N] (any float dtype, unit
@@ -68,13 +83,7 @@ def row_stats(z: torch.Tensor, target: torch.Tensor, *, logit_sum: bool = False,
     as its log_softmax has (inf - inf). softcap: s > 0 for the statistics of s tanh(z / s) (0: of z).
     block_m, block_n: the block per program (GPU_BLOCK;
     64 x 64 in Triton's interpreter, so that small vocabularies span several blocks there too)."""
-    default = INTERPRET_BLOCK if interpreting() else GPU_BLOCK
-    block_m, block_n = block_m or default[0], block_n or default[1]
-    m, n = z.shape
-    if z.stride(1) != 1 and n > 1:
-        raise ValueError(f"row_stats: z needs unit column stride, got strides {z.stride()}")
-    if target.shape != (m,) or target.dtype.is_floating_point:
-        raise ValueError(f"row_stats: target must be integer [{m}], got {target.dtype} {tuple(target.shape)}")
+    m, n, block_m, block_n = logit_rows("row_stats", z, target, (block_m, block_n), GPU_BLOCK, INTERPRET_BLOCK)
     parts = max(1, cdiv(n, block_n))
     stats = torch.empty(4 if logit_sum else 3, m, parts, device=z.device, dtype=torch.float32)
     if m and n:

@@ -30,6 +30,7 @@ import triton.language as tl
 from ..interpreter import interpreting
 from ..matmul.mainloop import cast, tanh
 from .launch import cdiv, launch
+from .logsumexp import logit_rows
 
 
 # (rows, columns, warps) per program: 89 registers on sm_90 (local Triton 3.9), 20 warps per
@@ -83,19 +84,13 @@ def softmax_grad_(z: torch.Tensor, lse, target: torch.Tensor, scale: torch.Tenso
     loss read the capped logits s tanh(z / s) (lse is theirs; the gradient stored is z's).
     block_m, block_n: the tile per program (4 warps; GPU_BLOCK, or INTERPRET_BLOCK in Triton's interpreter).
     """
-    default = INTERPRET_BLOCK if interpreting() else GPU_BLOCK
-    block_m, block_n = block_m or default[0], block_n or default[1]
-    m, n = z.shape
-    if z.stride(1) != 1 and n > 1:
-        raise ValueError(f"softmax_grad_: z needs unit column stride, got strides {z.stride()}")
+    m, n, block_m, block_n = logit_rows("softmax_grad_", z, target, (block_m, block_n), GPU_BLOCK, INTERPRET_BLOCK)
     split = isinstance(lse, (tuple, list))
     shift, log_sum = lse if split else (lse, lse)
     for name, t in (("lse", shift), ("log_sum", log_sum), ("scale", scale)):
         if not isinstance(t, torch.Tensor) or t.shape != (m,) or t.dtype != torch.float32:
             raise ValueError(f"softmax_grad_: {name} must be fp32 [{m}], got "
                              f"{f'{t.dtype} {tuple(t.shape)}' if isinstance(t, torch.Tensor) else type(t).__name__}")
-    if target.shape != (m,) or target.dtype.is_floating_point:
-        raise ValueError(f"softmax_grad_: target must be integer [{m}], got {target.dtype} {tuple(target.shape)}")
     if m and n:
         grid = (cdiv(m, block_m), cdiv(n, block_n))
         launch(_softmax_grad_kernel, grid, z, z.stride(0), shift.contiguous(), log_sum.contiguous(), target.contiguous(),

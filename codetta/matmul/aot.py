@@ -24,11 +24,11 @@ from .call import MAX_B_PARTS
 from .config import Config
 from .path import one_k_loop
 
-HOPPER = GPUTarget("cuda", 90, 128)  # sm_90, 128 threads per warp group
+HOPPER_TARGET = GPUTarget("cuda", 90, 32)  # sm_90, warps of 32 threads
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def compile_kernel(kernel, signature: dict, constexprs: dict, options: dict, target: GPUTarget = HOPPER):
+def compile_kernel(kernel, signature: dict, constexprs: dict, options: dict, target: GPUTarget = HOPPER_TARGET):
     """``kernel`` (a ``triton.jit`` function) compiled for ``target``: ``signature`` maps its
     runtime arguments to Triton types ("*bf16", "i32", "tensordesc<bf16[128, 64]>", ...),
     ``constexprs`` gives the others their values."""
@@ -43,7 +43,7 @@ def compile_kernel(kernel, signature: dict, constexprs: dict, options: dict, tar
 
 def compile_gemm(program: Program, path: str, config: Config, *, dtype: torch.dtype = torch.bfloat16,
                  a_km: bool = False, b_kn: bool = False, b_parts: str = "n", num_b: int = 1,
-                 target: GPUTarget = HOPPER):
+                 target: GPUTarget = HOPPER_TARGET):
     """``program``'s kernel on ``path`` ('tma' or 'ptr') compiled for ``target`` with ``config``,
     for A and B of ``dtype`` in the layout ``a_km`` (A stored [K, M]: wgrad), ``b_kn`` (B stored
     [K, N]: dgrad) and ``num_b`` B parts read as one along ``b_parts`` ("n", "k", "interleave",

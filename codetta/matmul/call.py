@@ -11,7 +11,7 @@ import numbers
 
 import torch
 
-from ..epilogue.ir import FULL, EpilogueError, Program
+from ..epilogue.ir import FULL, HALF, EpilogueError, Program
 from ..interpreter import interpreter_problem, interpreting
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the kernels compute in
@@ -141,7 +141,9 @@ class Call:
 
     def _check_segments(self):
         p = self.program
-        if (any(o.width is not FULL for o in p.outputs.values()) or p.min_block_n() > 1) and self.N % 2:
+        pairs = any(o.width is HALF for o in p.outputs.values()) or any(
+            n.width is HALF or n.op in ("pairs", "join") for n in p.nodes())
+        if pairs and self.N % 2:
             raise EpilogueError(f"program {p.name!r} pairs columns but N = {self.N} is odd")
         for seg, width in p.segments():
             if self.width(width) % seg:

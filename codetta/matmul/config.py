@@ -132,6 +132,12 @@ class SharedMemory:
 HOPPER = SharedMemory()
 
 
+def tiles_parts(block_n: int, part_sizes) -> bool:
+    """Whether tiles ``block_n`` wide end where each B part along N ends (all parts but the last
+    are ``part_sizes``): a tile then reads one part, through its own descriptor."""
+    return not any(size % block_n for size in part_sizes)
+
+
 def candidates(*, elem_bytes: int, min_bn: int, n_parts_sizes=(), m: int = 0, n: int = 0, flatten: bool = False,
                staged_bytes: int | None = None, aux_bytes: int = 0, smem: SharedMemory = HOPPER):
     """The configs worth trying on a GPU, best guess first.
@@ -159,7 +165,7 @@ def candidates(*, elem_bytes: int, min_bn: int, n_parts_sizes=(), m: int = 0, n:
             cfg = Config(bm, bn, bk, group, stages, warps, split, CTAS_PER_SM=per_sm)
             if cfg in fitting + small or not fits(cfg):
                 continue
-            if any(size % cfg.BN for size in n_parts_sizes):
+            if not tiles_parts(cfg.BN, n_parts_sizes):
                 continue
             oversized = (m and m <= bm // 2 and bm > 64) or (n and n <= bn // 2 and bn > max(64, min_bn))
             (small if oversized else fitting).append(cfg)
@@ -195,8 +201,8 @@ def interpreter_config(*, min_bn: int, n_parts_sizes=(), m: int = 0, n: int = 0,
     small = INTERPRETER_SMALL_DIM
     bm = 16 if m <= small else 64
     bn = max(16 if n <= small else 64, min_bn)
-    if any(size % bn for size in n_parts_sizes):
+    if not tiles_parts(bn, n_parts_sizes):
         bn = max(16, min_bn)
-        if any(size % bn for size in n_parts_sizes):
+        if not tiles_parts(bn, n_parts_sizes):
             return None
     return Config(BM=bm, BN=bn, BK=16 if k <= small else 32, GROUP_M=2, STAGES=1, num_warps=4)

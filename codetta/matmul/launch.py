@@ -27,9 +27,9 @@ from ..interpreter import interpreting
 from ..kernels.launch import on_device
 from . import config as tile_configs, tuning
 from .call import Call, GemmError, Interleaved
-from .config import Config, candidates, interpreter_config
+from .config import Config, candidates, interpreter_config, tiles_parts
 from .memory import same_elements
-from .path import (b_arrangement, blocks_tma_ok, layouts, one_k_loop, pair_order, parts_fit, table_block_n,
+from .path import (b_arrangement, blocks_tma_ok, layouts, one_k_loop, pair_order, table_block_n,
                    tiles_tma_ok)
 from .plan import Plan, device_index, finished, shared_memory
 from .writes import check_untracked, check_written_apart, count_writes, written_in_place
@@ -244,7 +244,7 @@ def _choose(call, config):
                 f"config {config} gives the epilogue tiles {config.epilogue_bn} wide; program "
                 f"{call.program.name!r} needs {min_bn}"
             )
-        tma = tma and parts_fit(config, parts) and config.epilogue_bn >= tma_min_bn and blocks_tma_ok(call, config)
+        tma = tma and tiles_parts(config.BN, parts) and config.epilogue_bn >= tma_min_bn and blocks_tma_ok(call, config)
         return ("tma" if tma else "ptr"), config
     if interpreting():
         size = dict(m=call.M, n=call.N, k=call.K)

@@ -134,10 +134,6 @@ def tiles_tma_ok(call):
     return all(tma_ok(t) for t in tiles)
 
 
-def parts_fit(cfg, part_sizes):
-    return not any(s % cfg.BN for s in part_sizes)
-
-
 def blocks_tma_ok(call, cfg):
     """Whether every TMA block of ``cfg`` spans 16 bytes or more along its contiguous dim, as TMA
     needs: the A and B blocks, and the epilogue's aux and output tiles (a given config may have

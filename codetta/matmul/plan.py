@@ -97,16 +97,16 @@ class Plan:
             bn = cfg.BN // 2 if c.b_parts == "interleave" else cfg.BN
             b_block = [cfg.BK, bn] if self.b_kn else [bn, cfg.BK]
             a_t = operand_layout(c.a)[0]
-            fills["a"] = lambda a, b, o, w, q: self.describe(a.t() if a_t else a, a_block)
+            fills["a"] = lambda a, b, o, w, q: self.tma_descriptor(a.t() if a_t else a, a_block)
             if self.b_parts.startswith("interleave_one"):  # one descriptor of both parts' W [N/2, K]
                 low, high = (1, 0) if self.b_parts == "interleave_one_swapped" else (0, 1)
-                fills["b0"] = lambda a, b, o, w, q: self._describe_pairs(b[low].t(), b[high].t(), [bn, 2, cfg.BK])
+                fills["b0"] = lambda a, b, o, w, q: self._pairs_descriptor(b[low].t(), b[high].t(), [bn, 2, cfg.BK])
                 values["b1"] = None
             else:
                 for i, part in enumerate(c.parts):
                     b_t = operand_layout(part)[0]  # the row-major store TMA reads
-                    fills[f"b{i}"] = lambda a, b, o, w, q, i=i, b_t=b_t: self.describe(b[i].t() if b_t else b[i],
-                                                                                      b_block)
+                    fills[f"b{i}"] = lambda a, b, o, w, q, i=i, b_t=b_t: self.tma_descriptor(
+                        b[i].t() if b_t else b[i], b_block)
             values.update(stride_a0=0, stride_a1=0, stride_b0=tuple(0 for _ in c.parts),
                           stride_b1=tuple(0 for _ in c.parts))
         else:
@@ -126,14 +126,14 @@ class Plan:
                 fills[name] = lambda a, b, o, w, q, base=base: w[base][1]
             elif kind == "table_desc":
                 block = [cfg.BM, c.program.operands[base].period]
-                fills[name] = lambda a, b, o, w, q, base=base, block=block: self.describe(o[base], block)
+                fills[name] = lambda a, b, o, w, q, base=base, block=block: self.tma_descriptor(o[base], block)
             elif kind in ("aux_desc", "out_desc"):
                 width = (c.program.outputs.get(base) if kind == "out_desc" else c.program.operands[base]).width
                 block = [cfg.BM, cfg.epilogue_bn if width is FULL else cfg.epilogue_bn // 2]
                 if kind == "out_desc":
-                    fills[name] = lambda a, b, o, w, q, base=base, block=block: self.describe(w[base][1], block)
+                    fills[name] = lambda a, b, o, w, q, base=base, block=block: self.tma_descriptor(w[base][1], block)
                 else:
-                    fills[name] = lambda a, b, o, w, q, base=base, block=block: self.describe(o[base], block)
+                    fills[name] = lambda a, b, o, w, q, base=base, block=block: self.tma_descriptor(o[base], block)
             elif kind == "partial":
                 fills[name] = lambda a, b, o, w, q, base=base, i=int(suffix == "psum"): q[base][i]
             elif suffix == "pstride":
@@ -150,11 +150,11 @@ class Plan:
         template = [values.get(n) for n in names]
         return template, [(names.index(n), f) for n, f in fills.items()]
 
-    def describe(self, t, block):
+    def tma_descriptor(self, t, block):
         """A TMA descriptor of the 2-d tensor ``t`` read in ``block`` tiles."""
         return self.descriptor(t, t.shape, t.stride(), block)
 
-    def _describe_pairs(self, low, high, block):
+    def _pairs_descriptor(self, low, high, block):
         """One TMA descriptor [R, 2, K] of two row-major [R, K] tensors with one row stride,
         ``high`` above ``low`` in memory: element [r, p, k] is row r of ``low`` (p = 0) or of
         ``high`` (p = 1); its stride along p is their distance, a multiple of 16 bytes as both
@@ -257,7 +257,7 @@ class _UncheckedDescriptor(TensorDescriptor):
 
 
 def _partial_shapes(c, cfg):
-    """[(name, buffers, shape)] of the fp32 partials of the program's non-segment reductions."""
+    """[(name, number of buffers, shape)] of the fp32 partials of the program's non-segment reductions."""
     n_tiles_n, n_tiles_m = triton.cdiv(c.N, cfg.epilogue_bn), triton.cdiv(c.M, cfg.BM)
     shapes = []
     for o in c.program.outputs.values():

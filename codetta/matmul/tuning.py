@@ -21,6 +21,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ..cache import cache_root
 from .config import Config
 
 _LOCK = threading.Lock()
@@ -29,8 +30,7 @@ _MEMORY: dict | None = None
 
 
 def cache_file() -> Path:
-    root = os.environ.get("CODETTA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "codetta")
-    return Path(root) / "tuning.json"
+    return cache_root() / "tuning.json"
 
 
 def _read() -> dict:

@@ -548,7 +548,7 @@ def _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size, l
         fail(f"target must hold integer class indices, got dtype {target.dtype}")
     if tuple(target.shape) != tuple(x.shape[:-1]):
         fail(f"target must have x's leading shape {tuple(x.shape[:-1])}, got {tuple(target.shape)}")
-    for name, t, shape in (("weight", weight, (vocab, d)), ("bias", bias, (vocab,)), ("norm_weight", norm_weight, (d,))):
+    for name, t, shape in (("bias", bias, (vocab,)), ("norm_weight", norm_weight, (d,))):
         if t is None:
             continue
         if not isinstance(t, torch.Tensor):

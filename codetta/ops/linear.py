@@ -16,7 +16,7 @@ from .autocast import casts_under_autocast
 from .autograd import arguments_needing_grad, direct_op
 from .weight_grads import weight_grad
 
-from .shapes import rows
+from .shapes import described, rows
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,15 +79,15 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     x: [..., K] (or [K]); weight: [N, K] as nn.Linear stores it; bias: [N] or None.
     """
     if not isinstance(x, Tensor) or x.dim() < 1:
-        raise GemmError(f"x must be a tensor [..., K], got {tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__}")
+        raise GemmError(f"x must be a tensor [..., K], got {described(x)}")
     if x.dtype not in KERNEL_DTYPES:
         raise GemmError(f"x has dtype {x.dtype}; codetta.linear takes {KERNEL_DTYPES}")
-    if getattr(weight, "dim", lambda: 0)() != 2:
-        raise GemmError(f"weight must be 2-d [N, K], got shape {tuple(getattr(weight, 'shape', ()))}")
+    if not isinstance(weight, Tensor) or weight.dim() != 2:
+        raise GemmError(f"weight must be a 2-d tensor [N, K], got {described(weight)}")
     if bias is not None and (not isinstance(bias, Tensor) or bias.shape != (weight.shape[0],)
                              or bias.dtype != weight.dtype):
         raise GemmError(f"bias must be a [{weight.shape[0]}] tensor of the weight's dtype {weight.dtype}, got "
-                        + (f"{tuple(bias.shape)} {bias.dtype}" if isinstance(bias, Tensor) else type(bias).__name__))
+                        + described(bias))
     if isinstance(x, Tensor) and x.dim() == 1:
         return _linear_op(x[None], weight, bias)[0]
     return _linear_op(x, weight, bias)

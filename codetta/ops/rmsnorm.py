@@ -74,7 +74,7 @@ from ..matmul.memory import merged_leading_dims
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .weight_grads import for_autograd, run_backward, skipping, weight_grads, weight_grads_like
-from .shapes import check_vector, rows
+from .shapes import check_vector, described, rows
 
 # ---------------------------------------------------------------------------------------
 # Programs
@@ -142,7 +142,7 @@ def check_eps(**values) -> None:
 
 def _check_norm_inputs(x: Tensor, norm_weight: Tensor, weights: list[Tensor], eps):
     if not isinstance(x, Tensor) or x.dim() < 1:
-        raise ValueError(f"x must be a tensor [..., d], got {type(x).__name__}")
+        raise ValueError(f"x must be a tensor [..., d], got {described(x)}")
     if not weights or not all(isinstance(w, Tensor) for w in (norm_weight, *weights)):
         raise ValueError("norm_weight and the weights must be tensors (at least one weight)")
     check_eps(eps=eps)
@@ -511,7 +511,7 @@ def linear_residual(a: Tensor, weight, residual: Tensor, norm_weight: Tensor | N
     weights = _as_list(weight)
     for name, t in (("a", a), ("residual", residual), *((f"weight {i}", w) for i, w in enumerate(weights))):
         if not isinstance(t, Tensor) or t.dim() < 1:
-            raise ValueError(f"{name} must be a tensor of at least 1 dim, got {type(t).__name__}")
+            raise ValueError(f"{name} must be a tensor of at least 1 dim, got {described(t)}")
     if a.dtype not in KERNEL_DTYPES:
         raise ValueError(f"a has dtype {a.dtype}; the kernels take {KERNEL_DTYPES}")
     if residual.shape[:-1] != a.shape[:-1] or residual.shape[-1] != sum(w.shape[0] for w in weights):

@@ -237,8 +237,8 @@ def _(x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, rotary_dim, 
     return x.new_empty(*x.shape[:-1], n, dtype=low), rstd_like(x, u, rstd), z
 
 
-def rmsnorm_qkv_rope_backward(dqkv, qkv, x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, rotary_dim,
-                              interleaved, rstd, z, q_norm_weight, k_norm_weight, qk_norm_eps, dweights_into=()):
+def rmsnorm_qkv_rope_backward(dqkv, qkv, x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, interleaved,
+                              rstd, z, q_norm_weight, k_norm_weight, qk_norm_eps, dweights_into=()):
     """(dx, dnorm_weight, [dW_q, dW_k, dW_v], dbias, dq_norm_weight, dk_norm_weight) given dqkv, or
     [dq, dk, dv] (the module doc's backward). Without QK-norm it reads the output qkv; with
     QK-norm the pre-norm z instead (qkv unused)."""
@@ -262,17 +262,16 @@ def rmsnorm_qkv_rope_backward(dqkv, qkv, x, norm_weight, weights, bias, cos, sin
 @direct_op("codetta::rmsnorm_qkv_rope_backward")
 def _qkv_rope_backward_op(
     dqkv: Tensor, qkv: Optional[Tensor], x: Tensor, norm_weight: Tensor, weights: list[Tensor], bias: Optional[Tensor],
-    cos: Tensor, sin: Tensor, n_q: int, n_kv: int, head_dim: int, rotary_dim: int, interleaved: bool, rstd: Tensor,
+    cos: Tensor, sin: Tensor, n_q: int, n_kv: int, head_dim: int, interleaved: bool, rstd: Tensor,
     z: Optional[Tensor], q_norm_weight: Optional[Tensor], k_norm_weight: Optional[Tensor], qk_norm_eps: float,
     needs: list[bool],
 ) -> tuple[Tensor, Tensor, list[Tensor], Tensor, Tensor, Tensor]:
-    return rmsnorm_qkv_rope_backward(dqkv, qkv, x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, rotary_dim,
-                                     interleaved, rstd, z, q_norm_weight, k_norm_weight, qk_norm_eps,
-                                     skipping(weights, needs))
+    return rmsnorm_qkv_rope_backward(dqkv, qkv, x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, interleaved,
+                                     rstd, z, q_norm_weight, k_norm_weight, qk_norm_eps, skipping(weights, needs))
 
 
 @_qkv_rope_backward_op.register_fake
-def _(dqkv, qkv, x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, rotary_dim, interleaved, rstd, z,
+def _(dqkv, qkv, x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, interleaved, rstd, z,
       q_norm_weight, k_norm_weight, qk_norm_eps, needs):
     def grad_like(t):
         return t.new_empty(t.shape) if t is not None else dqkv.new_empty(0, dtype=torch.float32)
@@ -287,7 +286,7 @@ def _setup(ctx, inputs, output):
      k_norm_weight, qk_norm_eps) = inputs
     qkv, rstd_out, z = output
     qk_norm = q_norm_weight is not None
-    ctx.meta = (n_q, n_kv, head_dim, rotary_dim, interleaved, bias is not None, qk_norm, qk_norm_eps)
+    ctx.meta = (n_q, n_kv, head_dim, interleaved, bias is not None, qk_norm, qk_norm_eps)  # R: cos.shape[1] * 2
     empty = x.new_empty(0)
     ctx.save_for_backward(z if qk_norm else qkv, x, norm_weight, cos, sin, used_rstd(u, rstd, rstd_out),
                           bias if bias is not None else empty, q_norm_weight if qk_norm else empty,
@@ -296,12 +295,12 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dqkv, _drstd, _dz):
     saved, x, norm_weight, cos, sin, rstd, bias, q_norm_weight, k_norm_weight, *weights = ctx.saved_tensors
-    n_q, n_kv, head_dim, rotary_dim, interleaved, has_bias, qk_norm, qk_norm_eps = ctx.meta
+    n_q, n_kv, head_dim, interleaved, has_bias, qk_norm, qk_norm_eps = ctx.meta
     qk = (saved, q_norm_weight, k_norm_weight) if qk_norm else (None, None, None)
     dx, dg, dws, dbias, dqw, dkw = run_backward(
         ctx, weights, _qkv_rope_backward_op, rmsnorm_qkv_rope_backward,
         dqkv, None if qk_norm else saved, x, norm_weight, weights, bias if has_bias else None, cos, sin,
-        n_q, n_kv, head_dim, rotary_dim, interleaved, rstd, *qk, qk_norm_eps, weight_args=(2,))
+        n_q, n_kv, head_dim, interleaved, rstd, *qk, qk_norm_eps, weight_args=(2,))
     none10 = (None,) * 10  # cos, sin, n_q, n_kv, head_dim, rotary_dim, interleaved, eps, u, rstd
     return (dx, dg, for_autograd(dws, weights), dbias if has_bias else None, *none10, dqw if qk_norm else None,
             dkw if qk_norm else None, None)
@@ -473,7 +472,7 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("QK-norm needs both q_norm_weight and k_norm_weight (or neither)")
     if q_norm_weight is not None:
-        if not _is_power_of_two(head_dim):
+        if not fits_qkv_epilogue(rotary_dim, head_dim, qk_norm=True):  # rotary_dim fits (rope_tables_for)
             raise ValueError(f"QK-norm needs a head_dim that is a power of two (the epilogue sums whole heads as "
                              f"power-of-two segments), got {head_dim}")
         for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):

@@ -17,6 +17,11 @@ def rows(t: Tensor) -> Tensor:
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
+def described(t) -> str:
+    """What an argument is, for an error message: a tensor's shape and dtype, else its type."""
+    return f"{tuple(t.shape)} {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
+
+
 def broadcasts_to(shape, target) -> bool:
     """Whether a tensor of ``shape`` broadcasts to ``target`` (``torch.broadcast_shapes(shape,
     target) == target``, without its ~25 µs of host time, paid per layer and step)."""
