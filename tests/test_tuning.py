@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -45,6 +46,19 @@ def test_every_candidates_time_is_logged_when_asked(cache_dir, monkeypatch):
     (entry,) = [json.loads(line) for line in log.read_text().splitlines()]
     assert entry["key"].startswith("logged|") and Config(**entry["best"]) == CONFIGS[1]
     assert [(t, Config(**c)) for t, c in entry["ms"]] == [(1.0, CONFIGS[1]), (1.05, CONFIGS[2]), (1.1, CONFIGS[0])]
+
+
+def test_each_tuning_is_logged_at_info_level_and_a_cached_choice_is_not(cache_dir, caplog):
+    """The logger "codetta" tells at INFO level what was tuned, over how many candidates, and
+    what won (a first step can spend tens of seconds tuning); a choice read from the cache is silent."""
+    times = {CONFIGS[0]: 3.0, CONFIGS[1]: 1.0, CONFIGS[2]: 2.0}
+    with caplog.at_level(logging.INFO, logger="codetta"):
+        tuning.choose("told", CONFIGS, times.__getitem__)
+        tuning.choose("told", CONFIGS, times.__getitem__)
+    (record,) = caplog.records
+    assert record.name == "codetta" and record.levelno == logging.INFO
+    assert record.getMessage().startswith("codetta: tuned told|")
+    assert f"over 3 candidates: {CONFIGS[1]}, 1.0000 ms" in record.getMessage()
 
 
 def test_a_gpu_faster_while_it_starts_does_not_favour_the_first_candidate(cache_dir):

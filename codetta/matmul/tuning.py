@@ -13,10 +13,12 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import random
 import tempfile
 import threading
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,6 +27,7 @@ from ..cache import cache_root
 from .config import Config
 
 _LOCK = threading.Lock()
+_LOG = logging.getLogger("codetta")  # INFO: each tuning, its time and its choice
 TIMING = "graph replay ~25 ms x 1"  # how candidates are timed (:func:`graph_ms`); part of the cache key
 _MEMORY: dict | None = None
 
@@ -225,12 +228,15 @@ def choose(key: str, configs: list[Config], bench, prepare=None, cannot_time: st
             warnings.warn(f"codetta: a GEMM runs untuned, with its first candidate config: {cannot_time}",
                           stacklevel=2)
             return configs[0]
+        start = time.perf_counter()
         if prepare is not None:
             prepare(configs)
         timings = _timed_in_rounds(configs, bench)
         if not timings:
             return configs[0]
         best = min(timings, key=timings.get)
+        _LOG.info("codetta: tuned %s in %.1f s over %d candidates: %s, %.4f ms", key, time.perf_counter() - start,
+                  len(configs), best, timings[best])
         _log_timings(key, timings, best)
         _load()[key] = best.as_dict()
         _save(key, best.as_dict())
