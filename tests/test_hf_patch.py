@@ -1378,7 +1378,7 @@ def test_one_half_as_the_models_modules_the_other_fused(key, checkpointing, half
     fused = (1, 2) if half == ATTENTION else (2, 1)  # (layers with a fused attention half, with a fused MLP half)
     assert (len(fused_attention), len(fused_mlp)) == (fused[0] * forwards, fused[1] * forwards)
     moe_layers = 1 if key.startswith("moe") else 0  # layer 0's experts read their norm's output from the kernel too
-    assert len(norm_kernels) == (1 + moe_layers) * forwards
+    assert len(norm_kernels) == (1 + moe_layers) * forwards + 1  # and the decoder's final norm, not recomputed
     assert [layer._codetta_plan.unfused_half for layer in model.model.layers] == [None, half]
 
 
@@ -1736,7 +1736,8 @@ def _norm_with_offset(norm):
     cls = type(norm)
 
     def forward(self, x):
-        return cls.forward(self, x) + x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        eps = getattr(self, "variance_epsilon", None) or self.eps  # Llama's name, Gemma's
+        return cls.forward(self, x) + x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
     norm.__class__ = type("OffsetRMSNorm", (cls,), {"forward": forward})
 
@@ -1752,6 +1753,37 @@ def test_a_module_class_swapped_in_place_after_a_fused_step():
         _norm_with_offset(m.model.layers[1].post_attention_layernorm)
     with pytest.warns(UserWarning, match="OffsetRMSNorm"):
         assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+
+
+@pytest.mark.parametrize("key", ["llama_bias_tied", "gemma_norm_offset_gelu_tanh", "granite_multipliers"])
+def test_the_final_norm_runs_as_codettas_row_kernel(key, monkeypatch):
+    """The decoder's final norm (what the LM head reads) runs as codetta.ops.rms_norm, in training
+    with the fused loss and in evaluation, the model's RMSNorm.forward never called; a forward
+    hook on it still runs; with its class swapped after patching, it runs as that class; unpatch
+    restores the module's own forward."""
+    name, overrides = MODELS[key]
+    ref = tiny(name, num_hidden_layers=1, **overrides)
+    model = codetta.patch(copy.deepcopy(ref))
+    kernels = count_calls(monkeypatch, "codetta.integrations.hf.layer.rms_norm")
+    norm_class, own = type(model.model.norm), []
+    monkeypatch.setattr(norm_class, "forward", lambda norm, x, forward=norm_class.forward: (
+        own.append(1) if norm is model.model.norm else None, forward(norm, x))[1])
+    ids = torch.randint(0, VOCAB, (2, 7), device=DEVICE)
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    assert len(kernels) == 2 and own == []  # the training step and the evaluation
+    for m in (model, ref):
+        m.model.norm.register_forward_hook(_scale_output)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+        for m in (model, ref):
+            _norm_with_offset(m.model.norm)
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    assert len(kernels) == 3
+    codetta.unpatch(model)
+    assert "forward" not in model.model.norm.__dict__ and "_codetta_norm" not in model.model.norm.__dict__
 
 
 def _scale_output(module, args, output):

@@ -15,8 +15,8 @@ import transformers
 
 from ...versions import MIN_TRANSFORMERS, release
 from .architectures import (ARCHITECTURES, MODEL_KINDS, UnsupportedModelError, architecture_of, check_model,
-                            decoder_of, is_causal_lm, model_classes, why_rope_unfusable)
-from .layer import LayerPlan, WeakModule, check_modules, fused_decoder_forward
+                            decoder_of, is_causal_lm, is_models_norm, model_classes, why_rope_unfusable)
+from .layer import LayerPlan, WeakModule, check_modules, fused_decoder_forward, fused_final_norm_forward
 from .loss import fused_causal_lm_forward
 
 __all__ = ["ARCHITECTURES", "MODEL_KINDS", "UnsupportedModelError", "patch", "unpatch"]
@@ -83,8 +83,9 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
     (``...ForSequenceClassification``, ``...ForTokenClassification``, ``...ForQuestionAnswering``).
 
     rms_norm: fold each RMSNorm that a GEMM reads into that GEMM (and its statistics into the
-        GEMM before it); the others (Gemma 2's and GLM-4's output norms, a mixture of experts'
-        MLP norm) run as :func:`codetta.ops.rms_norm`; without it no layer is patched.
+        GEMM before it); the others (the decoder's final norm, Gemma 2's and GLM-4's output norms,
+        a mixture of experts' MLP norm) run as :func:`codetta.ops.rms_norm`; without it no layer
+        is patched.
     rope: RoPE in the QKV GEMM's epilogue (with Qwen3's QK-norm before it, in the same
         epilogue); where the rotary dims, or head_dim with QK-norm, are no power of two, as
         Phi-3-mini's head_dim 96, or do not divide head_dim, as Phi-4-mini's 96 of 128, by
@@ -130,6 +131,10 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
             layer._codetta_plan = plan
             check_modules(layer, plan)
             layer.forward = FusedForward(fused_decoder_forward, layer, "_codetta_plan")
+        final_norm = _final_norm(decoder, classes)
+        if final_norm is not None:
+            final_norm._codetta_norm = (arch, classes)
+            final_norm.forward = FusedForward(fused_final_norm_forward, final_norm, "_codetta_norm")
     if cross_entropy:
         model.forward = FusedForward(fused_causal_lm_forward, model, "_codetta_patched")
     # what the fused loss needs of the family, taken now: a wrapper (FSDP2) swaps the model's class later
@@ -146,14 +151,23 @@ def _check_instance_forwards(model, rms_norm: bool, cross_entropy: bool):
     the causal LM with ``cross_entropy``) has a forward set on its instance other than codetta's:
     accelerate's hooks (device_map dispatch, offloading), transformers' tensor- or pipeline-parallel
     wrappers. Replacing it would drop what it adds; patched first, the wrapper calls the patched forward."""
+    decoder = decoder_of(model)
+    final_norm = _final_norm(decoder, model_classes(model))
     replaced = ([("the model", model)] if cross_entropy else []) + (
-        [(f"layer {i}", layer) for i, layer in enumerate(decoder_of(model).layers)] if rms_norm else [])
+        [(f"layer {i}", layer) for i, layer in enumerate(decoder.layers)] if rms_norm else []) + (
+        [("the final norm", final_norm)] if rms_norm and final_norm is not None else [])
     for where, module in replaced:
         forward = module.__dict__.get("forward")
         if forward is not None and not isinstance(forward, FusedForward):
             raise UnsupportedModelError(f"{where} has a forward set on its instance (accelerate's hooks or a "
                                         "parallelism wrapper set one), which patching would replace; patch the model "
                                         "before adding them. Nothing was patched.")
+
+
+def _final_norm(decoder, classes):
+    """The decoder's norm after its last layer (``norm``), where it is the model's RMSNorm; else None."""
+    norm = getattr(decoder, "norm", None)
+    return norm if norm is not None and is_models_norm(norm, classes) else None
 
 
 def unpatch(model):
@@ -164,4 +178,5 @@ def unpatch(model):
             del module.forward
         module.__dict__.pop("_codetta_plan", None)
         module.__dict__.pop("_codetta_patched", None)
+        module.__dict__.pop("_codetta_norm", None)
     return model

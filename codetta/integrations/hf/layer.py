@@ -58,6 +58,7 @@ from torch.nn.utils import parametrize
 
 from ...ops import (apply_rope, gated_activation, linear_residual, rms_norm, rmsnorm_linear, rmsnorm_qkv_rope,
                     rmsnorm_swiglu, swiglu_mlp)
+from ...matmul import KERNEL_DTYPES
 from ...ops.autocast import stream_under_autocast
 from ...ops.rmsnorm import NormStats, scaled, stream_fits, weight_readable_ahead
 from ...ops.rope import angles_need_grad, fits_qkv_epilogue
@@ -637,6 +638,21 @@ def _norm_like_module(arch: Architecture, norm, t, weight=None):
         return norm(t)
     dtype = t.dtype if arch.norm_weight_offset else torch.promote_types(weight.dtype, t.dtype)
     return rms_norm(t, weight, arch.norm_epsilon(norm), dtype=dtype)
+
+
+def fused_final_norm_forward(norm, hidden_states):
+    """The decoder's final RMSNorm (which the LM head, or the fused loss, reads) by
+    :func:`codetta.ops.rms_norm`: one row kernel each way instead of the module's chain of
+    elementwise kernels (:func:`_norm_like_module`). The module's own forward where it no longer
+    computes as the model's RMSNorm (its class swapped after patching), or where the kernel does
+    not take the dtypes (an fp64 model, a weight in neither the input's dtype nor fp32)."""
+    arch, classes = norm._codetta_norm
+    if not is_models_norm(norm, classes) or hidden_states.dtype not in KERNEL_DTYPES:
+        return type(norm).forward(norm, hidden_states)
+    weight = arch.norm_weight(norm)
+    if weight.dtype not in (hidden_states.dtype, torch.float32):
+        return type(norm).forward(norm, hidden_states)
+    return _norm_like_module(arch, norm, hidden_states, weight)
 
 
 def _gate_in_epilogue(plan: LayerPlan, mlp) -> bool:
