@@ -1871,9 +1871,9 @@ def _instance_forward(module, scale=0.5):
     module.forward = forward
 
 
-@pytest.mark.parametrize("path", ["model.layers.1", ""], ids=["layer", "causal_lm"])
+@pytest.mark.parametrize("path", ["model.layers.1", "model.norm", ""], ids=["layer", "final_norm", "causal_lm"])
 def test_a_forward_set_on_the_instance(path):
-    """patch() would replace a forward set on a decoder layer's (or the causal LM's) instance, dropping
+    """patch() would replace a forward set on a decoder layer's (its final norm's, the causal LM's) instance, dropping
     what it adds: it refuses, changing nothing (without cross_entropy the causal LM's is kept). Set
     after patching, it wraps the patched forward, and after unpatch() it calls the model's own."""
     from codetta.integrations.hf import FusedForward, UnsupportedModelError

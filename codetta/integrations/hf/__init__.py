@@ -114,7 +114,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
     classes = model_classes(model)
     check_model(model, arch, classes)
     cross_entropy = cross_entropy and is_causal_lm(model)
-    _check_instance_forwards(model, rms_norm, cross_entropy)
+    _check_instance_forwards(model, classes, rms_norm, cross_entropy)
     unpatch(model)
     decoder = decoder_of(model)
     if rms_norm:
@@ -146,13 +146,13 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
     return model
 
 
-def _check_instance_forwards(model, rms_norm: bool, cross_entropy: bool):
-    """Raise UnsupportedModelError if a module whose forward :func:`patch` would set (the decoder layers,
-    the causal LM with ``cross_entropy``) has a forward set on its instance other than codetta's:
+def _check_instance_forwards(model, classes, rms_norm: bool, cross_entropy: bool):
+    """Raise UnsupportedModelError if a module whose forward :func:`patch` would set (the decoder layers
+    and its final norm, the causal LM with ``cross_entropy``) has a forward set on its instance other than codetta's:
     accelerate's hooks (device_map dispatch, offloading), transformers' tensor- or pipeline-parallel
     wrappers. Replacing it would drop what it adds; patched first, the wrapper calls the patched forward."""
     decoder = decoder_of(model)
-    final_norm = _final_norm(decoder, model_classes(model))
+    final_norm = _final_norm(decoder, classes)
     replaced = ([("the model", model)] if cross_entropy else []) + (
         [(f"layer {i}", layer) for i, layer in enumerate(decoder.layers)] if rms_norm else []) + (
         [("the final norm", final_norm)] if rms_norm and final_norm is not None else [])
