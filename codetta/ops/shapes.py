@@ -31,7 +31,7 @@ def broadcasts_to(shape, target) -> bool:
 def check_vector(name: str, t, n: int, device) -> None:
     """``t`` must be an [n] tensor on ``device`` in a dtype the kernels take (a norm weight, a bias)."""
     if not isinstance(t, Tensor) or t.shape != (n,) or t.dtype not in KERNEL_DTYPES or t.device != device:
-        got = f"{tuple(t.shape)} {t.dtype} {t.device}" if isinstance(t, Tensor) else type(t).__name__
+        got = f"{described(t)} {t.device}" if isinstance(t, Tensor) else described(t)
         raise ValueError(f"{name} must be an [{n}] tensor in one of {KERNEL_DTYPES} on {device}, got {got}")
 
 
