@@ -29,6 +29,7 @@ if not _torch.cuda.is_available() and "TRITON_INTERPRET" not in _os.environ:
 from . import epilogue  # noqa: E402
 from .epilogue import EpilogueError, Program, kernel_source, run_reference  # noqa: E402
 from .matmul import Config, GemmError, explain, gemm, interleave  # noqa: E402
+from . import ops  # noqa: E402
 from .ops import linear  # noqa: E402
 from .integrations import UnsupportedModelError  # noqa: E402
 from . import nn  # noqa: E402
@@ -66,5 +67,5 @@ def unpatch(model):
 
 __all__ = [
     "Config", "EpilogueError", "GemmError", "Program", "epilogue", "explain", "gemm", "interleave", "kernel_source",
-    "linear", "nn", "patch", "run_reference", "UnsupportedModelError", "unpatch",
+    "linear", "nn", "ops", "patch", "run_reference", "UnsupportedModelError", "unpatch",
 ]

@@ -17,7 +17,8 @@ statistics carry no gradient of their own: every norm's gradient flows through i
 weight (see :mod:`codetta.ops.rmsnorm`).
 
 Parameters are plain ``nn.Parameter`` tensors laid out as ``nn.Linear`` and Hugging Face
-store them ([out, in] weights), so state dicts map one to one.
+store them ([out, in] weights): a Llama state dict's tensors map one to one onto these, under
+other names (``embed``, ``layers.i.q_proj``, ``layers.i.input_norm``, ``final_norm``, ...).
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ class Decoder(nn.Module):
 
     @property
     def output_weight(self) -> Tensor:
+        """The LM head's weight [V, d]: the embedding's where they are tied."""
         return self.embed if self.lm_head is None else self.lm_head
 
     def rope_frequencies(self, device) -> Tensor:

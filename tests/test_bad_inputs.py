@@ -148,6 +148,16 @@ def test_linear_names_x_when_refusing_it():
             codetta.linear(x, w)
 
 
+def test_linear_names_its_weight_when_refusing_it():
+    """A weight of another dtype than x, or whose K is not x's last dim: refused naming weight
+    and its own shape (not gemm's a and the transposed b)."""
+    x = dyadic(3, 5)
+    for w in (dyadic(4, 5).double(), dyadic(4, 6), dyadic(5, 4)):
+        with pytest.raises(GemmError, match=rf"weight must be \[N, 5\] \(x's last dim\) in x's dtype torch.float32, "
+                                            rf"got \({w.shape[0]}, {w.shape[1]}\) {w.dtype}"):
+            codetta.linear(x, w)
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda x, w: ops.rmsnorm_linear(x[0, 0], dyadic(5), w), r"x must be a tensor \[\.\.\., d\], got \(\) torch.float32"),
     (lambda x, w: ops.linear_residual(x[0, 0], w, x), r"a must be a tensor of at least 1 dim, got \(\) torch.float32"),
@@ -199,6 +209,23 @@ def test_an_fp64_norm_weight_or_bias_is_refused_by_every_op(call, name):
     its gradient returned in fp64)."""
     x, g, w = dyadic(3, 8), dyadic(8).double(), dyadic(6, 8)
     with pytest.raises(ValueError, match=rf"{name}.*torch.float64|{name}.*float16, torch.bfloat16, torch.float32"):
+        call(x, g, w)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda x, g, w: ops.rmsnorm_linear(x, g, [w, w[:, :7]]), r"weight\[1\] must be \[out_features, 8\], got \(6, 7\)"),
+    (lambda x, g, w: ops.rmsnorm_linear(x, g, w[:, :7]), r"weight must be \[out_features, 8\], got \(6, 7\)"),
+    (lambda x, g, w: ops.rmsnorm_swiglu(x, g, w, w.half()), "w_up is torch.float16 but w_gate is torch.float32"),
+    (lambda x, g, w: ops.swiglu_mlp(x, g, w[:, :7], w, w.t()), r"w_gate must be \[out_features, 8\]"),
+    (lambda x, g, w: ops.rmsnorm_qkv_rope(x, g, w[:4], w[4:6, :7], w[4:6], torch.arange(3, device=DEVICE),
+                                          torch.ones(1, device=DEVICE), head_dim=2), r"w_k must be \[out_features, 8\]"),
+    (lambda x, g, w: ops.linear_residual(x, [w, None], x[:, :6]), "weight\\[1\\] must be a tensor"),
+], ids=["rmsnorm_linear-list", "rmsnorm_linear", "rmsnorm_swiglu", "swiglu_mlp", "rmsnorm_qkv_rope", "linear_residual"])
+def test_a_bad_weight_is_named_as_the_op_names_it(call, message):
+    """A weight of the wrong shape or dtype is named by its argument's name (w_k, w_up, weight[1]),
+    not by its place in an internal list."""
+    x, g, w = dyadic(3, 8), dyadic(8), dyadic(6, 8)
+    with pytest.raises(ValueError, match=message):
         call(x, g, w)
 
 

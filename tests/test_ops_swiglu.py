@@ -135,7 +135,7 @@ def test_bad_inputs():
     x, g, wg, wu = inputs((4, 8), 6)
     with pytest.raises(ValueError, match="differ"):
         rmsnorm_swiglu(x, g, wg, wu[:5])
-    with pytest.raises(ValueError, match="weight 1 must be"):
+    with pytest.raises(ValueError, match="w_up must be"):
         rmsnorm_swiglu(x, g, wg, torch.randn(6, 7, device=DEVICE))
     with pytest.raises(ValueError, match="bias must be a tuple"):
         rmsnorm_swiglu(x, g, wg, wu, bias=torch.zeros(6, device=DEVICE))

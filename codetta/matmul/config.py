@@ -54,6 +54,7 @@ class Config:
         return self.BN // self.EPI_SPLIT
 
     def as_dict(self):
+        """The config's fields by name (how tuning.json stores it)."""
         return asdict(self)
 
     def launch_options(self) -> dict:

@@ -592,7 +592,8 @@ def linear_cross_entropy(x, weight, target, *, bias=None, ignore_index=-100, red
     reduction=..., label_smoothing=...)`` with h = x, or h = ``F.rms_norm(x, (d,),
     norm_weight, eps)`` when ``norm_weight`` is given, plus ``z_loss * lse^2`` per row (not
     ignored) when ``z_loss`` > 0, reduced likewise. When gradients are computed in the forward ("mean", "sum"),
-    loss and gradients come from the logits rounded to x's dtype, as in eager PyTorch;
+    loss and gradients come from the logits rounded to the weight's dtype (x's, but for an fp32
+    x with 16-bit weights), as in eager PyTorch;
     otherwise from the fp32 logits.
 
     Args:
@@ -604,7 +605,7 @@ def linear_cross_entropy(x, weight, target, *, bias=None, ignore_index=-100, red
         target: integer class indices of x's leading shape; ``ignore_index`` rows count nothing.
         reduction: "mean" (over the rows not ignored), "sum", or "none" (x's leading shape).
         chunk_size: rows per chunk (default :func:`default_chunk_size`: 2^30 bytes of
-            logits in x's dtype at most (2^29 for a frozen weight), or all rows when that
+            logits in the weight's dtype at most (2^29 for a frozen weight), or all rows when that
             takes less memory).
         label_smoothing: e in [0, 1], as PyTorch's: the target distribution is (1 - e) one-hot
             + e uniform. z_loss: c >= 0, the coefficient of the auxiliary loss c lse^2 (PaLM).

@@ -84,6 +84,9 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
         raise GemmError(f"x has dtype {x.dtype}; codetta.linear takes {KERNEL_DTYPES}")
     if not isinstance(weight, Tensor) or weight.dim() != 2:
         raise GemmError(f"weight must be a 2-d tensor [N, K], got {described(weight)}")
+    if weight.dtype != x.dtype or weight.shape[1] != x.shape[-1]:
+        raise GemmError(f"weight must be [N, {x.shape[-1]}] (x's last dim) in x's dtype {x.dtype}, got "
+                        + described(weight))
     if bias is not None and (not isinstance(bias, Tensor) or bias.shape != (weight.shape[0],)
                              or bias.dtype != weight.dtype):
         raise GemmError(f"bias must be a [{weight.shape[0]}] tensor of the weight's dtype {weight.dtype}, got "

@@ -154,7 +154,7 @@ def swiglu_mlp(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_d
         x2, or (x2, (u2, rstd2)) with ``next_norm_weight``: the next norm's statistics, as
         :func:`codetta.ops.linear_residual` returns them.
     """
-    _check_norm_inputs(x, norm_weight, [w_gate, w_up], eps)
+    _check_norm_inputs(x, norm_weight, {"w_gate": w_gate, "w_up": w_up}, eps)
     check_eps(next_eps=next_eps)
     f, d = w_gate.shape
     if w_up.shape != w_gate.shape:
@@ -172,6 +172,7 @@ def swiglu_mlp(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_d
 
 def swiglu_mlp_reference(x, norm_weight, w_gate, w_up, w_down, eps=1e-6, bias=None, branch_scale=1.0,
                          activation="silu"):
+    """:func:`swiglu_mlp`'s x + branch_scale * down(act(gate(h)) * up(h)), h = RMSNorm(x), unfused."""
     b_gate, b_up, b_down = bias if bias is not None else (None, None, None)
     y = rmsnorm_swiglu_reference(x, norm_weight, w_gate, w_up, eps, (b_gate, b_up), activation)
     return x + branch_scale * torch.nn.functional.linear(y, w_down, b_down)

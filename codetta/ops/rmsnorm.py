@@ -140,31 +140,41 @@ def check_eps(**values) -> None:
             raise ValueError(f"{name} must be a number >= 0, got {value!r}")
 
 
-def _check_norm_inputs(x: Tensor, norm_weight: Tensor, weights: list[Tensor], eps):
+def named_weights(weight) -> dict[str, Tensor]:
+    """An operator's ``weight`` argument (one tensor, or a list) by the names its error messages
+    give: "weight", or "weight[i]"."""
+    if isinstance(weight, (list, tuple)):
+        return {f"weight[{i}]": w for i, w in enumerate(weight)}
+    return {"weight": weight}
+
+
+def _check_norm_inputs(x: Tensor, norm_weight: Tensor, weights: dict[str, Tensor], eps):
+    """The checks of a norm-folded GEMM's inputs; ``weights`` by the names the caller gave them."""
     if not isinstance(x, Tensor) or x.dim() < 1:
         raise ValueError(f"x must be a tensor [..., d], got {described(x)}")
-    if not weights or not all(isinstance(w, Tensor) for w in (norm_weight, *weights)):
-        raise ValueError("norm_weight and the weights must be tensors (at least one weight)")
+    if not weights or not all(isinstance(w, Tensor) for w in (norm_weight, *weights.values())):
+        raise ValueError(f"norm_weight and {', '.join(weights) or 'the weights'} must be tensors (at least one weight)")
     check_eps(eps=eps)
     d = x.shape[-1]
     if not x.is_meta:  # on the meta device the registered op's fake implementation gives the shapes
         check_device(x.device, "x")
-    for name, t in (("norm_weight", norm_weight), *((f"weight {i}", w) for i, w in enumerate(weights))):
+    for name, t in (("norm_weight", norm_weight), *weights.items()):
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
     if norm_weight.shape != (d,):
         raise ValueError(f"norm_weight must be [{d}] for x [..., {d}], got {tuple(norm_weight.shape)}")
-    for i, w in enumerate(weights):
+    (first, w0), *_ = weights.items()
+    for name, w in weights.items():
         if w.dim() != 2 or w.shape[1] != d:
-            raise ValueError(f"weight {i} must be [out_features, {d}], got {tuple(w.shape)}")
-        if w.dtype != weights[0].dtype:
-            raise ValueError(f"weight {i} is {w.dtype} but weight 0 is {weights[0].dtype}")
-    if weights[0].dtype not in KERNEL_DTYPES:
-        raise ValueError(f"the weights are {weights[0].dtype}; the kernels take {KERNEL_DTYPES}")
+            raise ValueError(f"{name} must be [out_features, {d}], got {tuple(w.shape)}")
+        if w.dtype != w0.dtype:
+            raise ValueError(f"{name} is {w.dtype} but {first} is {w0.dtype}")
+    if w0.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"the weights are {w0.dtype}; the kernels take {KERNEL_DTYPES}")
     if norm_weight.dtype not in KERNEL_DTYPES:
         raise ValueError(f"norm_weight is {norm_weight.dtype}; the kernels take {KERNEL_DTYPES}")
-    if not stream_fits(x.dtype, weights[0].dtype):
-        raise ValueError(f"x is {x.dtype} but the weights are {weights[0].dtype}: x must be in the weights' dtype, "
+    if not stream_fits(x.dtype, w0.dtype):
+        raise ValueError(f"x is {x.dtype} but the weights are {w0.dtype}: x must be in the weights' dtype, "
                          "or fp32 with 16-bit weights")
 
 
@@ -413,8 +423,8 @@ def rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight, eps: float = 1e-6, *,
     Returns:
         z [..., N] in the weights' dtype.
     """
+    _check_norm_inputs(x, norm_weight, named_weights(weight), eps)
     weights = _as_list(weight)
-    _check_norm_inputs(x, norm_weight, weights, eps)
     u, rstd = given_stats(x, stats, weights[0].dtype, norm_weight, eps)
     return _rmsnorm_linear_op(x, norm_weight, weights, float(eps), u, rstd)[0]
 
@@ -509,7 +519,7 @@ def linear_residual(a: Tensor, weight, residual: Tensor, norm_weight: Tensor | N
         to :func:`rmsnorm_linear` (they carry no gradient of their own).
     """
     weights = _as_list(weight)
-    for name, t in (("a", a), ("residual", residual), *((f"weight {i}", w) for i, w in enumerate(weights))):
+    for name, t in (("a", a), ("residual", residual), *named_weights(weight).items()):
         if not isinstance(t, Tensor) or t.dim() < 1:
             raise ValueError(f"{name} must be a tensor of at least 1 dim, got {described(t)}")
     if a.dtype not in KERNEL_DTYPES:
@@ -549,10 +559,12 @@ def scaled(grad: Tensor, branch_scale: float) -> Tensor:
 
 
 def rmsnorm_linear_reference(x, norm_weight, weight, eps=1e-6):
+    """:func:`rmsnorm_linear` unfused: F.rms_norm, then F.linear against the weights concatenated."""
     w = torch.cat(_as_list(weight)) if isinstance(weight, (list, tuple)) else weight
     return torch.nn.functional.linear(torch.nn.functional.rms_norm(x, (x.shape[-1],), norm_weight, eps), w)
 
 
 def linear_residual_reference(a, weight, residual, bias=None, branch_scale=1.0):
+    """The x of :func:`linear_residual` unfused: branch_scale * F.linear(a, W, bias) + residual."""
     w = torch.cat(_as_list(weight)) if isinstance(weight, (list, tuple)) else weight
     return branch_scale * torch.nn.functional.linear(a, w, bias) + residual

@@ -458,8 +458,8 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
     Returns:
         (q, k, v): [..., H_q D], [..., H_kv D], [..., H_kv D], views of one qkv tensor.
     """
+    _check_norm_inputs(x, norm_weight, {"w_q": w_q, "w_k": w_k, "w_v": w_v}, eps)
     weights = [w_q, w_k, w_v]
-    _check_norm_inputs(x, norm_weight, weights, eps)
     check_eps(qk_norm_eps=qk_norm_eps)
     head_dim, rotary_dim, cos, sin = rope_tables_for(x, head_dim, positions, inv_freq, rotary_dim=rotary_dim,
                                                      attention_scaling=attention_scaling, cos_sin=cos_sin,

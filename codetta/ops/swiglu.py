@@ -7,7 +7,7 @@ With h = RMSNorm(x) (see :mod:`codetta.ops.rmsnorm`), W_g, W_u [F, d]:
 act is SiLU (SwiGLU) by default, or another of :mod:`codetta.ops.activations` (GELU: GeGLU).
 
 Forward: one GEMM reads u = x g against W_g and W_u *row-interleaved*
-(``codetta.interleave(W_g^T, W_u^T)``: B row 2j is W_g's row j, row 2j + 1 W_u's, read
+(``codetta.interleave(W_g^T, W_u^T)``: B column 2j is W_g's row j, column 2j + 1 W_u's, read
 without a copy, through one TMA descriptor of both weights: :mod:`codetta.matmul.mainloop`),
 so that each (gate, up) pair sits in adjacent columns of a tile, where splitting the pairs is
 free (each thread holds adjacent accumulator columns); the epilogue scales rows by r, adds
@@ -174,7 +174,7 @@ def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor,
     Returns:
         y [..., F] in the weights' dtype.
     """
-    _check_norm_inputs(x, norm_weight, [w_gate, w_up], eps)
+    _check_norm_inputs(x, norm_weight, {"w_gate": w_gate, "w_up": w_up}, eps)
     if w_gate.shape != w_up.shape:
         raise ValueError(f"w_gate {tuple(w_gate.shape)} and w_up {tuple(w_up.shape)} differ")
     f = w_gate.shape[0]
@@ -185,6 +185,7 @@ def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor,
 
 
 def rmsnorm_swiglu_reference(x, norm_weight, w_gate, w_up, eps=1e-6, bias=None, activation="silu"):
+    """:func:`rmsnorm_swiglu` unfused: act(F.linear(h, W_g, b_g)) * F.linear(h, W_u, b_u), h = F.rms_norm(x)."""
     b_gate, b_up = bias if bias is not None else (None, None)
     h = F.rms_norm(x, (x.shape[-1],), norm_weight, eps)
     return eager_activation(activation)(F.linear(h, w_gate, b_gate)) * F.linear(h, w_up, b_up)

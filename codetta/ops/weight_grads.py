@@ -16,8 +16,8 @@ does, cannot be seen:
 without a .grad yet (the first micro-batch), torch.compile and create_graph backward passes
 take the usual path, and so do ``torch.autograd.grad`` and ``backward(inputs=...)`` passes
 that do not accumulate into the weight's .grad. The layer operators are covered (linear_residual, rmsnorm_linear,
-rmsnorm_swiglu, swiglu_mlp, rmsnorm_qkv_rope); linear_cross_entropy, whose dW is computed in
-its forward, is not.
+rmsnorm_swiglu, swiglu_mlp, rmsnorm_qkv_rope); ``linear`` is not, nor is linear_cross_entropy,
+whose dW is computed in its forward.
 """
 
 from __future__ import annotations
