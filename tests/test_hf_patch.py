@@ -574,6 +574,21 @@ def test_hooked_rotary_halves_are_checked_once_per_forward(monkeypatch):
     assert len(compared) == 2  # cos and sin, once
 
 
+@pytest.mark.parametrize("hook", [_with_hook, _unequal_halves_hook], ids=["equal-halves", "unequal-halves"])
+def test_a_hooked_rotary_embedding_under_inference_mode(hook):
+    """Under inference_mode the hooked rotary embedding's cos and sin are inference tensors, with
+    no version counter to key the halves check on (found by a probe: "Inference tensors do not
+    track version counter"): checked per layer then, and the logits are the model's."""
+    ref = tiny("LlamaForCausalLM", num_hidden_layers=2).eval()
+    model = codetta.patch(copy.deepcopy(ref))
+    for m in (ref, model):
+        hook(m.model.rotary_emb)
+    ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the unequal halves' fallback warns
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_partial_rotary_fails_as_the_model_fails():
     """A config's partial_rotary_factor gives angles for part of head_dim, which these models'
     own RoPE does not take (it raises): the patched model raises the same, instead of rotating

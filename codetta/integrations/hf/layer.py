@@ -250,16 +250,19 @@ _LAST_HALVES = [None]  # (weak references to cos and sin, their versions, the an
 
 def _halves_equal(cos, sin) -> bool:
     """Whether cos and sin are each two equal halves, as the model's rotary class makes them (a
-    host synchronization, once per pair the layers share; not while torch.compile traces or a
-    CUDA graph captures: taken as so)."""
+    host synchronization, once per pair the layers share, or per layer for inference tensors,
+    which have no version counter to tell a pair changed in place; not while torch.compile
+    traces or a CUDA graph captures: taken as so)."""
     if torch.compiler.is_compiling() or (cos.is_cuda and torch.cuda.is_current_stream_capturing()):
         return True
-    versions, last = (cos._version, sin._version), _LAST_HALVES[0]
-    if last is not None and last[0]() is cos and last[1]() is sin and last[2] == versions:
+    cacheable = not (cos.is_inference() or sin.is_inference())
+    versions, last = (cos._version, sin._version) if cacheable else None, _LAST_HALVES[0]
+    if cacheable and last is not None and last[0]() is cos and last[1]() is sin and last[2] == versions:
         return last[3]
     half = cos.shape[-1] // 2
     equal = all(torch.equal(t[..., :half], t[..., half:2 * half]) for t in (cos, sin))
-    _LAST_HALVES[0] = (weakref.ref(cos), weakref.ref(sin), versions, equal)
+    if cacheable:
+        _LAST_HALVES[0] = (weakref.ref(cos), weakref.ref(sin), versions, equal)
     return equal
 
 
