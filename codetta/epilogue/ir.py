@@ -500,9 +500,8 @@ class Program:
     def table(self, name, period, width=FULL):
         """A per-row table [M, period] repeated along the columns: column (or pair) j reads
         entry j % period of its row. E.g. RoPE's cos and sin per token and frequency, read
-        by every head. On the TMA path each tile's [BM, period] block comes through a descriptor
-        (a period that is a power of two of 16 bytes or more; the pointer path otherwise), on
-        the pointer path through the cache."""
+        by every head. Read as [BM, period] blocks through a TMA descriptor where the call takes
+        the TMA path (a period that is a power of two of 16 bytes or more), else through the cache."""
         if isinstance(period, numbers.Integral) and not isinstance(period, bool):
             period = int(period)  # numpy's integers too, as segments
         if not isinstance(period, int) or period < 1:
