@@ -138,6 +138,31 @@ def test_gradient_of_q_alone_and_compiled_route():
     assert eager[2] is not None and not eager[2].any() and not compiled[2].any()
 
 
+def test_one_graph_for_every_shape_under_dynamic_compile():
+    """torch.compile(dynamic=True) keeps q's and k's sizes symbolic through the op: one graph for
+    several token counts, and a dim marked dynamic stays so (found by a probe: the op returned a
+    tuple of one tensor, which PyTorch specialized, a graph per shape)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(apply_rope, backend=counter, fullgraph=True, dynamic=True)
+    for i, tokens in enumerate((5, 7, 12)):
+        positions, inv_freq, _, _ = angles((tokens,), 16, 512, 1.0)
+        q, k = torch.randn(tokens, 32, device=DEVICE), torch.randn(tokens, 16, device=DEVICE)
+        for got, want in zip(compiled(q, k, positions, inv_freq, head_dim=16),
+                             apply_rope(q, k, positions, inv_freq, head_dim=16)):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        if i == 0:
+            graphs = counter.frame_count  # Dynamo's own restart of its first trace may count twice
+    assert counter.frame_count == graphs
+    torch._dynamo.reset()
+    q, k = torch.randn(6, 32, device=DEVICE), torch.randn(6, 16, device=DEVICE)
+    positions, inv_freq, _, _ = angles((6,), 16, 512, 1.0)
+    for t in (q, k, positions):
+        torch._dynamo.mark_dynamic(t, 0)
+    torch.compile(apply_rope, backend="aot_eager", fullgraph=True)(q, k, positions, inv_freq, head_dim=16)
+
+
 def test_custom_op_passes_opcheck():
     q, k = torch.randn(5, 32, device=DEVICE, requires_grad=True), torch.randn(5, 16, device=DEVICE, requires_grad=True)
     cos, sin = torch.rand(5, 8, device=DEVICE), torch.rand(5, 8, device=DEVICE)

@@ -88,6 +88,17 @@ def test_direct_route_is_taken_for_plain_tensors_only():
     assert not autograd._runs_directly((torch.zeros(1), [torch.zeros(1, device="meta")]))
 
 
+def test_no_op_returns_a_tuple_of_one_tensor():
+    """A custom op declared to return ``tuple[Tensor]`` (schema ``-> ((Tensor))``) gets its sizes
+    specialized by torch.compile (PyTorch 2.11: a graph per shape under dynamic=True); every
+    codetta op returns one tensor, or a tuple of several (importing codetta registered them all)."""
+    packets = [getattr(torch.ops.codetta, name) for name in dir(torch.ops.codetta)]
+    schemas = [str(getattr(p, overload)._schema) for p in packets if isinstance(p, torch._ops.OpOverloadPacket)
+               for overload in p.overloads()]
+    assert len(schemas) > 10
+    assert not [s for s in schemas if "-> ((" in s]
+
+
 def test_meta_tensors_get_the_shapes_forward_and_backward():
     """On the meta device (shape inference, deferred initialization) every layer op gives its
     outputs' and gradients' shapes and dtypes, as PyTorch's own ops do, through the registered

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..kernels.rope import rotate
 from ..matmul import KERNEL_DTYPES, check_device
-from .autograd import direct_op, only_first_output_differentiable
+from .autograd import direct_op
 from .shapes import rows
 from .rope import rope_tables_for
 
@@ -43,15 +43,16 @@ def _rotated(parts: list[Tensor], cos: Tensor, sin: Tensor, head_dim: int, inter
 
 
 @direct_op("codetta::apply_rope", split_first=_q_k_widths)
-def _apply_rope_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, head_dim: int,
-                   interleaved: bool) -> tuple[Tensor]:
-    """(q and k rotated, [..., N_q + N_k]); a call returns it as (q, k) (``split_first``)."""
-    return (_rotated([q, k], cos, sin, head_dim, interleaved, transposed=False),)
+def _apply_rope_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, head_dim: int, interleaved: bool) -> Tensor:
+    """q and k rotated, [..., N_q + N_k]; a call returns it as (q, k) (``split_first``). One tensor,
+    not a tuple of one: PyTorch 2.11 specializes the sizes of such an op under torch.compile
+    (its schema returns ``((Tensor))``: a graph per shape under ``dynamic=True``)."""
+    return _rotated([q, k], cos, sin, head_dim, interleaved, transposed=False)
 
 
 @_apply_rope_op.register_fake
 def _(q, k, cos, sin, head_dim, interleaved):
-    return (q.new_empty(*q.shape[:-1], q.shape[-1] + k.shape[-1]),)
+    return q.new_empty(*q.shape[:-1], q.shape[-1] + k.shape[-1])
 
 
 @direct_op("codetta::apply_rope_backward")
@@ -68,7 +69,7 @@ def _(dqk, cos, sin, head_dim, interleaved):
 def _setup(ctx, inputs, output):
     q, _, cos, sin, head_dim, interleaved = inputs
     ctx.save_for_backward(cos, sin)
-    only_first_output_differentiable(ctx, output)
+    ctx.set_materialize_grads(False)
     ctx.meta = (q.shape[-1], head_dim, interleaved)
 
 

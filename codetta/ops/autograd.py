@@ -140,9 +140,10 @@ class _Direct(torch.autograd.Function):
         ctx.direct = (op, layout)
         if op.split_first is None:
             return output
-        parts = _not_views(op.parts_of_first(output[0], inputs))
+        first, rest = _first_and_rest(output)
+        parts = _not_views(op.parts_of_first(first, inputs))
         ctx.parts = [(p.shape, p.dtype, p.device) for p in parts]
-        return (*parts, *output[1:])
+        return (*parts, *rest)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -158,6 +159,11 @@ class _Direct(torch.autograd.Function):
             else:
                 flat += g if g is not None else [None] * n
         return (None, None, *flat)
+
+
+def _first_and_rest(output):
+    """(the first output, the others) of an op returning a tuple or one tensor."""
+    return (output[0], output[1:]) if isinstance(output, tuple) else (output, ())
 
 
 def _gradient_parts(grads, parts):
@@ -212,7 +218,8 @@ class DirectOp:
         """A whole output as a call returns it (the first output in parts where it is split)."""
         if self.split_first is None:
             return output
-        return (*self.parts_of_first(output[0], args), *output[1:])
+        first, rest = _first_and_rest(output)
+        return (*self.parts_of_first(first, args), *rest)
 
     def register_fake(self, fake):
         self.op.register_fake(fake)
