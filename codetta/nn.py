@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .ops import linear_cross_entropy, linear_residual, rmsnorm_qkv_rope, swiglu_mlp
-from .ops.rmsnorm import weight_readable_ahead
+from .ops.rmsnorm import NormStats, weight_readable_ahead
 
 __all__ = ["Decoder", "DecoderConfig", "DecoderLayer"]
 
@@ -75,6 +75,16 @@ def _linear_weight(out_features: int, in_features: int, std: float) -> nn.Parame
     return nn.Parameter(torch.randn(out_features, in_features) * std)
 
 
+def _still_fit(stats, x: Tensor, norm_weight: Tensor, eps: float) -> bool:
+    """Whether a layer may take the statistics the previous one made of its output x: not where a
+    hook on the layer replaced x or changed it in place since (:meth:`NormStats.mismatch`), nor
+    under inference_mode, whose tensors have no version counter to tell (a plain pair then);
+    taken as they are while torch.compile traces."""
+    if isinstance(stats, NormStats):
+        return stats.mismatch(x, norm_weight, eps) is None
+    return torch.compiler.is_compiling()
+
+
 class DecoderLayer(nn.Module):
     """One layer's parameters, and its fused forward from QKV to the down projection."""
 
@@ -95,6 +105,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, stats, positions: Tensor, inv_freq: Tensor, next_norm: Tensor | None):
         """(x_out, stats of x_out for ``next_norm``, or None) from x [B, S, d] and (u, rstd) of x."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        if stats is not None and not _still_fit(stats, x, self.input_norm, eps):
+            stats = None  # the QKV operator makes its norm's statistics itself
         b, s, _ = x.shape
         q, k, v = rmsnorm_qkv_rope(x, self.input_norm, self.q_proj, self.k_proj, self.v_proj, positions, inv_freq,
                                    head_dim=cfg.head_dim, eps=eps, stats=stats)

@@ -236,16 +236,24 @@ class NormStats(tuple):
         stats.source = (None, *self.source[1:])
         return stats
 
-    def check(self, x: Tensor, norm_weight: Tensor, eps: float) -> None:
+    def mismatch(self, x: Tensor, norm_weight: Tensor, eps: float) -> str | None:
+        """Why these statistics are not those of x's norm with norm_weight and eps, or None."""
         _, layout, version, weight, weight_version, made_eps = self.source
         if _row_layout(x) != layout or x._version != version:
-            raise ValueError("stats were made for another tensor than x (or for its rows in another order, as in a "
-                             "transposed view of x), or x was changed in place since: pass the "
-                             "(x, stats) pair an operator returned, unchanged, or no stats")
+            return ("stats were made for another tensor than x (or for its rows in another order, as in a "
+                    "transposed view of x), or x was changed in place since: pass the "
+                    "(x, stats) pair an operator returned, unchanged, or no stats")
         if norm_weight is not weight or norm_weight._version != weight_version:
-            raise ValueError("stats were made with another norm_weight (or it was changed in place since)")
+            return "stats were made with another norm_weight (or it was changed in place since)"
         if float(eps) != made_eps:
-            raise ValueError(f"stats were made with eps {made_eps}, not {float(eps)}")
+            return f"stats were made with eps {made_eps}, not {float(eps)}"
+        return None
+
+    def check(self, x: Tensor, norm_weight: Tensor, eps: float) -> None:
+        """Raise ValueError where :meth:`mismatch` finds these statistics are not x's."""
+        problem = self.mismatch(x, norm_weight, eps)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 def given_stats(x: Tensor, stats, operand_dtype: torch.dtype, norm_weight: Tensor,
