@@ -443,11 +443,14 @@ def test_half_width_operands_and_outputs(ab):
     close(out["csum"], acc[:, 0::2].sum(0))
 
 
-@pytest.mark.parametrize("period, strided", [(5, False), (16, True), (4, False), (8, False), (256, False)])
+@pytest.mark.parametrize("period, strided", [(5, False), (16, True), (4, False), (8, False), (256, False), (24, False),
+                                             (33, False)])
 def test_tables_repeat_along_columns(period, strided, ab):
     """A table [M, P] is read at column j % P (FULL) or pair j % P (HALF): through TMA blocks
     [BM, P] repeated along the tile where P is a power of two of 16 bytes or more and the
-    tables allow it, else through pointers (a strided view, P = 5, a pair table wider than any tile)."""
+    tables allow it, else through pointers (a strided view, P = 5, 24 or 33, a pair table wider than
+    any tile; found by a probe: P = 24 or 33 made the interpreter's config for the TMA path, with a
+    tile width no power of two, and raised)."""
     a, b, acc = ab
     full = torch.randn(M, 2 * period, device=DEVICE)[:, ::2] if strided else torch.randn(M, period, device=DEVICE)
     half = torch.randn(M, period, device=DEVICE)

@@ -50,7 +50,7 @@ def _spec(value):
 def on_device(tensor):
     """A context in which ``tensor``'s GPU is the current device (nothing to do where it already
     is, or for a CPU tensor or anything else)."""
-    device = getattr(tensor, "device", None)
+    device = tensor.device if isinstance(tensor, torch.Tensor) else None
     if device is None or device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
         return contextlib.nullcontext()
     return torch.cuda.device(device.index)

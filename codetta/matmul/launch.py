@@ -248,8 +248,8 @@ def _choose(call, config):
         return ("tma" if tma else "ptr"), config
     if interpreting():
         size = dict(m=call.M, n=call.N, k=call.K)
-        cfg = interpreter_config(min_bn=tma_min_bn, n_parts_sizes=parts, **size)
-        if tma and cfg is not None:
+        cfg = interpreter_config(min_bn=tma_min_bn, n_parts_sizes=parts, **size) if tma else None
+        if cfg is not None:
             return "tma", cfg
         return "ptr", interpreter_config(min_bn=min_bn, **size)
     size = dict(elem_bytes=call.a.element_size(), m=call.M, n=call.N,
