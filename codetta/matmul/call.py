@@ -13,6 +13,7 @@ import torch
 
 from ..epilogue.ir import FULL, HALF, EpilogueError, Program
 from ..interpreter import interpreter_problem, interpreting
+from .memory import overlaps_itself
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the kernels compute in
 MAX_B_PARTS = 4  # B parts read as one without a copy
@@ -250,25 +251,10 @@ class Call:
         return (o.dtype or self.a.dtype) if o.kind == "store" else torch.float32
 
 
-def _may_overlap(t) -> bool:
-    """Whether elements of t may share memory: PyTorch's own check (a zero stride), or, where it
-    cannot tell (an ``as_strided`` view), strides that do not nest: sorted by stride, each
-    dim's stride must exceed the span of the dims below it."""
-    verdict = torch._debug_has_internal_overlap(t)  # 0: no overlap, 1: overlap, 2: cannot tell
-    if verdict != 2:
-        return verdict == 1
-    span = 0
-    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s > 1), key=lambda d: d[1]):
-        if stride <= span:
-            return True
-        span += stride * (size - 1)
-    return False
-
-
 def check_no_overlap(t, what):
     """A tensor codetta writes must not have elements sharing memory (an expand()ed or
     as_strided view): its tiles would race."""
-    if _may_overlap(t):
+    if overlaps_itself(t):
         raise EpilogueError(f"{what} is written, but its elements overlap in memory (a broadcast, expand()ed "
                             "or as_strided view): pass a tensor of its own, e.g. .contiguous()")
 

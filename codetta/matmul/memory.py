@@ -107,3 +107,18 @@ def share_elements(x, y) -> bool:
     i = torch.searchsorted(xs, ys + y.element_size()) - 1
     hit = (i >= 0) & (xs[i.clamp_min(0)] + x.element_size() > ys)
     return bool(hit.any())
+
+
+def overlaps_itself(t) -> bool:
+    """Whether elements of t may share memory: PyTorch's own check (a zero stride), or, where it
+    cannot tell (an ``as_strided`` view), strides that do not nest: sorted by stride, each
+    dim's stride must exceed the span of the dims below it."""
+    verdict = torch._debug_has_internal_overlap(t)  # 0: no overlap, 1: overlap, 2: cannot tell
+    if verdict != 2:
+        return verdict == 1
+    span = 0
+    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s > 1), key=lambda d: d[1]):
+        if stride <= span:
+            return True
+        span += stride * (size - 1)
+    return False
