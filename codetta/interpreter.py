@@ -1,7 +1,8 @@
 """Whether codetta's kernels run in Triton's CPU interpreter."""
 
-import os
 import threading
+
+from triton import knobs
 
 from .versions import release
 
@@ -14,13 +15,14 @@ INTERPRETER_LOCK = threading.Lock()
 
 # Read at codetta's import, once (codetta/__init__.py sets it first where there is no GPU), as
 # Triton reads it when it decorates the kernels. A module constant, not a cached function:
-# torch.compile takes it as a constant (it warns about tracing through functools' caches).
-_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on", "y")
+# torch.compile takes it as a constant (it warns about tracing through functools' caches). Triton's
+# own reading of the variable, so that the two never disagree (" 1" is not true to Triton).
+_INTERPRETING = bool(knobs.runtime.interpret)
 
 
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, or true, yes, on,
-    y: Triton's own reading)."""
+    y, as Triton reads it)."""
     return _INTERPRETING
 
 

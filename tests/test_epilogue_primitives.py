@@ -193,6 +193,25 @@ def test_pairs_then_combine(segment, ab):
     close(out, ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8])
+def test_one_byte_masks_at_full_and_half_width(dtype):
+    """A dropout-style mask of one-byte integers, as a full tile and as a half-width one after a
+    2 -> 1 pair (SwiGLU's output): read as integers, whatever their tiles' width in bytes (rows
+    of 32 and 16 bytes, aligned for TMA, whose blocks need 16 bytes or more)."""
+    n = 32
+    a = torch.randn(M, K, device=DEVICE)
+    b = torch.randn(K, n, device=DEVICE) / K**0.5
+    acc = a.double().cpu() @ b.double().cpu()
+    full = torch.randint(0, 3, (M, n), device=DEVICE, dtype=dtype)
+    half = torch.randint(0, 3, (M, n // 2), device=DEVICE, dtype=dtype)
+    p = ep.Program("one_byte_masks")
+    first, second = ep.pairs(p.acc * p.aux("full"), segment=2)
+    p.store("y", first * second * p.aux("half", ep.HALF), dtype=torch.float32)
+    out = codetta.gemm(a, b, p, full=full, half=half)["y"]
+    masked = acc * full.cpu().double()
+    close(out, masked[:, 0::2] * masked[:, 1::2] * half.cpu().double())
+
+
 @pytest.mark.parametrize("segment", [2, 16])
 def test_pairs_rotation_and_join(segment, ab):
     """2 -> 2: a rotation of every pair by a per-pair angle (RoPE's shape), back into N columns."""
@@ -224,6 +243,21 @@ def test_segment_sum_and_max_in_tile(ab):
     norm = (heads / (heads.square().mean(-1, keepdim=True) + 1e-6).sqrt()).reshape(M, N)
     seg_max = acc.view(M, N // 8, 8).amax(-1, keepdim=True).expand(M, N // 8, 8).reshape(M, N)
     close(out, norm + seg_max)
+
+
+@pytest.mark.parametrize("dtype, segment", [(torch.float32, 512), (torch.bfloat16, 1024)])
+def test_segments_wider_than_every_tuned_tile(dtype, segment):
+    """A segment wider than the tuned tiles (256 columns) widens the tile to hold it whole; on a
+    GPU, configs with shallower K steps fit such a tile in shared memory (an fp32 output of a
+    512-column segment of bf16 inputs, fp32 inputs, 1024 columns)."""
+    m, k = 20, 24
+    a = torch.randn(m, k, device=DEVICE).to(dtype)
+    b = (torch.randn(k, 2 * segment, device=DEVICE) / k**0.5).to(dtype)
+    p = ep.Program(f"wide_segments{segment}")
+    p.store("out", p.acc * ep.rsqrt(ep.segment_sum(ep.square(p.acc), segment) / segment + 1e-6), dtype=torch.float32)
+    out = codetta.gemm(a, b, p)["out"]
+    heads = (a.double().cpu() @ b.double().cpu()).view(m, 2, segment)
+    close(out, (heads / (heads.square().mean(-1, keepdim=True) + 1e-6).sqrt()).reshape(m, 2 * segment), tol=2e-5)
 
 
 def test_row_and_column_reductions(ab):

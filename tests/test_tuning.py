@@ -3,11 +3,14 @@
 import hashlib
 import json
 import logging
+import os
+import stat
 import subprocess
 import sys
 import time
 import warnings
 from dataclasses import replace
+from unittest import mock
 
 import pytest
 import torch
@@ -24,7 +27,7 @@ from conftest import DEVICE
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("CODETTA_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CODETTA_AUTOTUNE", "1")
-    monkeypatch.setattr(tuning, "_MEMORY", None)
+    monkeypatch.setattr(tuning, "_MEMORY", {})
     return tmp_path
 
 
@@ -86,7 +89,7 @@ def test_failing_configs_are_skipped(cache_dir):
 
 
 @pytest.mark.parametrize("contents", ["[1, 2]", "null", '"text"', '{"KEY": 5}', '{"KEY": {"BM": 64}}',
-                                      '{"KEY": {"BM": 64, "BN": 64, "BK": 32, "COLOUR": 1}}'])
+                                      '{"KEY": {"BM": 64, "BN": 64, "BK": 32, "COLOUR": 1}}', "[" * 100_000])
 def test_a_damaged_cache_file_is_tuned_over(cache_dir, contents):
     """A tuning.json that is no table, or whose entry is no config: timed again, and rewritten."""
     key = "k_damaged"
@@ -95,6 +98,67 @@ def test_a_damaged_cache_file_is_tuned_over(cache_dir, contents):
     times = {CONFIGS[0]: 3.0, CONFIGS[1]: 2.0, CONFIGS[2]: 1.0}
     assert tuning.choose(key, CONFIGS, times.__getitem__) == CONFIGS[2]
     assert Config(**json.loads((cache_dir / "tuning.json").read_text())[hashed]) == CONFIGS[2]
+
+
+def test_an_unwritable_tuning_log_warns_and_the_choice_is_kept(cache_dir, monkeypatch):
+    monkeypatch.setenv("CODETTA_TUNE_LOG", str(cache_dir / "no_such_folder" / "tune.log"))
+    times = {CONFIGS[0]: 3.0, CONFIGS[1]: 1.0, CONFIGS[2]: 2.0}
+    with pytest.warns(UserWarning, match="cannot append to CODETTA_TUNE_LOG"):
+        assert tuning.choose("k_log", CONFIGS, times.__getitem__) == CONFIGS[1]
+    assert tuning.choose("k_log", CONFIGS, lambda cfg: pytest.fail("timed again")) == CONFIGS[1]
+    assert len(json.loads((cache_dir / "tuning.json").read_text())) == 1
+
+
+def test_a_cache_file_that_cannot_be_read_is_not_written_over(cache_dir, monkeypatch):
+    """Another user's tuning.json (or one an I/O error hides) is left as it is, with a warning;
+    merged into an empty table and replaced, its entries would be lost."""
+    file = cache_dir / "tuning.json"
+    file.write_text(json.dumps({"theirs": CONFIGS[0].as_dict()}))
+    read_text = type(file).read_text
+
+    def unreadable(path, *args, **kwargs):
+        if path == file:
+            raise PermissionError(13, "Permission denied", str(path))
+        return read_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(type(file), "read_text", unreadable)
+    times = {CONFIGS[0]: 3.0, CONFIGS[1]: 1.0, CONFIGS[2]: 2.0}
+    with pytest.warns(UserWarning, match="cannot write the tuning cache .*Permission denied"):
+        assert tuning.choose("mine", CONFIGS, times.__getitem__) == CONFIGS[1]
+    monkeypatch.undo()
+    assert json.loads(file.read_text()) == {"theirs": CONFIGS[0].as_dict()}
+
+
+def test_the_cache_file_is_as_readable_as_the_umask_lets_new_files_be(cache_dir):
+    """Shared by the users of one machine (CODETTA_CACHE_DIR on a common folder), the file is
+    written with the permissions of a newly opened file, not a temporary file's owner-only ones,
+    and a failed write leaves no temporary file beside it."""
+    old = os.umask(0o022)
+    try:
+        tuning._save("k_mode", CONFIGS[0].as_dict())
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((cache_dir / "tuning.json").stat().st_mode) == 0o644
+    with mock.patch("os.replace", side_effect=OSError(28, "No space left on device")), \
+            pytest.warns(UserWarning, match="No space left"):
+        tuning._save("k_full", CONFIGS[1].as_dict())
+    assert sorted(p.name for p in cache_dir.iterdir()) == ["tuning.json", "tuning.json.lock"]
+
+
+def test_each_cache_folder_has_its_own_table(tmp_path, monkeypatch):
+    """A process that moves CODETTA_CACHE_DIR reads the choices made there, not those it knows
+    from the folder before; ``~`` in it is the home folder."""
+    monkeypatch.setattr(tuning, "_MEMORY", {})
+    monkeypatch.setenv("CODETTA_AUTOTUNE", "1")
+    for folder, fastest in ((tmp_path / "one", CONFIGS[1]), (tmp_path / "two", CONFIGS[2])):
+        monkeypatch.setenv("CODETTA_CACHE_DIR", str(folder))
+        times = {cfg: 1.0 if cfg == fastest else 2.0 for cfg in CONFIGS}
+        assert tuning.choose("k_moved", CONFIGS, times.__getitem__) == fastest
+    monkeypatch.setenv("CODETTA_CACHE_DIR", str(tmp_path / "one"))
+    assert tuning.choose("k_moved", CONFIGS, lambda cfg: pytest.fail("timed again")) == CONFIGS[1]
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("CODETTA_CACHE_DIR", "~/three")
+    assert tuning.cache_file() == tmp_path / "three" / "tuning.json"
 
 
 def test_entries_written_by_another_process_meanwhile_are_kept(cache_dir):
@@ -134,7 +198,7 @@ def test_an_unwritable_cache_keeps_the_choice_in_memory(tmp_path, monkeypatch):
     blocker.write_text("")
     monkeypatch.setenv("CODETTA_CACHE_DIR", str(blocker))  # not a folder: nothing can be written under it
     monkeypatch.setenv("CODETTA_AUTOTUNE", "1")
-    monkeypatch.setattr(tuning, "_MEMORY", None)
+    monkeypatch.setattr(tuning, "_MEMORY", {})
     times = {CONFIGS[0]: 3.0, CONFIGS[1]: 1.0, CONFIGS[2]: 2.0}
     with pytest.warns(UserWarning, match="cannot write the tuning cache"):
         assert tuning.choose("k_ro", CONFIGS, times.__getitem__) == CONFIGS[1]
@@ -207,7 +271,7 @@ def test_timed_launches_leave_what_the_kernel_reads_and_writes(cache_dir, monkey
         assert torch.equal(buffer, before[0])
     # the whole call, tuned afresh (on a GPU; the interpreter has one candidate): x + acc, once
     monkeypatch.setenv("CODETTA_CACHE_DIR", str(cache_dir / "fresh"))
-    monkeypatch.setattr(tuning, "_MEMORY", None)
+    monkeypatch.setattr(tuning, "_MEMORY", {})
     result = codetta.gemm(a, b, p, out=out, **operands)[next(iter(p.outputs))]
     expected = before[1].double() + a.double() @ b.double()
     torch.testing.assert_close(result.double(), expected, rtol=2e-3, atol=2e-3)  # tf32 on a GPU
@@ -242,9 +306,17 @@ def test_a_choice_timed_another_way_is_timed_again(cache_dir):
     assert Config(**table[tuning.cache_key("k_old", CONFIGS)]) == CONFIGS[2] and old in table
 
 
-def test_autotune_off_takes_first(cache_dir, monkeypatch):
-    monkeypatch.setenv("CODETTA_AUTOTUNE", "0")
+@pytest.mark.parametrize("value", ["0", "false", "No", " off "])
+def test_autotune_off_takes_first(cache_dir, monkeypatch, value):
+    monkeypatch.setenv("CODETTA_AUTOTUNE", value)
     assert tuning.choose("k4", CONFIGS, lambda cfg: pytest.fail("timed a config")) == CONFIGS[0]
+
+
+@pytest.mark.parametrize("value", ["2", "maybe"])
+def test_an_autotune_setting_neither_on_nor_off_is_refused(cache_dir, monkeypatch, value):
+    monkeypatch.setenv("CODETTA_AUTOTUNE", value)
+    with pytest.raises(ValueError, match=f"CODETTA_AUTOTUNE={value!r}: expected 1 or 0"):
+        tuning.choose("k5", CONFIGS, lambda cfg: 1.0)
 
 
 def test_candidates_respect_program_and_parts():
@@ -253,6 +325,16 @@ def test_candidates_respect_program_and_parts():
         assert cfg.epilogue_bn >= 256 and 4096 % cfg.BN == 0 and 1024 % cfg.BN == 0
     assert all(c.BK == 32 for c in candidates(elem_bytes=4, min_bn=1))
     assert candidates(elem_bytes=2, min_bn=1, n_parts_sizes=(100,)) == []
+
+
+@pytest.mark.parametrize("elem_bytes, staged, min_bn", [(2, 4, 512), (4, None, 512), (2, None, 1024)])
+def test_segments_wider_than_the_tables_get_a_config_that_fits(elem_bytes, staged, min_bn):
+    """A segment wider than every tuned tile widens the tile; the tables' K steps then overflow
+    shared memory, and a last resort with a shallower one (BK 32 or 16) takes their place."""
+    found = candidates(elem_bytes=elem_bytes, min_bn=min_bn, m=4096, n=4096, staged_bytes=staged)
+    assert found
+    for cfg in found:
+        assert cfg.epilogue_bn >= min_bn and cfg.smem_bytes(elem_bytes, staged) <= HOPPER.limit(cfg.CTAS_PER_SM)
 
 
 def test_flattened_candidates_come_last():

@@ -22,7 +22,6 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import math
-import os
 import shutil
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ..cache import cache_root
+from ..cache import cache_root, write_atomically
 from ..interpreter import interpreting
 from .ir import FULL, HALF, EpilogueError, Program
 
@@ -436,13 +435,6 @@ def _cache_dir() -> Path:
     return path
 
 
-def _write(file: Path, text: str):
-    fd, tmp = tempfile.mkstemp(dir=file.parent, suffix=".py")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, file)
-
-
 def _source_file(name: str, source: str) -> Path:
     """The file holding ``source``, written where missing or different: in the cache folder
     or, where that cannot be written (read-only, not a folder), in a temporary folder of this
@@ -450,7 +442,7 @@ def _source_file(name: str, source: str) -> Path:
     try:
         file = _cache_dir() / f"{name}.py"
         if not file.exists() or file.read_text() != source:
-            _write(file, source)
+            write_atomically(file, source)
         return file
     except OSError as exc:
         if not _FALLBACK_DIR:
@@ -459,7 +451,7 @@ def _source_file(name: str, source: str) -> Path:
             warnings.warn(f"codetta: cannot use the kernel cache ({exc}); this process writes its kernels to "
                           f"{_FALLBACK_DIR[0]}. Set CODETTA_CACHE_DIR to a writable folder.", stacklevel=4)
         file = _FALLBACK_DIR[0] / f"{name}.py"
-        _write(file, source)
+        write_atomically(file, source)
         return file
 
 

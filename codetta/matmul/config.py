@@ -111,8 +111,10 @@ _HOPPER_32 = [
     (64, 64, 32, 8, 4, 4, 1),
 ]
 WIDEST_BN = max(row[1] for row in _HOPPER_16 + _HOPPER_16_TWO_PER_SM + _HOPPER_32)  # the widest tile tried
-# The last resort where none of the above fits a GPU's shared memory (40 KiB with 16-bit inputs).
-_SMALLEST = {2: (64, 64, 64, 8, 2, 4, 1), 4: (64, 64, 32, 8, 2, 4, 1)}
+# The last resorts where none of the above fits a GPU's shared memory, or the program's segments
+# widen the tiles past it (40 KiB with 16-bit inputs at 64 x 64 x 64; a 1024-column segment fits
+# with BK = 16): the first that fits.
+_SMALLEST = {2: [(64, 64, bk, 8, 2, 4, 1) for bk in (64, 32, 16)], 4: [(64, 64, bk, 8, 2, 4, 1) for bk in (32, 16)]}
 _REGISTERS_PER_SM = 65536
 _MAX_REGISTERS_PER_THREAD = 255
 _FLATTENED = 4  # how many of the best-guess configs are also tried with a flattened loop
@@ -150,7 +152,8 @@ def candidates(*, elem_bytes: int, min_bn: int, n_parts_sizes=(), m: int = 0, n:
     ``flatten``: also try the first few with a flattened loop (see :class:`Config`), after
     all the others, so that the first candidate (taken untuned) stays the same.
     ``staged_bytes``, ``aux_bytes``: the epilogue's shared memory (see :meth:`Config.smem_bytes`);
-    ``smem``: the GPU's. Where none of the tuned tables fits it, one small config.
+    ``smem``: the GPU's. Where none of the tuned tables fits it, one small config (the deepest
+``BK`` that fits).
     """
     def fits(cfg):
         return cfg.smem_bytes(elem_bytes, staged_bytes, aux_bytes) <= smem.limit(cfg.CTAS_PER_SM)
@@ -177,8 +180,10 @@ def candidates(*, elem_bytes: int, min_bn: int, n_parts_sizes=(), m: int = 0, n:
     else:
         table = [(t, 1) for t in _HOPPER_32]
     fitting, small = admissible(table)
-    if not fitting and not small:
-        fitting, small = admissible([(_SMALLEST[2 if elem_bytes <= 2 else 4], 1)])
+    for last_resort in _SMALLEST[2 if elem_bytes <= 2 else 4]:
+        if fitting or small:
+            break
+        fitting, small = admissible([(last_resort, 1)])
     # A tiny problem keeps the smallest tiles rather than nothing.
     chosen = fitting or sorted(small, key=lambda c: (c.BM * c.BN, c.STAGES))[:1]
     if flatten:

@@ -217,7 +217,7 @@ def _plan(a, b, program, operands, out, config):
         program.fingerprint(), program.name, type(b), _meta(a), tuple(map(_meta, parts)),
         pair_order(b) if isinstance(b, Interleaved) else None,
         tuple((k, _meta(v)) for k, v in operands.items()), tuple((k, _meta(v)) for k, v in out.items()),
-        config, interpreting(), os.environ.get("CODETTA_PATH"),
+        config, interpreting(), os.environ.get("CODETTA_PATH"), os.environ.get("CODETTA_AUTOTUNE"),
     )
     plan = _PLANS.get(sig)
     if plan is None:
@@ -249,7 +249,7 @@ def _choose(call, config):
     if interpreting():
         size = dict(m=call.M, n=call.N, k=call.K)
         cfg = interpreter_config(min_bn=tma_min_bn, n_parts_sizes=parts, **size) if tma else None
-        if cfg is not None:
+        if cfg is not None and blocks_tma_ok(call, cfg):
             return "tma", cfg
         return "ptr", interpreter_config(min_bn=min_bn, **size)
     size = dict(elem_bytes=call.a.element_size(), m=call.M, n=call.N,

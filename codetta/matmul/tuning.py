@@ -3,8 +3,8 @@
 The cache is a JSON file (``$CODETTA_CACHE_DIR/tuning.json``, default
 ``~/.cache/codetta``) mapping a key (GPU, Triton version, program fingerprint,
 layout, dtype, N, K, M rounded up to a power of two, the candidate list and the way they
-were timed) to a config, so a second process does not re-tune. ``CODETTA_AUTOTUNE=0``
-skips timing and takes the first candidate.
+were timed) to a config, so a second process does not re-tune. ``CODETTA_AUTOTUNE=0`` (or
+false, no, off) skips timing and takes the first candidate.
 """
 
 from __future__ import annotations
@@ -16,20 +16,19 @@ import json
 import logging
 import os
 import random
-import tempfile
 import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..cache import cache_root
+from ..cache import cache_root, write_atomically
 from .config import Config
 
 _LOCK = threading.Lock()
 _LOG = logging.getLogger("codetta")  # INFO: each tuning, its time and its choice
 TIMING = "graph replay ~25 ms x 1"  # how candidates are timed (:func:`graph_ms`); part of the cache key
-_MEMORY: dict | None = None
+_MEMORY: dict[Path, dict] = {}  # cache file -> its table as this process knows it
 
 
 def cache_file() -> Path:
@@ -37,19 +36,25 @@ def cache_file() -> Path:
 
 
 def _read() -> dict:
-    """The cache file's table; empty when it is missing, unreadable or not a table."""
+    """The cache file's table; empty when it is missing, damaged or not a table. OSError when it
+    is there but cannot be read (another user's, an I/O error): saving over it would drop its
+    entries."""
     try:
         table = json.loads(cache_file().read_text())
-    except (OSError, ValueError):
+    except (FileNotFoundError, ValueError, RecursionError):  # RecursionError: nested too deep to be a table
         return {}
     return table if isinstance(table, dict) else {}
 
 
 def _load() -> dict:
-    global _MEMORY
-    if _MEMORY is None:
-        _MEMORY = _read()
-    return _MEMORY
+    """The table of the cache file ``CODETTA_CACHE_DIR`` names now, read once per process."""
+    file = cache_file()
+    if file not in _MEMORY:
+        try:
+            _MEMORY[file] = _read()
+        except OSError:  # tuned anew, and kept in memory (_save warns)
+            _MEMORY[file] = {}
+    return _MEMORY[file]
 
 
 def _cached_config(entry, configs):
@@ -83,11 +88,7 @@ def _save(key: str, entry: dict):
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with _locked(path):
-            table = {**_read(), key: entry}
-            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
-            with os.fdopen(fd, "w") as f:
-                json.dump(table, f, indent=1, sort_keys=True)
-            os.replace(tmp, path)
+            write_atomically(path, json.dumps({**_read(), key: entry}, indent=1, sort_keys=True))
     except OSError as exc:
         warnings.warn(f"codetta: cannot write the tuning cache {path} ({exc}); set CODETTA_CACHE_DIR to a writable "
                       "folder to keep tuning results across processes", stacklevel=3)
@@ -157,8 +158,15 @@ def graph_ms(fn, *, budget_ms: float = 25.0, replays: int = 1) -> float:
     return sorted(times)[len(times) // 2]
 
 
+_SWITCH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
 def autotune_enabled() -> bool:
-    return os.environ.get("CODETTA_AUTOTUNE", "1") != "0"
+    """``CODETTA_AUTOTUNE``: 1, true, yes, on (the default, also when empty) or 0, false, no, off."""
+    value = os.environ.get("CODETTA_AUTOTUNE") or "1"
+    if value.strip().lower() not in _SWITCH:
+        raise ValueError(f"CODETTA_AUTOTUNE={value!r}: expected 1 or 0 (true, yes, on; false, no, off)")
+    return _SWITCH[value.strip().lower()]
 
 
 _ROUNDS = 3
@@ -194,13 +202,18 @@ def _timed_in_rounds(configs: list[Config], bench) -> dict:
 
 def _log_timings(key: str, timings: dict, best: Config):
     """Append the times of the candidates that went through every round to the file named by
-    CODETTA_TUNE_LOG, if set (for the benchmarks: which configs come close, not only which won)."""
+    CODETTA_TUNE_LOG, if set (for the benchmarks: which configs come close, not only which won);
+    a file that cannot be written gets a warning."""
     path = os.environ.get("CODETTA_TUNE_LOG")
     if not path:
         return
-    with open(path, "a") as f:
-        f.write(json.dumps({"key": key, "best": best.as_dict(),
-                            "ms": sorted(([t, c.as_dict()] for c, t in timings.items()), key=lambda x: x[0])}) + "\n")
+    record = {"key": key, "best": best.as_dict(),
+              "ms": sorted(([t, c.as_dict()] for c, t in timings.items()), key=lambda x: x[0])}
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as exc:
+        warnings.warn(f"codetta: cannot append to CODETTA_TUNE_LOG={path!r} ({exc})", stacklevel=3)
 
 
 def cache_key(key: str, configs: list[Config]) -> str:
@@ -237,7 +250,7 @@ def choose(key: str, configs: list[Config], bench, prepare=None, cannot_time: st
         best = min(timings, key=timings.get)
         _LOG.info("codetta: tuned %s in %.1f s over %d candidates: %s, %.4f ms", key, time.perf_counter() - start,
                   len(configs), best, timings[best])
-        _log_timings(key, timings, best)
         _load()[key] = best.as_dict()
         _save(key, best.as_dict())
+        _log_timings(key, timings, best)
         return best
