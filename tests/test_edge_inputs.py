@@ -57,10 +57,14 @@ OUTPUT_OPS = {  # name: the operator on (x [M, D], g [D], w [N, D], w_gate, w_up
     "rmsnorm_qkv_rope": lambda x, g, w, wg, wu, wd: ops.rmsnorm_qkv_rope(
         x, g, w, w[:8], w[8:], torch.arange(M, device=DEVICE), 1.0 / 100 ** torch.arange(0, 1, 0.25, device=DEVICE),
         head_dim=8)[0],
+    "rmsnorm_qkv_rope_with_bias": lambda x, g, w, wg, wu, wd: ops.rmsnorm_qkv_rope(
+        x, g, w, w[:8], w[8:], torch.arange(M, device=DEVICE), 1.0 / 100 ** torch.arange(0, 1, 0.25, device=DEVICE),
+        head_dim=8, bias=(wd[:16, 0], wd[:8, 1], wd[8:16, 1]))[0],
 }
 
 
-SAVE_THEIR_OUTPUT = {"rmsnorm_linear", "rmsnorm_qkv_rope"}  # the backward reads z (zdz = sum z dz); q is a split view
+# the backward reads z (zdz = sum z dz; with a bias, as with QK-norm, it does not); q is a split view
+SAVE_THEIR_OUTPUT = {"rmsnorm_linear", "rmsnorm_qkv_rope"}
 
 
 @pytest.mark.parametrize("name", sorted(OUTPUT_OPS))
@@ -406,6 +410,31 @@ def test_torch_func_reverse_transforms_are_refused_by_name():
         with pytest.raises(RuntimeError, match=r"codetta::\w+: .*torch\.func\.grad, vjp or jacrev.*torch\.autograd\.grad"):
             call()
             pytest.fail(what)
+
+
+def test_batched_gradients_are_refused_by_name_and_one_at_a_time_work():
+    """torch.autograd.grad(is_grads_batched=True), and jacobian with vectorize=True built on it, hand
+    each backward gradients batched by PyTorch's older vmap, which the kernels cannot read: the
+    error names the operator and what works; without vectorize the Jacobian is PyTorch's."""
+    x, w, g = (torch.randn(3, 8, device=DEVICE, requires_grad=True), torch.randn(5, 8, device=DEVICE),
+               torch.rand(8, device=DEVICE) + 0.5)
+    target = torch.randint(0, 5, (3,), device=DEVICE)
+    functions = {
+        "linear": (lambda t: codetta.linear(t, w), lambda t: F.linear(t, w)),
+        "rms_norm": (lambda t: ops.rms_norm(t, g), lambda t: F.rms_norm(t, (8,), g, 1e-6)),
+        "gated_activation": (lambda t: ops.gated_activation(t, t * 0.5), lambda t: F.silu(t) * t * 0.5),
+        "linear_cross_entropy": (lambda t: ops.linear_cross_entropy(t, w, target),
+                                 lambda t: F.cross_entropy(F.linear(t, w), target)),
+    }
+    for name, (fused, unfused) in functions.items():
+        y = fused(x)
+        basis = torch.eye(y.numel(), device=DEVICE).reshape(y.numel(), *y.shape)
+        with pytest.raises(RuntimeError, match=rf"codetta::{name}: .*batched gradients.*vectorize=False"):
+            torch.autograd.grad(y, x, basis, is_grads_batched=True)
+        with pytest.raises(RuntimeError, match=rf"codetta::{name}: .*batched gradients"):
+            torch.autograd.functional.jacobian(fused, x, vectorize=True)
+        torch.testing.assert_close(torch.autograd.functional.jacobian(fused, x),
+                                   torch.autograd.functional.jacobian(unfused, x), rtol=1e-5, atol=1e-5, msg=name)
 
 
 class _NoGradient(torch.autograd.Function):

@@ -40,6 +40,19 @@ def refuse_double_backward(name: str, grads) -> None:
                            "create_graph=True (double backward) through them is not supported")
 
 
+def refuse_batched_gradients(name: str, grads) -> None:
+    """In an op's backward: raise when autograd hands it gradients batched by vmap
+    (``torch.autograd.grad(..., is_grads_batched=True)``, ``torch.autograd.functional.jacobian``
+    or ``hessian`` with ``vectorize=True``), which the kernels cannot read (PyTorch's own error
+    names none of codetta's)."""
+    functorch = torch._C._functorch  # is_grads_batched batches with PyTorch's older vmap ("legacy" batched tensors)
+    if any(isinstance(g, torch.Tensor) and (functorch.is_legacy_batchedtensor(g) or functorch.is_batchedtensor(g))
+           for g in grads):
+        raise RuntimeError(f"{name}: codetta's operators cannot take batched gradients in their backward "
+                           "(torch.autograd.grad(is_grads_batched=True), jacobian or hessian with vectorize=True); "
+                           "backpropagate one gradient at a time (vectorize=False)")
+
+
 def refuse_unsupported_autodiff(name: str, args) -> None:
     """Raise when an operator would run under a kind of automatic differentiation it does not have:
     forward mode (torch.func.jvp, jacfwd, torch.autograd.forward_ad dual tensors), whose tangents
@@ -61,13 +74,15 @@ def refuse_unsupported_autodiff(name: str, args) -> None:
                            "custom operators have no functorch autograd); use loss.backward() or torch.autograd.grad")
 
 
-def _undefined_gradient_is_zero(backward, n_inputs: int):
+def _guarded_backward(name: str, backward, n_inputs: int):
     """An op's backward that returns no gradients when its first output's gradient did not come
     (None: a downstream function gave none), as autograd would for zeros: the other outputs carry
-    no gradient (see :func:`only_first_output_differentiable`), so nothing flows back."""
+    no gradient (see :func:`only_first_output_differentiable`), so nothing flows back; and that
+    refuses batched gradients (:func:`refuse_batched_gradients`)."""
     def guarded(ctx, *grads):
         if grads[0] is None:
             return (None,) * n_inputs
+        refuse_batched_gradients(name, grads)
         return backward(ctx, *grads)
 
     return guarded
@@ -226,7 +241,7 @@ class DirectOp:
         return fake
 
     def register_autograd(self, backward, *, setup_context):
-        backward = _undefined_gradient_is_zero(backward, len(self.op._opoverload._schema.arguments))
+        backward = _guarded_backward(self.op._qualname, backward, len(self.op._opoverload._schema.arguments))
         self.op.register_autograd(backward, setup_context=setup_context)
         self.backward, self.setup_context = backward, setup_context
 

@@ -119,7 +119,8 @@ from ..kernels.softmax_grad import softmax_grad_
 from ..matmul import KERNEL_DTYPES, gemm
 from .rmsnorm import check_eps, rms_rstd
 from .autocast import casts_under_autocast
-from .autograd import only_first_output_differentiable, refuse_double_backward, refuse_unsupported_autodiff
+from .autograd import (only_first_output_differentiable, refuse_batched_gradients, refuse_double_backward,
+                       refuse_unsupported_autodiff)
 from .linear import linear_program
 from .weight_grads import weight_grad_program
 from . import shapes
@@ -485,7 +486,8 @@ def _autograd_backward(ctx, grad_loss, *_grad_gradients):
         return (None,) * 16
     refuse_double_backward("codetta::linear_cross_entropy", (grad_loss,))
     needs = ctx.needs_input_grad[:2] + ctx.needs_input_grad[3:5]  # x, weight, bias, norm_weight
-    if any(ctx.in_forward):
+    if any(ctx.in_forward):  # the gradients made in the forward, scaled by grad_loss in place
+        refuse_batched_gradients("codetta::linear_cross_entropy", (grad_loss,))
         if any(n and not f for n, f in zip(needs, ctx.in_forward)):
             raise RuntimeError("codetta::linear_cross_entropy: a gradient is needed that the forward was not asked "
                                "for (need_* arguments); linear_cross_entropy sets them")

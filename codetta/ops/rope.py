@@ -288,7 +288,9 @@ def _setup(ctx, inputs, output):
     qk_norm = q_norm_weight is not None
     ctx.meta = (n_q, n_kv, head_dim, interleaved, bias is not None, qk_norm, qk_norm_eps)  # R: cos.shape[1] * 2
     empty = x.new_empty(0)
-    ctx.save_for_backward(z if qk_norm else qkv, x, norm_weight, cos, sin, used_rstd(u, rstd, rstd_out),
+    # the backward reads the output only without QK-norm (its pre-norm z instead) and without a bias
+    saved = z if qk_norm else qkv if bias is None else empty
+    ctx.save_for_backward(saved, x, norm_weight, cos, sin, used_rstd(u, rstd, rstd_out),
                           bias if bias is not None else empty, q_norm_weight if qk_norm else empty,
                           k_norm_weight if qk_norm else empty, *weights)
 
@@ -299,7 +301,7 @@ def _backward(ctx, dqkv, _drstd, _dz):
     qk = (saved, q_norm_weight, k_norm_weight) if qk_norm else (None, None, None)
     dx, dg, dws, dbias, dqw, dkw = run_backward(
         ctx, weights, _qkv_rope_backward_op, rmsnorm_qkv_rope_backward,
-        dqkv, None if qk_norm else saved, x, norm_weight, weights, bias if has_bias else None, cos, sin,
+        dqkv, None if qk_norm or has_bias else saved, x, norm_weight, weights, bias if has_bias else None, cos, sin,
         n_q, n_kv, head_dim, interleaved, rstd, *qk, qk_norm_eps, weight_args=(2,))
     none10 = (None,) * 10  # cos, sin, n_q, n_kv, head_dim, rotary_dim, interleaved, eps, u, rstd
     return (dx, dg, for_autograd(dws, weights), dbias if has_bias else None, *none10, dqw if qk_norm else None,
