@@ -138,6 +138,22 @@ def test_gradient_of_q_alone_and_compiled_route():
     assert eager[2] is not None and not eager[2].any() and not compiled[2].any()
 
 
+@pytest.mark.parametrize("route", ["eager", "compiled"])
+def test_an_output_asks_for_a_gradient_only_where_its_input_does(route):
+    """k frozen (a first layer under LoRA on q_proj): RoPE(k) requires no gradient, as HF's
+    rotation of k would not (attention then keeps nothing for dk), and q's gradient is right."""
+    positions, inv_freq, cos, sin = angles((2, 6), 16, 512, 1.0)
+    q, k = torch.randn(2, 6, 32, device=DEVICE, requires_grad=True), torch.randn(2, 6, 16, device=DEVICE)
+    fn = apply_rope if route == "eager" else torch.compile(apply_rope, backend="aot_eager", fullgraph=True)
+    rq, rk = fn(q, k, positions, inv_freq, head_dim=16)
+    assert rq.requires_grad and not rk.requires_grad
+    dq = torch.randn_like(rq)
+    (rq * dq).sum().backward()
+    assert rel(q.grad, hf_rope(dq.double(), cos, -sin, 16, 16, False)) < 1e-6
+    with torch.no_grad():
+        assert not any(t.requires_grad for t in fn(q, k, positions, inv_freq, head_dim=16))
+
+
 def test_one_graph_for_every_shape_under_dynamic_compile():
     """torch.compile(dynamic=True) keeps q's and k's sizes symbolic through the op: one graph for
     several token counts, and a dim marked dynamic stays so (found by a probe: the op returned a

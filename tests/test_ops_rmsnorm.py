@@ -170,6 +170,26 @@ def test_producer_with_bias_gradients():
 
 
 @pytest.mark.parametrize("with_norm", [False, True], ids=["plain", "next_norm"])
+def test_producer_with_a_frozen_weight_keeps_none_of_its_input(with_norm):
+    """A frozen weight (a LoRA model's o_proj, down_proj) needs no wgrad, so the input a [M, K] is
+    not kept for the backward (as F.linear keeps none); the gradients of a and residual are still
+    right, and a weight unfrozen after the forward gets none, as in PyTorch."""
+    a, r = leaf(torch.randn(2, 9, 16, device=DEVICE)), leaf(torch.randn(2, 9, 24, device=DEVICE))
+    w = torch.randn(24, 16, device=DEVICE)
+    g = 1 + 0.2 * torch.randn(24, device=DEVICE) if with_norm else None
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = linear_residual(a, w, r, g, EPS)
+    x = out[0] if with_norm else out
+    assert not any(t.shape[-1] == 16 and t.numel() > 0 and t is not w for t in saved), [t.shape for t in saved]
+    w.requires_grad_()
+    dx = torch.randn(2, 9, 24, device=DEVICE)
+    (x * dx).sum().backward()
+    assert w.grad is None
+    assert rel(a.grad, dx.double() @ w.detach().double()) < 1e-5 and rel(r.grad, dx.double()) < 1e-6
+
+
+@pytest.mark.parametrize("with_norm", [False, True], ids=["plain", "next_norm"])
 def test_producer_with_branch_scale(with_norm):
     """x = residual + s (a W^T + b) (Granite's residual multiplier s): output, the next norm's
     statistics of x and the gradients of a, W, b (all scaled by s) and residual (not) against fp64."""

@@ -113,4 +113,7 @@ def apply_rope(q: Tensor, k: Tensor, positions: Tensor | None = None, inv_freq: 
         raise ValueError(f"apply_rope: q {tuple(q.shape)} and k {tuple(k.shape)} are not whole heads of {head_dim}")
     if not q.is_meta:  # on the meta device the registered op's fake implementation gives the shapes
         check_device(q.device, "q")
-    return _apply_rope_op(q, k, cos, sin, head_dim, interleaved)
+    q_out, k_out = _apply_rope_op(q, k, cos, sin, head_dim, interleaved)
+    # one op rotates both; each output asks for a gradient only where its input does (as HF's would:
+    # a frozen first layer's k under LoRA on q), so that attention keeps nothing for it
+    return (q_out if q.requires_grad else q_out.detach()), (k_out if k.requires_grad else k_out.detach())

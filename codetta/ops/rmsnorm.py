@@ -474,11 +474,11 @@ def _(a, weights, residual, bias, norm_weight, eps, branch_scale):
 
 def linear_residual_backward(dx: Tensor, a: Tensor, weights: list[Tensor], dweights_into=()):
     """(da, [dW_i]) of x = a W^T + residual given dx (the residual's gradient is dx itself; the GEMMs
-    take it in a's dtype, as autograd hands a 16-bit matmul output the gradient of a wider sum)."""
+    take it in a's dtype, as autograd hands a 16-bit matmul output the gradient of a wider sum).
+    ``a`` is read by the weight gradients only: where none is computed, it may have no rows."""
     dx2 = rows(dx).to(a.dtype).contiguous()
-    a2 = rows(a)
     da = gemm(dx2, _weight_k(weights))
-    return da.reshape(a.shape), weight_grads(dx2, a2, weights, dweights_into)
+    return da.reshape(*dx.shape[:-1], da.shape[-1]), weight_grads(dx2, rows(a), weights, dweights_into)
 
 
 @direct_op("codetta::linear_residual_backward")
@@ -489,21 +489,27 @@ def _linear_residual_backward_op(dx: Tensor, a: Tensor, weights: list[Tensor],
 
 @_linear_residual_backward_op.register_fake
 def _(dx, a, weights, needs):
-    return a.new_empty(a.shape), weight_grads_like(weights, needs)
+    return a.new_empty(*dx.shape[:-1], a.shape[-1]), weight_grads_like(weights, needs)
 
 
 def _linear_residual_setup(ctx, inputs, output):
     only_first_output_differentiable(ctx, output)
     a, weights, residual, bias, norm_weight, eps, branch_scale = inputs
     ctx.has_bias, ctx.branch_scale = bias is not None, branch_scale
-    ctx.save_for_backward(a, *weights)
+    # a is read by the weight gradients only: where every weight is frozen (a LoRA model's base
+    # weights), none of its rows is kept, as F.linear keeps no input for a frozen weight
+    ctx.weights_frozen = not any(w.requires_grad for w in weights)
+    ctx.save_for_backward(rows(a)[:0] if ctx.weights_frozen else a, *weights)
 
 
 def _linear_residual_backward(ctx, dx, _du, _drstd):
     a, *weights = ctx.saved_tensors
     branch_grad = scaled(dx, ctx.branch_scale)  # the branch's gradient: the residual's is dx itself
-    da, dws = run_backward(ctx, weights, _linear_residual_backward_op, linear_residual_backward, branch_grad, a,
-                           weights, weight_args=(1,))
+    if ctx.weights_frozen:  # da alone (a weight unfrozen since the forward gets no gradient, as in PyTorch)
+        da, dws = _linear_residual_backward_op(branch_grad, a, weights, [False] * len(weights))
+    else:
+        da, dws = run_backward(ctx, weights, _linear_residual_backward_op, linear_residual_backward, branch_grad, a,
+                               weights, weight_args=(1,))
     dbias = rows(branch_grad).sum(0) if ctx.has_bias else None
     return da, for_autograd(dws, weights), dx, dbias, None, None, None
 
