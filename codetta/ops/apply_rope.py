@@ -19,6 +19,7 @@ so torch.compile traces it without a graph break.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from ..kernels.rope import rotate
@@ -114,6 +115,8 @@ def apply_rope(q: Tensor, k: Tensor, positions: Tensor | None = None, inv_freq: 
     if not q.is_meta:  # on the meta device the registered op's fake implementation gives the shapes
         check_device(q.device, "q")
     q_out, k_out = _apply_rope_op(q, k, cos, sin, head_dim, interleaved)
+    if torch._C._are_functorch_transforms_active():  # vmap's wrapped tensors do not tell whether they need one
+        return q_out, k_out
     # one op rotates both; each output asks for a gradient only where its input does (as HF's would:
     # a frozen first layer's k under LoRA on q), so that attention keeps nothing for it
     return (q_out if q.requires_grad else q_out.detach()), (k_out if k.requires_grad else k_out.detach())
