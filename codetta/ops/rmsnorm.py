@@ -499,7 +499,7 @@ def _linear_residual_setup(ctx, inputs, output):
     # a is read by the weight gradients only: where every weight is frozen (a LoRA model's base
     # weights), none of its rows is kept, as F.linear keeps no input for a frozen weight
     ctx.weights_frozen = not any(w.requires_grad for w in weights)
-    ctx.save_for_backward(rows(a)[:0] if ctx.weights_frozen else a, *weights)
+    ctx.save_for_backward(a.new_empty(0, a.shape[-1]) if ctx.weights_frozen else a, *weights)  # not a view of a
 
 
 def _linear_residual_backward(ctx, dx, _du, _drstd):
