@@ -18,6 +18,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import codetta
 from codetta import EpilogueError, GemmError
@@ -832,6 +833,19 @@ def test_names_the_generated_kernel_cannot_hold_are_refused(name, match):
             ep.Program(name)
 
 
+@pytest.mark.parametrize("name", ["my-prog", "../../escaped", "p" * 300])
+def test_a_program_renamed_to_a_name_no_kernel_can_hold_is_refused(name):
+    """The name is checked when it is set, not only at construction: it becomes the kernel's
+    identifier and file (a path would write outside the cache folder)."""
+    p = ep.Program("renamed")
+    p.store("y", p.acc * 2.0, dtype=torch.float32)
+    with pytest.raises(EpilogueError, match="a program name must be an ASCII identifier"):
+        p.name = name
+    p.name = "renamed_again"
+    a, b = dyadic(4, 3), dyadic(3, 5)
+    torch.testing.assert_close(codetta.gemm(a, b, p)["y"], 2.0 * (a.double() @ b.double()).float())
+
+
 def test_kernel_source_of_something_else_is_refused():
     with pytest.raises(EpilogueError, match="kernel_source takes a codetta.epilogue.Program, got str"):
         codetta.kernel_source("a_program", "tma")
@@ -1171,27 +1185,57 @@ def test_tensors_written_in_place_count_the_write():
         ops.rmsnorm_linear(x, torch.ones(4, device=DEVICE), torch.randn(3, 4, device=DEVICE), stats=stats)
 
 
+UNREADABLE = {  # kind: (a tensor of that kind, the start of the message naming it)
+    "sparse": (lambda *shape: torch.randn(*shape, device=DEVICE).to_sparse(),
+               "is a torch.sparse_coo tensor: codetta's kernels take dense"),
+    "nested": (lambda *shape: torch.nested.nested_tensor([torch.randn(*shape, device=DEVICE)]),
+               "is a nested tensor: codetta's kernels take dense"),
+    # a real view whose values are the negation of what its memory holds (PyTorch's lazy negation)
+    "negated": (lambda *shape: torch.randn(*shape, dtype=torch.complex64, device=DEVICE).conj().imag,
+                "has PyTorch's negative bit set"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(UNREADABLE))
 @pytest.mark.parametrize("where", ["a", "b", "b_part", "aux", "out", "accumulated"])
-def test_sparse_tensors_are_refused(where):
-    """Every tensor a call reads or writes is dense: a sparse one gets a GemmError naming it, not
-    an error from deep inside (it has no strides, nor a data pointer)."""
-    def sparse(*shape):
-        return torch.randn(*shape, device=DEVICE).to_sparse()
+def test_tensors_the_kernels_cannot_read_as_stored_are_refused(where, kind):
+    """Every tensor a call reads or writes is dense and holds its values as stored: a sparse or a
+    nested one (no strides, nor a data pointer), or one with PyTorch's negative bit (its memory
+    holds -values: read as it is stored, the result came out negated) gets a GemmError naming
+    it; also after the same call with plain tensors (whose plan does not cover it)."""
     a, b = torch.randn(6, 8, device=DEVICE), torch.randn(8, 4, device=DEVICE)
-    aux = ep.Program("sparse_aux")
+    aux = ep.Program("unreadable_aux")
     aux.store("y", aux.acc + aux.aux("x"))
-    accumulate = ep.Program("sparse_accumulate")
+    accumulate = ep.Program("unreadable_accumulate")
     accumulate.store("y", accumulate.acc, accumulate=True)
-    call, name = {
-        "a": (lambda: codetta.gemm(sparse(6, 8), b), "a"),
-        "b": (lambda: codetta.gemm(a, sparse(8, 4)), "b"),
-        "b_part": (lambda: codetta.gemm(a, [b, sparse(8, 4)]), r"b\[1\]"),
-        "aux": (lambda: codetta.gemm(a, b, aux, x=sparse(6, 4)), "operand 'x'"),
-        "out": (lambda: codetta.gemm(a, b, out=sparse(6, 4)), r"out\['out'\]"),
-        "accumulated": (lambda: codetta.gemm(a, b, accumulate, y=sparse(6, 4)), "operand 'y'"),
-    }[where]
-    with pytest.raises(GemmError, match=rf"{name} .*is a torch.sparse_coo tensor: codetta's kernels take dense"):
-        call()
+    calls = {
+        "a": (lambda make: codetta.gemm(make(6, 8), b), "a"),
+        "b": (lambda make: codetta.gemm(a, make(8, 4)), "b"),
+        "b_part": (lambda make: codetta.gemm(a, [b, make(8, 4)]), r"b\[1\]"),
+        "aux": (lambda make: codetta.gemm(a, b, aux, x=make(6, 4)), "operand 'x'"),
+        "out": (lambda make: codetta.gemm(a, b, out=make(6, 4)), r"out\['out'\]"),
+        "accumulated": (lambda make: codetta.gemm(a, b, accumulate, y=make(6, 4)), "operand 'y'"),
+    }
+    call, name = calls[where]
+    make, message = UNREADABLE[kind]
+    call(lambda *shape: torch.randn(*shape, device=DEVICE))
+    with pytest.raises(GemmError, match=rf"{name} .*{message}"):
+        call(make)
+
+
+def test_a_negated_view_reaches_no_kernel_as_stored():
+    """codetta.linear refuses a negated view (it reaches the GEMM as it is); the operators that
+    copy a strided input first compute on its values; one that would hand a contiguous negated
+    view to a row kernel gets the same refusal, not the negation of PyTorch's result."""
+    strided = UNREADABLE["negated"][0](5, 8)
+    with pytest.raises(GemmError, match="negative bit"):
+        codetta.linear(strided, torch.randn(3, 8, device=DEVICE))
+    g = torch.rand(8, device=DEVICE) + 0.5
+    torch.testing.assert_close(ops.rms_norm(strided, g), F.rms_norm(strided.resolve_neg(), (8,), g, 1e-6))
+    contiguous = torch._neg_view(torch.randn(5, 8, device=DEVICE))
+    assert contiguous.is_neg() and contiguous.is_contiguous()
+    with pytest.raises(ValueError, match="negative bit"):
+        ops.rms_norm(contiguous, g)
 
 
 def test_an_inference_tensor_is_written_in_place_only_in_inference_mode():

@@ -274,6 +274,21 @@ def test_explain_reports_path():
     assert codetta.explain(a5, torch.randn(5, 48, device=DEVICE))["path"] == "ptr"
 
 
+def test_explain_refuses_what_gemm_may_not_write():
+    """explain tunes (on a GPU) by launching the kernel into out= as gemm would: an out= that
+    overlaps a, or a leaf that requires grad, is refused by explain as by gemm, and what it may
+    write counts as written."""
+    a, b = torch.randn(16, 16, device=DEVICE), torch.randn(16, 16, device=DEVICE)
+    with pytest.raises(codetta.GemmError, match="shares memory with a"):
+        codetta.explain(a, b, out=a)
+    with pytest.raises(codetta.GemmError, match="would write out\\['out'\\] in place, which requires grad"):
+        codetta.explain(a, b, out=torch.zeros(16, 16, device=DEVICE, requires_grad=True))
+    out = torch.empty(16, 16, device=DEVICE)
+    before = out._version
+    assert codetta.explain(a, b, out=out)["path"] in ("tma", "ptr")
+    assert out._version > before
+
+
 # How the TMA mainloop reads interleave(b0, b1) of two weights W [f, k] (b = W.t()): through one descriptor of
 # both, whichever lies below in memory; through two where they cannot share one.
 INTERLEAVED_READING = {"nk": "interleave_one", "nk_b1_below_b0": "interleave_one_swapped",

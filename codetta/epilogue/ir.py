@@ -424,10 +424,12 @@ class Program:
     _analysis: dict = field(default_factory=dict, repr=False, init=False)
     _loads: dict = field(default_factory=dict, repr=False, init=False)
 
-    def __post_init__(self):
-        if not _is_name(self.name) or len(self.name) > MAX_NAME_LENGTH:
+    def __setattr__(self, key, value):
+        """The name is checked whenever it is set (at construction, and by a rename later)."""
+        if key == "name" and not (_is_name(value) and len(value) <= MAX_NAME_LENGTH):
             raise EpilogueError(f"a program name must be an ASCII identifier of at most {MAX_NAME_LENGTH} characters "
-                                f"(it names the kernel and its file), got {self.name!r:.120}")
+                                f"(it names the kernel and its file), got {value!r:.120}")
+        super().__setattr__(key, value)
 
     def _register(self, node):
         self._nodes.append(node)

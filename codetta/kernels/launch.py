@@ -37,6 +37,9 @@ def next_power_of_2(n: int) -> int:
 
 def _spec(value):
     if isinstance(value, torch.Tensor):
+        if value.is_neg():
+            raise ValueError("a tensor with PyTorch's negative bit set (a lazily negated view, as z.conj().imag is): "
+                             "the kernels read and write memory as it is stored; resolve it first (resolve_neg())")
         return value.dtype, value.device, value.data_ptr() % 16 == 0
     if isinstance(value, bool) or value is None:
         return value
@@ -61,11 +64,12 @@ def launch(kernel, grid, *args, num_warps: int = 4, **constexprs):
     runtime parameters in order, ``constexprs`` all the others by name."""
     names = kernel.arg_names
     full = [*args, *(constexprs[name] for name in names[len(args):])]
+    specs = tuple(map(_spec, args))
     if interpreting():
         with INTERPRETER_LOCK:
             kernel[grid](*full, num_warps=num_warps)
         return
-    key = (kernel, num_warps, tuple(map(_spec, args)), tuple(full[len(args):]))
+    key = (kernel, num_warps, specs, tuple(full[len(args):]))
     compiled = _COMPILED.get(key)
     with on_device(next((a for a in args if isinstance(a, torch.Tensor)), None)):
         if compiled is not None:

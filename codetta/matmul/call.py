@@ -42,8 +42,12 @@ def interleave(b0, b1) -> Interleaved:
 def check_tensor(t, what, device):
     if not isinstance(t, torch.Tensor):
         raise GemmError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-    if t.layout != torch.strided:
-        raise GemmError(f"{what} is a {t.layout} tensor: codetta's kernels take dense (strided) tensors")
+    if t.layout != torch.strided or t.is_nested:
+        kind = "nested" if t.is_nested else str(t.layout)
+        raise GemmError(f"{what} is a {kind} tensor: codetta's kernels take dense (strided) tensors")
+    if t.is_neg():
+        raise GemmError(f"{what} has PyTorch's negative bit set (a lazily negated view, as z.conj().imag is): the kernels "
+                        f"read and write memory as it is stored; resolve it first (resolve_neg())")
     if t.device != device:
         raise GemmError(f"{what} is on {t.device} but a is on {device}")
 

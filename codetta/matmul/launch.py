@@ -72,9 +72,7 @@ def gemm(a, b, epilogue: Program | None = None, *, out=None, config=None, finish
     finish = _finishers(finish, program)
     b = _without_empty_parts(b)
     _warn_if_differentiable(a, b, operands)
-    written = written_in_place(program, operands, out)
-    check_untracked(written)
-    check_written_apart(program, a, b, operands, out)  # before any launch: the tuner's write into out too
+    written = _checked_writes(program, a, b, operands, out)
     with on_device(a):  # tuning and launches on a's GPU, whichever is current
         plan = _plan(a, b, program, operands, out, config)
         if plan is None:
@@ -83,6 +81,15 @@ def gemm(a, b, epilogue: Program | None = None, *, out=None, config=None, finish
             results = plan.execute(a, b, operands, out, finish)
     count_writes(written)
     return results["out"] if epilogue is None else results
+
+
+def _checked_writes(program, a, b, operands, out):
+    """What a call writes in place (out=, accumulated operands), checked before any launch (the
+    tuner's timed launches write there too): see :func:`check_untracked`, :func:`check_written_apart`."""
+    written = written_in_place(program, operands, out)
+    check_untracked(written)
+    check_written_apart(program, a, b, operands, out)
+    return written
 
 
 def _finishers(finish, program):
@@ -177,8 +184,8 @@ def _tuning_key(call, path):
 
 def _meta(v):
     if isinstance(v, torch.Tensor):
-        if v.layout != torch.strided:  # no strides, no data pointer: the call's checks refuse it
-            return v.layout
+        if v.layout != torch.strided or v.is_nested or v.is_neg():  # no strides, or negated: the call's checks refuse it
+            return v.layout, v.is_nested, v.is_neg()
         return (v.shape, v.stride(), v.dtype, v.device, v.data_ptr() % 16 == 0)
     return type(v)
 
@@ -321,10 +328,17 @@ def _epilogue_smem(call):
 def explain(a, b, epilogue: Program | None = None, *, out=None, config=None, finish=None, **operands):
     """The path ('tma' or 'ptr'), config and reading of B (``b_parts``: the mainloop's arrangement,
     see :mod:`codetta.matmul.mainloop`) ``gemm`` would launch with these arguments (tunes if needed;
-    ``finish`` runs after the kernel and changes none of them)."""
+    ``finish`` runs after the kernel and changes none of them). Tuning launches the kernel into
+    ``out=`` and the accumulated operands, as ``gemm`` would: the same checks refuse what it may not
+    write, and what it may write counts as written (its version)."""
     program = epilogue if epilogue is not None else _plain_program()
     _finishers(finish, program)
-    plan = _plan(a, _without_empty_parts(b), program, operands, _outputs_given(out, epilogue), config)
+    out = _outputs_given(out, epilogue)
+    b = _without_empty_parts(b)
+    written = _checked_writes(program, a, b, operands, out)
+    with on_device(a):
+        plan = _plan(a, b, program, operands, out, config)
+    count_writes(written)
     if plan is None:
         return {"path": None, "config": None, "b_parts": None}
     return {"path": plan.path, "config": plan.cfg, "b_parts": plan.b_parts}
