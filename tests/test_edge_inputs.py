@@ -412,6 +412,50 @@ def test_torch_func_reverse_transforms_are_refused_by_name():
             pytest.fail(what)
 
 
+@pytest.mark.parametrize("op", ["rmsnorm_linear", "rmsnorm_swiglu_relu", "rmsnorm_qkv_rope"])
+def test_an_output_that_overflowed_without_a_gradient_leaves_dx_finite(op):
+    """An output column that overflowed to +-inf (a huge weight row) but gets no gradient (a loss
+    that leaves it out; ReLU's zero at -inf) adds nothing to the norm backward's row term z . dz,
+    as it adds nothing to PyTorch's h . dh: dx stays finite (inf * 0 made whole rows NaN)."""
+    from test_ops_rope import hf_style
+
+    torch.manual_seed(0)
+    m, d, n = 6, 32, 16
+    x = torch.randn(m, d, device=DEVICE).abs()
+    g = torch.rand(d, device=DEVICE) + 0.5
+    w, w2 = (torch.randn(n, d, device=DEVICE) / d**0.5 for _ in range(2))
+    w[0] = -1e38  # column 0 of x-normed W^T overflows to -inf for every token
+    keep = torch.ones(n, device=DEVICE)
+    keep[0] = 0.0
+    positions, inv_freq = torch.arange(m, device=DEVICE), 1.0 / 100 ** torch.linspace(0, 1, 4, device=DEVICE)
+
+    def qkv_masked(qkv):
+        q, k, v = qkv[:3]
+        return torch.cat((q, k, v * keep[:8]), -1)
+
+    fused, unfused = {
+        "rmsnorm_linear": (lambda t: ops.rmsnorm_linear(t, g, w) * keep,
+                           lambda t: F.linear(F.rms_norm(t, (d,), g, EPS), w) * keep),
+        "rmsnorm_swiglu_relu": (lambda t: ops.rmsnorm_swiglu(t, g, w, w2, EPS, activation="relu"),
+                                lambda t: F.relu(F.linear(F.rms_norm(t, (d,), g, EPS), w)) * F.linear(
+                                    F.rms_norm(t, (d,), g, EPS), w2)),
+        # w[:8] as W_v: v's first column overflows (v is not rotated), and the loss leaves it out
+        "rmsnorm_qkv_rope": (lambda t: qkv_masked(ops.rmsnorm_qkv_rope(t, g, w2, w2[:8], w[:8], positions, inv_freq,
+                                                                       head_dim=8, eps=EPS)),
+                             lambda t: qkv_masked(hf_style(t, g, w2, w2[:8], w[:8], positions, inv_freq, 8, 8, 1.0,
+                                                           None))),
+    }[op]
+    grads = []
+    for fn in (fused, unfused):
+        leaf = x.clone().requires_grad_()
+        y = fn(leaf)
+        y.nan_to_num(0.0, 0.0, 0.0).sum().backward()  # the overflowed column, 0 * inf = NaN, counts nothing
+        grads.append(leaf.grad)
+    assert torch.isfinite(grads[1]).all()  # PyTorch's
+    assert torch.isfinite(grads[0]).all(), grads[0]
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-5)
+
+
 def test_batched_gradients_are_refused_by_name_and_one_at_a_time_work():
     """torch.autograd.grad(is_grads_batched=True), and jacobian with vectorize=True built on it, hand
     each backward gradients batched by PyTorch's older vmap, which the kernels cannot read: the

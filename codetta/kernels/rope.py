@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from ..interpreter import interpreting
-from ..matmul.mainloop import cast
+from ..matmul.mainloop import cast, times_gradient
 from .launch import cdiv, launch, next_power_of_2
 
 
@@ -110,11 +110,12 @@ def _rotate_kernel(
             qkv_head = qkv + rows64 * s_qkv + start
             if WITH_ZDZ:
                 if INTERLEAVED:
-                    partial += tl.sum(tl.load(qkv_head + block, mask=block_ok, other=0.0).to(tl.float32) * d, axis=1)
+                    partial += tl.sum(times_gradient(tl.load(qkv_head + block, mask=block_ok, other=0.0).to(tl.float32), d),
+                                      axis=1)
                 else:
                     q1 = tl.load(qkv_head + t, mask=pair_ok, other=0.0).to(tl.float32)
                     q2 = tl.load(qkv_head + HALF_R + t, mask=pair_ok, other=0.0).to(tl.float32)
-                    partial += tl.sum(q1 * d1 + q2 * d2, axis=1)
+                    partial += tl.sum(times_gradient(q1, d1) + times_gradient(q2, d2), axis=1)
             if REST_P > 0:  # the columns [R, D) pass through
                 rest = 2 * HALF_R + tl.arange(0, REST_P)[None, :]
                 rest_ok = row_ok & (rest < HEAD_DIM)
@@ -122,7 +123,7 @@ def _rotate_kernel(
                 tl.store(out + rest, r, mask=rest_ok)
                 if WITH_ZDZ:
                     q = tl.load(qkv_head + rest, mask=rest_ok, other=0.0).to(tl.float32)
-                    partial += tl.sum(q * r.to(tl.float32), axis=1)
+                    partial += tl.sum(times_gradient(q, r.to(tl.float32)), axis=1)
     if WITH_ZDZ:
         tl.store(zdz_part + rows.to(tl.int64) * s_part + tl.program_id(1), partial, mask=rows < M)
 

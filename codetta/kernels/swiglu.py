@@ -44,7 +44,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..interpreter import interpreting
-from ..matmul.mainloop import cast
+from ..matmul.mainloop import cast, times_gradient
 from ..ops.activations import check_activation
 from .finish import row_sum
 from .launch import cdiv, launch
@@ -72,8 +72,8 @@ def _activation_and_slope(g, ACTIVATION: tl.constexpr):
         return g * cdf, cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327  # 1 / sqrt(2 pi)
     else:
         tl.static_assert(ACTIVATION == "relu")
-        positive = g > 0.0
-        return tl.where(positive, g, 0.0), tl.where(positive, 1.0, 0.0)
+        off = g <= 0.0  # not for NaN, which stays NaN and passes its gradient, as in PyTorch
+        return tl.where(off, 0.0, g), tl.where(off, 0.0, 1.0)
 
 
 @triton.jit
@@ -110,7 +110,8 @@ def _swiglu_backward_kernel(
     u = tl.load(u_ptr + rows64 * u_s0 + cols64, mask=mask, other=0.0).to(tl.float32)
 
     act, slope = _activation_and_slope(g, ACTIVATION)
-    dg_st = cast(dy * u * slope, dg_ptr.dtype.element_ty, EMULATE_RNE)
+    # a zero slope selects 0, as PyTorch's ReLU backward does (a NaN dy there gives no NaN)
+    dg_st = cast(tl.where(slope == 0.0, 0.0, dy * u * slope), dg_ptr.dtype.element_ty, EMULATE_RNE)
     du_st = cast(dy * act, du_ptr.dtype.element_ty, EMULATE_RNE)
     tl.store(dg_ptr + rows64 * dg_s0 + cols64, dg_st, mask=mask)
     tl.store(du_ptr + rows64 * du_s0 + cols64, du_st, mask=mask)
@@ -118,7 +119,7 @@ def _swiglu_backward_kernel(
         y = cast(act * u, y_ptr.dtype.element_ty, EMULATE_RNE)
         tl.store(y_ptr + rows64 * y_s0 + cols64, y, mask=mask)
     if ROW_DOT:  # masked lanes hold g = u = 0, so they add nothing
-        part = tl.sum(g * dg_st.to(tl.float32) + u * du_st.to(tl.float32), axis=1)
+        part = tl.sum(times_gradient(g, dg_st.to(tl.float32)) + times_gradient(u, du_st.to(tl.float32)), axis=1)
         tl.store(part_ptr + rows.to(tl.int64) * part_s0 + pid_f, part, mask=row_ok)
 
 

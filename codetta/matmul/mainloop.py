@@ -221,6 +221,14 @@ def max_keeping_nan(a, b):
 
 
 @triton.jit
+def times_gradient(value, grad):
+    """value * grad, and 0 where grad is 0 (inf * 0 would be NaN): a term of a norm backward's row
+    sum z . dz, where a value that overflowed to inf but got no gradient adds nothing, as it adds
+    nothing to PyTorch's h . dh."""
+    return tl.where(grad == 0.0, 0.0, value * grad)
+
+
+@triton.jit
 def tanh(x):
     """tanh(x) in fp32 from exp (Triton's interpreter has no libdevice): sign(x) (1 - e) / (1 + e)
     with e = exp(-2|x|); below |x| = 1/4, where 1 - e cancels, its Taylor series to x^9

@@ -346,9 +346,11 @@ def rstd_like(x: Tensor, u: Optional[Tensor], rstd: Optional[Tensor]) -> Tensor:
     return x.new_empty(x.numel() // x.shape[-1] if u is None or rstd is None else 0, dtype=torch.float32)
 
 
-def row_dot(a: Tensor, b: Tensor) -> Tensor:
-    """sum_k a_ik b_ik in fp32, [M] (zdz of the norm backward)."""
-    return (rows(a).float() * rows(b).float()).sum(-1)
+def row_dot(z: Tensor, dz: Tensor) -> Tensor:
+    """sum_k z_ik dz_ik in fp32, [M] (zdz of the norm backward); a z that overflowed to inf adds
+    nothing where its gradient is 0 (as in the kernels' ``times_gradient``)."""
+    z, dz = rows(z).float(), rows(dz).float()
+    return torch.where(dz == 0, 0.0, z * dz).sum(-1)
 
 
 def rmsnorm_linear_backward(dz: Tensor, zdz: Optional[Tensor], x: Tensor, norm_weight: Tensor, weights: list[Tensor],
