@@ -110,8 +110,8 @@ def _rotate_kernel(
             qkv_head = qkv + rows64 * s_qkv + start
             if WITH_ZDZ:
                 if INTERLEAVED:
-                    partial += tl.sum(times_gradient(tl.load(qkv_head + block, mask=block_ok, other=0.0).to(tl.float32), d),
-                                      axis=1)
+                    z = tl.load(qkv_head + block, mask=block_ok, other=0.0).to(tl.float32)
+                    partial += tl.sum(times_gradient(z, d), axis=1)
                 else:
                     q1 = tl.load(qkv_head + t, mask=pair_ok, other=0.0).to(tl.float32)
                     q2 = tl.load(qkv_head + HALF_R + t, mask=pair_ok, other=0.0).to(tl.float32)

@@ -46,8 +46,8 @@ def check_tensor(t, what, device):
         kind = "nested" if t.is_nested else str(t.layout)
         raise GemmError(f"{what} is a {kind} tensor: codetta's kernels take dense (strided) tensors")
     if t.is_neg():
-        raise GemmError(f"{what} has PyTorch's negative bit set (a lazily negated view, as z.conj().imag is): the kernels "
-                        f"read and write memory as it is stored; resolve it first (resolve_neg())")
+        raise GemmError(f"{what} has PyTorch's negative bit set (a lazily negated view, as z.conj().imag is): the "
+                        "kernels read and write memory as it is stored; resolve it first (resolve_neg())")
     if t.device != device:
         raise GemmError(f"{what} is on {t.device} but a is on {device}")
 

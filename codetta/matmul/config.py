@@ -153,7 +153,7 @@ def candidates(*, elem_bytes: int, min_bn: int, n_parts_sizes=(), m: int = 0, n:
     all the others, so that the first candidate (taken untuned) stays the same.
     ``staged_bytes``, ``aux_bytes``: the epilogue's shared memory (see :meth:`Config.smem_bytes`);
     ``smem``: the GPU's. Where none of the tuned tables fits it, one small config (the deepest
-``BK`` that fits).
+    ``BK`` that fits).
     """
     def fits(cfg):
         return cfg.smem_bytes(elem_bytes, staged_bytes, aux_bytes) <= smem.limit(cfg.CTAS_PER_SM)

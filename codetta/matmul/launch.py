@@ -184,7 +184,7 @@ def _tuning_key(call, path):
 
 def _meta(v):
     if isinstance(v, torch.Tensor):
-        if v.layout != torch.strided or v.is_nested or v.is_neg():  # no strides, or negated: the call's checks refuse it
+        if v.layout != torch.strided or v.is_nested or v.is_neg():  # no strides, or negated: the checks refuse it
             return v.layout, v.is_nested, v.is_neg()
         return (v.shape, v.stride(), v.dtype, v.device, v.data_ptr() % 16 == 0)
     return type(v)
