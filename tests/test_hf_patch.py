@@ -12,6 +12,8 @@ import importlib
 import inspect
 import io
 import shutil
+import sys
+import threading
 import warnings
 import weakref
 
@@ -1121,6 +1123,37 @@ def test_a_layer_that_does_not_run_keeps_no_activations():
     del out
     gc.collect()
     assert handed() is None and slot.tensor is None and slot.stats is None
+
+
+def test_a_statistics_slot_shared_by_threads_hands_each_its_own_or_none():
+    """Two threads running one model (an eval forward beside training) put and take in one slot:
+    a take gets the statistics put with its own tensor, or none (the layer then computes its own),
+    never another thread's (the slot holds one record, replaced whole; parts of two records
+    mixed made a take raise about statistics the caller never passed)."""
+    from codetta.integrations.hf.layer import StatsHandoff
+
+    slot, wrong, barrier = StatsHandoff(), [], threading.Barrier(2)
+
+    def run(tag):
+        x = torch.zeros(1)
+        barrier.wait()
+        for i in range(20_000):
+            slot.put(x, (tag, i), tag)
+            stats, weight = slot.take(x)
+            if stats is not None and (stats != (tag, i) or weight != tag):
+                wrong.append((tag, i, stats, weight))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=run, args=(tag,)) for tag in "ab"]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not wrong, wrong[:3]
 
 
 def test_a_layer_interrupted_before_taking_its_statistics_keeps_nothing():

@@ -51,7 +51,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch.nn.utils import parametrize
@@ -95,55 +95,70 @@ class StatsHandoff:
     """
 
     def __init__(self):
-        self._ref = None  # eager: a weak reference to the tensor
-        self._traced = None  # traced by torch.compile: the tensor itself
-        self.version: Optional[int] = None  # the tensor's version counter at put (None when traced)
-        self.stats: Optional[tuple] = None
-        # the weight the norm multiplies by, as the statistics were made with it (Gemma's 1 + w: a
-        # tensor made once for both layers, which the next layer's norm then reuses)
-        self.norm_weight: Optional[torch.Tensor] = None
+        self._held: Optional[_Held] = None
 
     @property
     def tensor(self) -> Optional[torch.Tensor]:
         """The tensor whose statistics the slot holds (None when empty, or when it has died)."""
-        return self._ref() if self._ref is not None else self._traced
+        held = self._held
+        return None if held is None else held.ref() if held.ref is not None else held.traced
 
-    def _empty(self):
-        self._ref = self._traced = self.version = self.stats = self.norm_weight = None
+    @property
+    def stats(self) -> Optional[tuple]:
+        held = self._held
+        return None if held is None else held.stats
+
+    @property
+    def norm_weight(self) -> Optional[torch.Tensor]:
+        held = self._held
+        return None if held is None else held.norm_weight
 
     def put(self, tensor, stats, norm_weight):
-        self.norm_weight = norm_weight
+        """Hold ``stats`` of ``tensor``: one record, replaced whole, so that two threads running one
+        model (an eval forward beside training) never see parts of each other's."""
         if torch.compiler.is_compiling():  # traced: an in-place change is in the graph, no counter to read
-            self._ref, self._traced, self.version, self.stats = None, tensor, None, stats
+            self._held = _Held(None, tensor, None, stats, norm_weight)
         elif tensor.is_inference():  # no version counter to tell an in-place change: nothing is handed on
-            self._empty()
+            self._held = None
         else:
             slot = weakref.ref(self)
 
             def died(ref):  # the tensor is gone: so are the statistics (unless the slot was refilled since)
                 handoff = slot()
-                if handoff is not None and handoff._ref is ref:
-                    handoff._empty()
+                if handoff is not None and handoff._held is not None and handoff._held.ref is ref:
+                    handoff._held = None
 
-            self._traced, self.version = None, tensor._version
-            self.stats = stats.apart_from_x() if isinstance(stats, NormStats) else stats
-            self._ref = weakref.ref(tensor, died)
+            stats = stats.apart_from_x() if isinstance(stats, NormStats) else stats
+            self._held = _Held(weakref.ref(tensor, died), None, tensor._version, stats, norm_weight)
 
     def take(self, tensor):
         """(the statistics, the norm weight they were made with) of ``tensor``, or (None, None)."""
-        held = self.tensor
-        fresh = (tensor is not None and held is tensor
-                 and (self.version is None or tensor._version == self.version))
-        taken = (self.stats, self.norm_weight) if fresh else (None, None)
-        self._empty()
-        return taken
+        held, self._held = self._held, None
+        if held is None or tensor is None:
+            return None, None
+        same = (held.ref() if held.ref is not None else held.traced) is tensor
+        fresh = same and (held.version is None or tensor._version == held.version)
+        return (held.stats, held.norm_weight) if fresh else (None, None)
 
     def __getstate__(self):
         """A copy (deepcopy, pickle: torch.save of a whole model) starts empty: what the slot holds
         belongs to one forward, and is left there when the next layer does not run (layers cut or
         skipped after patching): a non-leaf tensor that deepcopy refuses, activations a checkpoint
         has no use for (and a weak reference, which neither copies)."""
-        return {**self.__dict__, "_ref": None, "_traced": None, "version": None, "stats": None, "norm_weight": None}
+        return {**self.__dict__, "_held": None}
+
+
+class _Held(NamedTuple):
+    """What a :class:`StatsHandoff` holds: the tensor (a weak reference in eager mode, the tensor
+    itself while traced), its version counter at put (None when traced), its statistics, and the
+    weight the norm multiplies by, as the statistics were made with it (Gemma's 1 + w: a tensor
+    made once for both layers, which the next layer's norm then reuses)."""
+
+    ref: Optional[weakref.ref]
+    traced: Optional[torch.Tensor]
+    version: Optional[int]
+    stats: Optional[tuple]
+    norm_weight: Optional[torch.Tensor]
 
 
 class WeakModule:
