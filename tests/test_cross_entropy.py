@@ -184,10 +184,12 @@ def test_label_smoothing_and_z_loss_reference():
 
 
 @pytest.mark.parametrize("option, value", [("label_smoothing", -0.1), ("label_smoothing", 1.5), ("z_loss", -1.0),
-                                           ("z_loss", float("nan")), ("label_smoothing", "0.1"), ("z_loss", True)])
+                                           ("z_loss", float("nan")), ("z_loss", float("inf")), ("label_smoothing", "0.1"),
+                                           ("z_loss", True), ("eps", -1.0)])
 def test_bad_label_smoothing_or_z_loss(option, value):
+    """Refused with a message naming the function and the argument (z_loss = inf made the loss inf)."""
     inputs = make()
-    with pytest.raises(ValueError, match=option):
+    with pytest.raises(ValueError, match=f"linear_cross_entropy: {option} must be"):
         linear_cross_entropy(inputs["x"], inputs["weight"], inputs["target"], **{option: value})
 
 

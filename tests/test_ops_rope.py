@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from codetta.ops import rmsnorm_qkv_rope
+from codetta.ops import apply_rope, rmsnorm_qkv_rope
 from codetta.ops.rope import rope_tables
 from conftest import DEVICE, INTERPRET
 
@@ -369,6 +369,12 @@ def test_bad_inputs():
         rmsnorm_qkv_rope(*tensors, pos, inv_freq[:4], head_dim=16, rotary_dim=8.5)
     with pytest.raises(ValueError, match="interleaved must be a bool"):
         rmsnorm_qkv_rope(*tensors, pos, inv_freq, head_dim=16, interleaved="yes")
+    # was taken as float(s): "2" as 2.0, True as 1.0, NaN into every q and k, a tensor's gradient dropped
+    for scaling in ("2", True, float("nan"), float("inf"), None, torch.tensor(2.0, requires_grad=True)):
+        with pytest.raises(ValueError, match="attention_scaling must be a finite real number"):
+            rmsnorm_qkv_rope(*tensors, pos, inv_freq, head_dim=16, attention_scaling=scaling)
+        with pytest.raises(ValueError, match="attention_scaling must be a finite real number"):
+            apply_rope(tensors[0], tensors[0], pos, inv_freq, head_dim=16, attention_scaling=scaling)
     qn, kn = make_qk_norm(16)
     with pytest.raises(ValueError, match="both q_norm_weight and k_norm_weight"):
         rmsnorm_qkv_rope(*tensors, pos, inv_freq, head_dim=16, q_norm_weight=qn)

@@ -573,13 +573,14 @@ def _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size, l
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral) \
             or not -2**63 <= ignore_index < 2**63:
         fail(f"ignore_index must be an int (int64), got {ignore_index!r}")
-    check_eps(eps=eps)
+    check_eps("linear_cross_entropy: ", eps=eps)
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral)
                                    or chunk_size < 1):
         fail(f"chunk_size must be a positive int or None, got {chunk_size!r}")
-    for name, value, high in (("label_smoothing", label_smoothing, 1.0), ("z_loss", z_loss, math.inf)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value <= high:
-            fail(f"{name} must be a number in [0, {high}], got {value!r}")
+    for name, value, within, bounds in (("label_smoothing", label_smoothing, lambda v: 0.0 <= v <= 1.0, "[0, 1]"),
+                                        ("z_loss", z_loss, lambda v: 0.0 <= v < math.inf, "[0, inf)")):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not within(value):
+            fail(f"{name} must be a number in {bounds}, got {value!r}")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
                                 or not 0.0 < softcap < math.inf):
         fail(f"softcap must be None or a positive finite number, got {softcap!r}")

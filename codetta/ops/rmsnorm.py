@@ -133,11 +133,12 @@ def stream_fits(stream: torch.dtype, operand: torch.dtype) -> bool:
     return stream == operand or (stream == torch.float32 and operand in (torch.bfloat16, torch.float16))
 
 
-def check_eps(**values) -> None:
-    """Each epsilon given by name must be a real number >= 0 (not a string, nor a bool)."""
+def check_eps(prefix: str = "", **values) -> None:
+    """Each epsilon given by name must be a real number >= 0 (not a string, nor a bool); the
+    error starts with ``prefix`` (the operator's name, where its other messages give it)."""
     for name, value in values.items():
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
-            raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+            raise ValueError(f"{prefix}{name} must be a number >= 0, got {value!r}")
 
 
 def named_weights(weight) -> dict[str, Tensor]:
@@ -552,17 +553,18 @@ def linear_residual(a: Tensor, weight, residual: Tensor, norm_weight: Tensor | N
         if vec is not None:
             check_vector(name, vec, residual.shape[-1], residual.device)
     check_eps(eps=eps)
-    x, u, rstd = _linear_residual_op(a, weights, residual, bias, norm_weight, float(eps), check_branch_scale(branch_scale))
+    x, u, rstd = _linear_residual_op(a, weights, residual, bias, norm_weight, float(eps), finite_real("branch_scale", branch_scale))
     return x if norm_weight is None else (x, NormStats.of(u, rstd, x, norm_weight, eps))
 
 
-def check_branch_scale(branch_scale) -> float:
-    """The branch scale as a float, or a clear error for anything but a finite real number
-    (checked by a comparison, which torch.compile(dynamic=True) traces on the symbolic float it
-    passes, where ``math.isfinite`` cannot be traced)."""
-    if isinstance(branch_scale, bool) or not isinstance(branch_scale, numbers.Real) or not abs(branch_scale) < math.inf:
-        raise ValueError(f"branch_scale must be a finite real number, got {branch_scale!r}")
-    return float(branch_scale)
+def finite_real(name: str, value) -> float:
+    """A scale argument (``branch_scale``, ``attention_scaling``) as a float, or a clear error
+    naming it for anything but a finite real number: a bool, a string, a tensor (whose gradient
+    would be dropped), NaN or inf (checked by a comparison, which torch.compile(dynamic=True)
+    traces on the symbolic float it passes, where ``math.isfinite`` cannot be traced)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not abs(value) < math.inf:
+        raise ValueError(f"{name} must be a finite real number, got {value!r}")
+    return float(value)
 
 
 def scaled(grad: Tensor, branch_scale: float) -> Tensor:

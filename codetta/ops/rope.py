@@ -72,8 +72,8 @@ from .. import epilogue as ep
 from ..matmul import gemm
 from ..kernels.qk_norm import qk_norm_backward
 from ..kernels.rope import rotate
-from .rmsnorm import (_check_norm_inputs, _weight_t, check_eps, given_stats, norm_operands, rmsnorm_linear_backward,
-                      rstd_like, used_rstd)
+from .rmsnorm import (_check_norm_inputs, _weight_t, check_eps, finite_real, given_stats, norm_operands,
+                      rmsnorm_linear_backward, rstd_like, used_rstd)
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .weight_grads import for_autograd, run_backward, skipping, weight_grads_like
@@ -397,6 +397,7 @@ def rope_tables_for(x: Tensor, head_dim, positions, inv_freq, *, rotary_dim, att
     head_dim = int(head_dim)
     if rotary_dim is not None and (isinstance(rotary_dim, bool) or not isinstance(rotary_dim, numbers.Integral)):
         raise ValueError(f"rotary_dim must be an integer, got {rotary_dim!r}")
+    attention_scaling = finite_real("attention_scaling", attention_scaling)
     if cos_sin is not None:
         rotary_dim = _check_cos_sin(cos_sin, positions, inv_freq, rotary_dim, attention_scaling, x)
     if angles_need_grad(inv_freq, cos_sin):
