@@ -183,9 +183,9 @@ def test_label_smoothing_and_z_loss_reference():
     close(loss.detach(), pytorch(inputs, label_smoothing=0.2, z_loss=1e-2)[0])
 
 
-@pytest.mark.parametrize("option, value", [("label_smoothing", -0.1), ("label_smoothing", 1.5), ("z_loss", -1.0),
-                                           ("z_loss", float("nan")), ("z_loss", float("inf")), ("label_smoothing", "0.1"),
-                                           ("z_loss", True), ("eps", -1.0)])
+@pytest.mark.parametrize("option, value", [
+    ("label_smoothing", -0.1), ("label_smoothing", 1.5), ("z_loss", -1.0), ("z_loss", float("nan")),
+    ("z_loss", float("inf")), ("label_smoothing", "0.1"), ("z_loss", True), ("eps", -1.0)])
 def test_bad_label_smoothing_or_z_loss(option, value):
     """Refused with a message naming the function and the argument (z_loss = inf made the loss inf)."""
     inputs = make()

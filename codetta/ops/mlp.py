@@ -165,8 +165,9 @@ def swiglu_mlp(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_d
         check_vector("next_norm_weight", next_norm_weight, d, x.device)
     biases = check_biases(bias, ("b_gate", "b_up", "b_down"), (f, f, d), x.device)
     u, rstd = given_stats(x, stats, w_gate.dtype, norm_weight, eps)
+    branch_scale = finite_real("branch_scale", branch_scale)
     x2, u2, rstd2, *_ = _mlp_op(x, norm_weight, w_gate, w_up, w_down, float(eps), u, rstd, next_norm_weight,
-                                float(next_eps), *biases, finite_real("branch_scale", branch_scale), check_activation(activation))
+                                float(next_eps), *biases, branch_scale, check_activation(activation))
     return x2 if next_norm_weight is None else (x2, NormStats.of(u2, rstd2, x2, next_norm_weight, next_eps))
 
 

@@ -553,7 +553,8 @@ def linear_residual(a: Tensor, weight, residual: Tensor, norm_weight: Tensor | N
         if vec is not None:
             check_vector(name, vec, residual.shape[-1], residual.device)
     check_eps(eps=eps)
-    x, u, rstd = _linear_residual_op(a, weights, residual, bias, norm_weight, float(eps), finite_real("branch_scale", branch_scale))
+    branch_scale = finite_real("branch_scale", branch_scale)
+    x, u, rstd = _linear_residual_op(a, weights, residual, bias, norm_weight, float(eps), branch_scale)
     return x if norm_weight is None else (x, NormStats.of(u, rstd, x, norm_weight, eps))
 
 
