@@ -1022,8 +1022,8 @@ def test_gemm_says_it_does_not_track_gradients():
 
 
 def test_reference_executor_reads_b_and_a_as_gemm_does():
-    """interleave(b0, b1), B in parts along K and a with batch dims: the reference executor
-    gives what codetta.gemm gives, in the same shapes."""
+    """interleave(b0, b1) (K = 0 too), B in parts along K and a with batch dims: the reference
+    executor gives what codetta.gemm gives, in the same shapes."""
     p = ep.Program("reference_layouts")
     y = p.acc * p.row("r")
     p.store("y", y, dtype=torch.float32)
@@ -1031,6 +1031,7 @@ def test_reference_executor_reads_b_and_a_as_gemm_does():
     p.row_sum("seg", y, segment=4)
     cases = {
         "interleave": (dyadic(6, 8), codetta.interleave(dyadic(8, 4), dyadic(8, 4)), lambda b: torch.stack(b, 2).reshape(8, 8)),
+        "interleave, K = 0": (dyadic(6, 0), codetta.interleave(dyadic(0, 4), dyadic(0, 4)), lambda b: torch.zeros(0, 8)),
         "parts along K": (dyadic(6, 8), [dyadic(3, 8), dyadic(5, 8)], lambda b: torch.cat(b, 0)),
         "batch dims": (dyadic(2, 3, 8), dyadic(8, 8), lambda b: b),
     }

@@ -87,7 +87,7 @@ def _b_matrix(b, k, cd):
 
     parts = [t.to(cd) for t in (b if isinstance(b, (list, tuple)) else [b])]
     if isinstance(b, Interleaved):
-        return torch.stack(parts, dim=2).reshape(k, -1)
+        return torch.stack(parts, dim=2).reshape(k, 2 * parts[0].shape[1])  # not -1: K may be 0
     if all(t.shape[0] == k for t in parts):
         return torch.cat(parts, dim=1)
     return torch.cat(parts, dim=0)  # [K_i, N] along K (the call's checks refused anything else)
