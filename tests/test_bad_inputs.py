@@ -1031,7 +1031,8 @@ def test_reference_executor_reads_b_and_a_as_gemm_does():
     p.row_sum("seg", y, segment=4)
     cases = {
         "interleave": (dyadic(6, 8), codetta.interleave(dyadic(8, 4), dyadic(8, 4)), lambda b: torch.stack(b, 2).reshape(8, 8)),
-        "interleave, K = 0": (dyadic(6, 0), codetta.interleave(dyadic(0, 4), dyadic(0, 4)), lambda b: torch.zeros(0, 8)),
+        "interleave, K = 0": (dyadic(6, 0), codetta.interleave(dyadic(0, 4), dyadic(0, 4)),
+                              lambda b: torch.zeros(0, 8, device=DEVICE)),
         "parts along K": (dyadic(6, 8), [dyadic(3, 8), dyadic(5, 8)], lambda b: torch.cat(b, 0)),
         "batch dims": (dyadic(2, 3, 8), dyadic(8, 8), lambda b: b),
     }
