@@ -2,6 +2,7 @@
 # Set up (first run) and run codetta's main job or its tests.
 #   ./run.sh demo [args]   the demo: a fused-program check, then a small Llama trained plain and patched
 #   ./run.sh test [args]   the test suite (on a CPU through Triton's interpreter); args go to pytest
+#                          (options alone, e.g. -x or -k name, run codetta's tests from any folder)
 # The environment is .venv beside this script (it sees the machine's own packages, e.g. a GPU
 # machine's torch and Triton); paths in args are relative to the folder you run it from.
 set -euo pipefail
@@ -41,6 +42,10 @@ case "$cmd" in
   test)
     # the whole suite, by default in one test process per core (pytest-xdist; an idle process takes
     # tests queued for a busy one: the slow ones do not end the run alone), naming its slowest tests
-    if [ $# -eq 0 ]; then set -- -n "$(nproc 2>/dev/null || echo 1)" --dist worksteal --durations=20 "$here/tests"; fi
+    if [ $# -eq 0 ]; then set -- -n "$(nproc 2>/dev/null || echo 1)" --dist worksteal --durations=20; fi
+    # no test path among the args (options only, e.g. -x or -k name): codetta's tests, from any folder
+    names_a_path=0
+    for arg in "$@"; do case "$arg" in -*) ;; *) if [ -e "${arg%%::*}" ]; then names_a_path=1; fi ;; esac; done
+    if [ "$names_a_path" -eq 0 ]; then set -- "$@" "$here/tests"; fi
     exec "$py" -m pytest -q --rootdir "$here" -c "$here/pyproject.toml" "$@" ;;
 esac

@@ -62,6 +62,23 @@ def test_run_sh_says_its_usage_before_any_setup(args, code, tmp_path):
     assert "usage: ./run.sh demo" in result.stdout + result.stderr
 
 
+@pytest.mark.skipif(not (ROOT / ".venv" / "bin" / "python").exists(), reason="run.sh's environment is not set up")
+def test_run_sh_test_with_options_only_runs_codettas_tests_from_any_folder(tmp_path):
+    """`run.sh test -k name` from another folder collects codetta's tests, not that folder's;
+    a path given is taken as given."""
+    (tmp_path / "test_stray.py").write_text("def test_stray():\n    pass\n")
+
+    def collected(*args):
+        result = subprocess.run(["bash", str(ROOT / "run.sh"), "test", "--collect-only", "-p", "no:cacheprovider",
+                                 *args], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        return result.returncode, result.stdout
+
+    code, out = collected("-k", "test_the_readme_has_examples")
+    assert code == 0 and "test_readme.py" in out and "test_stray" not in out, out
+    code, out = collected("test_stray.py")
+    assert code == 0 and "test_stray" in out and "test_readme" not in out, out
+
+
 def test_triton_interpret_read_as_triton_reads_it():
     code = "from codetta.interpreter import interpreting; print(interpreting())"
     for value, expected in (("true", "True"), ("on", "True"), ("1", "True"), ("0", "False")):
