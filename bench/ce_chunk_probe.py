@@ -1,7 +1,7 @@
 """Probe: the fused linear cross-entropy's time and peak memory against its chunk size, with the
 output weight trained (full fine-tuning) and frozen (LoRA, a tied embedding not trained).
 
-    python bench/ce_chunk_probe.py [--rows 8192] [--vocab 128256] [--d 2048,4096]
+    python bench/ce_chunk_probe.py [--rows 8192] [--vocab 128256] [--d 2048,4096] [--chunks 1024,2048,4096,8192]
 
 Per (d, weight trained or frozen, chunk rows): the median time of forward + backward of
 ``codetta.ops.linear_cross_entropy`` (bf16, final RMSNorm in the op, "mean"), and the peak
@@ -23,9 +23,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import markdown_table, median_ms, require_gpu, write_results  # noqa: E402
-
-CHUNKS = (1024, 2048, 4096, 8192)
-
 
 def peak_and_ms(loss_fn, inputs) -> tuple[float, float]:
     """(peak GiB allocated above ``inputs`` by one forward + backward, its median ms)."""
@@ -53,6 +50,8 @@ def main():
     parser.add_argument("--rows", type=int, default=8192)
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--d", default="2048,4096")
+    parser.add_argument("--chunks", default="1024,2048,4096,8192",
+                        help="the chunk sizes (rows) to time, besides the default")
     args = parser.parse_args()
     try:
         from liger_kernel.transformers import functional as lk
@@ -68,7 +67,7 @@ def main():
             w = (torch.randn(args.vocab, d, device="cuda") / d ** 0.5).to(torch.bfloat16).requires_grad_(trained)
             inputs = (x, g, w) if trained else (x, g)
             default = default_chunk_size(args.vocab, torch.bfloat16, rows=args.rows, d=d, weight_grad=trained)
-            for chunk in sorted({*CHUNKS, default}):
+            for chunk in sorted({*map(int, args.chunks.split(",")), default}):
                 peak, ms = peak_and_ms(lambda: codetta.ops.linear_cross_entropy(
                     x, w, target, norm_weight=g, chunk_size=chunk), inputs)
                 rows_out.append({"d": d, "weight": "trained" if trained else "frozen",

@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import RESULTS, environment, require_gpu  # noqa: E402
-from train_bench import VARIANTS, step_arguments, training_setup  # noqa: E402
+from train_bench import VARIANTS, step_arguments, warmed_up_step  # noqa: E402
 
 SPIN_CYCLES = 4_000_000_000  # ~2 s at the H200's clock: longer than a step's host time
 
@@ -45,15 +45,7 @@ def main():
     parser.add_argument("--top", type=int, default=45)
     args = parser.parse_args()
     require_gpu("bench/host_profile.py")
-    model, opt, ids = training_setup(args.variant, args)
-
-    def step():
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for _ in range(args.warmup):
-        step()
+    step = warmed_up_step(args.variant, args)
     profiler, host_s = cProfile.Profile(), []
     before = torch.cuda.memory_stats()
     for _ in range(args.steps):

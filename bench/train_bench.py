@@ -72,6 +72,21 @@ def training_setup(variant: str, args):
     return model, opt, ids
 
 
+def warmed_up_step(variant: str, args):
+    """A function that runs one training step (forward, backward, AdamW) of the model of
+    :func:`training_setup`, after ``args.warmup`` such steps (tuning, allocator warm-up)."""
+    model, opt, ids = training_setup(variant, args)
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(args.warmup):
+        step()
+    return step
+
+
 def step_arguments(parser, *, steps: int, warmup: int = 3):
     """The shape and length of the runs: --seq, --batch, --steps, --warmup."""
     parser.add_argument("--seq", type=int, default=4096)

@@ -145,7 +145,9 @@ def default_chunk_size(vocab: int, dtype: torch.dtype = torch.bfloat16, *, rows:
     accumulator to read and write per chunk, and smaller chunks cost no time: 8192 rows at
     V = 128256, d = 2048 took 14.4 ms forward and backward in chunks of 2048 rows (0.54 GiB),
     14.5 ms in 4096 (1.05 GiB), 15.4 ms in one (2.07 GiB) on the H200
-    (bench/results/ce_chunk_probe_h200.log).
+    (bench/results/ce_chunk_probe_h200.log). Smaller chunks do cost time: 1024 rows took 15.6
+    ms against 2048's 14.5 on an H100, and saved a LoRA step's peak 84 MiB only, its peak then
+    elsewhere (bench/results/lora_ce_chunk_h100.log).
     """
     budget = _CHUNK_BYTES if weight_grad else _CHUNK_BYTES // 2
     chunk = max(1, budget // (dtype.itemsize * vocab))
