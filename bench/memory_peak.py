@@ -1,14 +1,15 @@
 """What is allocated at a training step's peak, by where it was allocated: one variant of
 bench/train_bench.py's step (full or LoRA fine-tuning), CUDA's allocator history replayed.
 
-    python bench/memory_peak.py --variant hf_codetta [--lora q_proj,v_proj] [--rows 25]
+    python bench/memory_peak.py --variant hf_codetta [--lora q_proj,v_proj] [--rows 25] [--phase backward]
 
 After the warmup steps, one step runs with torch.cuda.memory's history on. Replaying its
 allocations and frees finds the moment the allocated bytes peak; the blocks live then are
 grouped by the innermost Python frame of the model's code that allocated them (codetta,
 transformers, peft, liger_kernel, torch.nn/autograd, else the innermost frame), and the
 largest groups printed with their bytes (MiB). Run it for two variants to see where their peaks
-differ.
+differ. With ``--phase backward`` the history starts after the forward: the backward's peak, the
+forward's activations among the bytes allocated before it.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def where(frames: list[dict]) -> str:
 
 
 def live_at_peak(trace: list[dict], start_bytes: int) -> tuple[int, dict]:
-    """(peak bytes, {address: (size, frames)} of the blocks live at the peak), replaying the
-    history's allocs and frees on top of ``start_bytes`` allocated before it began."""
+    """(peak bytes, {address: (size, frames)} of the blocks allocated in the history and live at
+    the peak), replaying its allocs and frees on top of ``start_bytes`` allocated before it began."""
     live, total, peak, at_peak = {}, start_bytes, start_bytes, {}
     for event in trace:
         if event["action"] == "alloc":
@@ -48,8 +49,8 @@ def live_at_peak(trace: list[dict], start_bytes: int) -> tuple[int, dict]:
             total += event["size"]
             if total > peak:
                 peak, at_peak = total, dict(live)
-        elif event["action"] == "free_completed" and event["addr"] in live:
-            total -= live.pop(event["addr"])[0]
+        elif event["action"] == "free_completed":  # a block of the history's, or one allocated before it
+            total -= live.pop(event["addr"])[0] if event["addr"] in live else event["size"]
     return peak, at_peak
 
 
@@ -58,14 +59,26 @@ def main():
     step_arguments(parser, steps=1)
     parser.add_argument("--variant", choices=VARIANTS, default="hf_codetta")
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--phase", choices=("step", "backward"), default="step",
+                        help="the peak of the whole step, or of its backward and optimizer step only")
     args = parser.parse_args()
     require_gpu("memory_peak")
     step = warmed_up_step(args.variant, args)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
-    step()
+    before = 0
+
+    def record():
+        nonlocal before
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+
+    if args.phase == "step":
+        record()
+        step()
+    else:  # the backward and the optimizer step only: the forward's activations counted in `before`
+        step(after_forward=record)
     torch.cuda.synchronize()
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
@@ -75,9 +88,10 @@ def main():
         groups[where(frames)][0] += size
         groups[where(frames)][1] += 1
     mib = 2**20
-    print(f"{args.variant} lora={args.lora or '-'}: before the step {before / mib:.0f} MiB allocated, replayed "
+    print(f"{args.variant} lora={args.lora or '-'}: before the {args.phase} {before / mib:.0f} MiB allocated, replayed "
           f"peak {peak / mib:.0f} MiB (max_memory_allocated {torch.cuda.max_memory_allocated() / mib:.0f}), "
-          f"{sum(s for s, _ in blocks.values()) / mib:.0f} MiB in {len(blocks)} blocks allocated during the step")
+          f"{sum(s for s, _ in blocks.values()) / mib:.0f} MiB in {len(blocks)} blocks allocated during the "
+          f"{args.phase}")
     for name, (size, count) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:args.rows]:
         print(f"{size / mib:9.1f} MiB {count:5d} blocks  {name}")
 

@@ -74,11 +74,15 @@ def training_setup(variant: str, args):
 
 def warmed_up_step(variant: str, args):
     """A function that runs one training step (forward, backward, AdamW) of the model of
-    :func:`training_setup`, after ``args.warmup`` such steps (tuning, allocator warm-up)."""
+    :func:`training_setup`, after ``args.warmup`` such steps (tuning, allocator warm-up);
+    its argument ``after_forward``, if given, is called between forward and backward."""
     model, opt, ids = training_setup(variant, args)
 
-    def step():
-        model(input_ids=ids, labels=ids).loss.backward()
+    def step(after_forward=None):
+        loss = model(input_ids=ids, labels=ids).loss
+        if after_forward is not None:
+            after_forward()
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
