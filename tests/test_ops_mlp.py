@@ -150,6 +150,32 @@ def test_keeps_z_not_y():
     assert shapes == sorted([(m, d), (d,), (f, d), (f, d), (d, f), (m, 2 * f), (m,)])
 
 
+@pytest.mark.parametrize("frozen", ["w_down", "w_gate", None])
+def test_y_recomputed_only_for_the_down_weights_gradient(monkeypatch, frozen):
+    """The backward kernel writes y = silu(z_g) z_u (an [M, F] tensor) only when W_d needs its
+    gradient dW_d = dx2^T y: with W_d frozen (LoRA elsewhere) there is no y; the gradients
+    asked for are the fp64 math's either way."""
+    y_outs, swiglu_backward = [], mlp_module.swiglu_backward
+
+    def recording_kernel(dy, z, **kwargs):
+        y_outs.append(kwargs.get("y_out"))
+        return swiglu_backward(dy, z, **kwargs)
+
+    monkeypatch.setattr(mlp_module, "swiglu_backward", recording_kernel)
+    tensors = inputs((13, 16), 24)
+    wanted = [name != frozen for name in ("x", "g", "w_gate", "w_up", "w_down")]
+    leaves = [[t.to(dtype).detach().requires_grad_(w) for t, w in zip(tensors, wanted)]
+              for dtype in (torch.float32, torch.float64)]
+    dy = torch.randn(13, 16, device=DEVICE)
+    swiglu_mlp(*leaves[0], eps=EPS).backward(dy)
+    unfused(*leaves[1]).backward(dy.double())
+    assert (y_outs[0] is None) == (frozen == "w_down")
+    for got, ref in zip(*leaves):
+        assert (got.grad is None) == (ref.grad is None)
+        if ref.grad is not None:
+            assert rel(got.grad, ref.grad) < 2e-5
+
+
 def test_next_norm_statistics_and_producer_stats():
     """Fed by a producer's statistics, handing the next norm's (u2 = x2 g', rstd2) on."""
     m, k, d, f = 21, 16, 32, 24

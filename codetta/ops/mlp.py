@@ -15,7 +15,8 @@ Backward, given dx2, in three GEMMs and their weight gradients:
 
 1. dy = dx2 W_d (a plain GEMM), then dz = [dz_g | dz_u] and zdz_i = sum_k z_ik dz_ik from
    the SwiGLU-backward kernel of :mod:`codetta.kernels.swiglu`, which also recomputes
-   y = act(z_g) * z_u from the z it reads; dW_d = dx2^T y; db_d = sum over rows of dx2,
+   y = act(z_g) * z_u from the z it reads where W_d needs its gradient (not for a frozen
+   W_d: one [M, F] tensor less at the backward's peak); dW_d = dx2^T y; db_d = sum over rows of dx2,
    [db_g | db_u] = sum over rows of dz.
    Running the SwiGLU backward in the dgrad's epilogue instead (z_g, z_u read as aux tiles,
    dz stored from the tile) saves one [M, F] write and read of dy, but on the H200 it was
@@ -85,9 +86,10 @@ def swiglu_mlp_backward(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, b_ga
     into = list(dweights_into) or [None] * 3
     f, d = w_gate.shape
     dx2_2 = rows(scaled(dx2, branch_scale)).to(w_down.dtype).contiguous()  # the branch's gradient as the GEMMs' operand
-    y = z.new_empty(z.shape[0], f)
+    frozen_down = into[2] is not None and into[2].numel() == 0  # no dW_d: y, its operand, is not recomputed
+    y = None if frozen_down else z.new_empty(z.shape[0], f)
     dz, zdz = swiglu_backward(gemm(dx2_2, _weight_k([w_down])), z, activation=activation, y_out=y)
-    dw_down = weight_grad(dx2_2, y, into[2])
+    dw_down = dx2_2.new_empty(0) if frozen_down else weight_grad(dx2_2, y, into[2])
     if b_gate is not None or b_up is not None:
         zdz = None  # z holds z + b: the row term from dL/dh (codetta.ops.rmsnorm)
     dx, dg, dws_gate_up = rmsnorm_linear_backward(dz, zdz, x, norm_weight, [w_gate, w_up], rstd, into[:2],
