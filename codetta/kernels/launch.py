@@ -30,6 +30,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def with_contiguous_columns(t: torch.Tensor) -> torch.Tensor:
+    """t itself where its last dim is contiguous (the row kernels take any row stride), else a
+    contiguous copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def next_power_of_2(n: int) -> int:
     """The least power of two >= n (n >= 1), in plain Python for the reason of :func:`cdiv`."""
     return 1 << (n - 1).bit_length()

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from ..interpreter import interpreting
 from ..matmul.mainloop import cast
-from .launch import cdiv, launch
+from .launch import cdiv, launch, with_contiguous_columns
 
 GPU_BLOCK = (8, 512, 4)  # (rows, columns per step, warps)
 # the backward holds more values per element: half the tile (sm_90, local Triton 3.9: 109
@@ -143,8 +143,7 @@ def _rstd_of_no_columns(m: int, device) -> Tensor:
 
 def _rows(x: Tensor) -> Tensor:
     """x [..., d] as [M, d] with contiguous columns (M the product of the leading dims, also for d = 0)."""
-    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+    return with_contiguous_columns(x.reshape(math.prod(x.shape[:-1]), x.shape[-1]))
 
 
 def _block(gpu_block=GPU_BLOCK):

@@ -47,7 +47,7 @@ from ..interpreter import interpreting
 from ..matmul.mainloop import cast, times_gradient
 from ..ops.activations import check_activation
 from .finish import row_sum
-from .launch import cdiv, launch
+from .launch import cdiv, launch, with_contiguous_columns
 
 # [rows, columns of F] per program and warps: on a GPU 2K elements of each tile per program,
 # 8 per thread (sm_90, local Triton 3.9: 64 registers, 80 with y; 32 x 256 took 255 and
@@ -123,10 +123,6 @@ def _swiglu_backward_kernel(
         tl.store(part_ptr + rows.to(tl.int64) * part_s0 + pid_f, part, mask=row_ok)
 
 
-def _rows_contiguous(t: Tensor) -> Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _check_out(name: str, t: Optional[Tensor], like: Tensor, shape: tuple[int, int]) -> None:
     """A given output: [shape] in like's dtype, on its device, with contiguous columns."""
     if t is not None and (t.shape != shape or t.dtype != like.dtype or t.device != like.device or t.stride(-1) != 1):
@@ -156,7 +152,7 @@ def gated_activation(gate: Tensor, up: Tensor, *, activation: str = "silu", out:
     if m == 0 or f == 0:
         return out
     grid, bm, bf, warps = _grid_and_block(m, f, block)
-    gate, up = _rows_contiguous(gate), _rows_contiguous(up)
+    gate, up = with_contiguous_columns(gate), with_contiguous_columns(up)
     launch(_gated_activation_kernel, grid, gate, up, out, m, f, gate.stride(0), up.stride(0), out.stride(0),
            BM=bm, BF=bf, ACTIVATION=check_activation(activation), EMULATE_RNE=interpreting(), num_warps=warps)
     return out
@@ -186,7 +182,7 @@ def gated_activation_backward(dy: Tensor, gate: Tensor, up: Tensor, *, activatio
     if m == 0 or f == 0:
         return dgate, dup, torch.zeros(m, device=gate.device, dtype=torch.float32) if row_dot else None
     grid, bm, bf, warps = _grid_and_block(m, f, block)
-    dy, gate, up = (_rows_contiguous(t) for t in (dy, gate, up))
+    dy, gate, up = (with_contiguous_columns(t) for t in (dy, gate, up))
     part = torch.empty(m, grid[1], device=gate.device, dtype=torch.float32) if row_dot else dgate  # dgate: unused
     y = dgate if y_out is None else y_out  # not written without y_out
     launch(_swiglu_backward_kernel, grid,

@@ -5,10 +5,9 @@ A call goes through ``call`` (checked), ``path`` (TMA or pointers), ``tuning`` (
 ``launch`` holds ``gemm`` and ``explain``.
 """
 
-from ..interpreter import interpreting
 from .call import KERNEL_DTYPES, GemmError, check_device, interleave
 from .config import Config
 from .launch import explain, gemm, large_interpreter_tiles
 
-__all__ = ["Config", "GemmError", "KERNEL_DTYPES", "check_device", "explain", "gemm", "interleave", "interpreting",
+__all__ = ["Config", "GemmError", "KERNEL_DTYPES", "check_device", "explain", "gemm", "interleave",
            "large_interpreter_tiles"]

@@ -579,11 +579,11 @@ def scaled(grad: Tensor, branch_scale: float) -> Tensor:
 
 def rmsnorm_linear_reference(x, norm_weight, weight, eps=1e-6):
     """:func:`rmsnorm_linear` unfused: F.rms_norm, then F.linear against the weights concatenated."""
-    w = torch.cat(_as_list(weight)) if isinstance(weight, (list, tuple)) else weight
+    w = torch.cat(_as_list(weight))
     return torch.nn.functional.linear(torch.nn.functional.rms_norm(x, (x.shape[-1],), norm_weight, eps), w)
 
 
 def linear_residual_reference(a, weight, residual, bias=None, branch_scale=1.0):
     """The x of :func:`linear_residual` unfused: branch_scale * F.linear(a, W, bias) + residual."""
-    w = torch.cat(_as_list(weight)) if isinstance(weight, (list, tuple)) else weight
+    w = torch.cat(_as_list(weight))
     return branch_scale * torch.nn.functional.linear(a, w, bias) + residual
