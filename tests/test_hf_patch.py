@@ -6,7 +6,9 @@ the patched model relies on: generate(), gradient checkpointing, padding masks, 
 state_dict, unpatch, and clear errors for what is not supported.
 """
 
+import contextlib
 import copy
+import functools
 import gc
 import importlib
 import inspect
@@ -137,6 +139,24 @@ def assert_same_training_step(ref, model, tol=2e-5, **batch):
     for name, g in grads_ref.items():
         err = ((grads[name] - g).norm() / g.norm().clamp_min(1e-12)).item()
         assert err < tol * 10, f"{name}: {err}"
+
+
+@contextlib.contextmanager
+def calls_of(function):
+    """The ``self`` of each call of ``function`` (a method; by its code, so the class is left as
+    transformers defines it: a replaced class forward would make codetta run it) in this thread."""
+    code, selves = inspect.unwrap(function).__code__, []
+
+    def profile(frame, event, _):
+        if event == "call" and frame.f_code is code:
+            selves.append(frame.f_locals["self"])
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        yield selves
+    finally:
+        sys.setprofile(previous)
 
 
 @pytest.mark.parametrize("key", sorted(MODELS))
@@ -283,11 +303,10 @@ def test_patched_in_fp32_on_the_cpu_then_cast_to_bf16_and_moved(monkeypatch):
     ref = tiny(name, **overrides)
     model = codetta.patch(copy.deepcopy(ref).cpu()).to(DEVICE, torch.bfloat16)
     assert_bf16_within_twice_the_unpatched_error(ref, model)
-    norm_cls, calls = type(model.model.layers[0].self_attn.q_norm), []
-    norm_forward = norm_cls.forward
-    monkeypatch.setattr(norm_cls, "forward", lambda self, x: calls.append(self) or norm_forward(self, x))
     ids = torch.randint(0, VOCAB, (2, 7), device=DEVICE)
-    model(input_ids=ids, labels=ids).loss.backward()
+    with calls_of(type(model.model.layers[0].self_attn.q_norm).forward) as calls:
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
     qk_norms = [n for layer in model.model.layers for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)]
     assert not any(c is n for c in calls for n in qk_norms)
 
@@ -307,11 +326,9 @@ def test_qwen3_qk_norm_fused_into_the_qkv_epilogue(bias, rope, monkeypatch):
     assert model._codetta_patched["rope"] == rope
     ids = torch.randint(0, VOCAB, (2, 11), device=DEVICE)
     assert_same_training_step(ref, model, input_ids=ids, labels=ids)
-    # counted on the class: a hook on the modules would make the layers run unfused
-    norm_cls, calls = type(model.model.layers[0].self_attn.q_norm), []
-    norm_forward = norm_cls.forward
-    monkeypatch.setattr(norm_cls, "forward", lambda self, x: calls.append(self) or norm_forward(self, x))
-    model(input_ids=ids, labels=ids)
+    # counted by the forward's code: a hook on the modules would make the layers run unfused
+    with calls_of(type(model.model.layers[0].self_attn.q_norm).forward) as calls:
+        model(input_ids=ids, labels=ids)
     qk_norms = [n for layer in model.model.layers for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)]
     assert not any(c is n for c in calls for n in qk_norms)
     assert all(layer.self_attn.q_norm.weight.grad is not None and layer.self_attn.k_norm.weight.grad is not None
@@ -1673,6 +1690,71 @@ def test_a_replaced_mlp_activation_runs_in_the_epilogue_or_as_itself(activation,
     assert [p.activation for p in plans] == [fused_as, "silu"] and all(p.unfusable is None for p in plans)
 
 
+def _doubled(forward):
+    """A class forward replaced by another library's or the user's (functools.wraps keeps its name)."""
+    @functools.wraps(forward)
+    def doubled(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        return (2 * out[0], *out[1:]) if isinstance(out, tuple) else 2 * out
+    return doubled
+
+
+@pytest.mark.parametrize("role", ["RMSNorm", "MLP", "Attention", "DecoderLayer", "rebound RMSNorm"])
+def test_a_class_replaced_before_patching_is_refused(role, monkeypatch):
+    """A forward set on the model's class (as Liger-Kernel and Unsloth set theirs), or another class
+    bound under the modeling module's name before the model was built, computes what the fused
+    forward would not: patching refuses, naming it, and changes nothing."""
+    from transformers.models.llama import modeling_llama
+
+    if role == "rebound RMSNorm":
+        class CenteredNorm(modeling_llama.LlamaRMSNorm):
+            def forward(self, x):
+                return super().forward(x - x.mean(-1, keepdim=True))
+        monkeypatch.setattr(modeling_llama, "LlamaRMSNorm", CenteredNorm)
+    else:
+        cls = getattr(modeling_llama, "Llama" + role)
+        monkeypatch.setattr(cls, "forward", _doubled(cls.forward))
+    model = tiny("LlamaForCausalLM")
+    with pytest.raises(codetta.UnsupportedModelError, match="LlamaRMSNorm or its forward is not transformers' own"
+                       if role.endswith("RMSNorm") else f"Llama{role} or its forward is not transformers' own"):
+        codetta.patch(model)
+    assert not any(hasattr(layer, "_codetta_plan") for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("role", ["RMSNorm", "MLP", "Attention", "DecoderLayer"])
+def test_a_class_forward_replaced_after_patching_runs(role, monkeypatch):
+    """A forward set on the model's class after patching (and a fused step) runs where the model
+    would run it: the layers it touches run unfused, warned; the training step equals the unpatched
+    model's with the same forward."""
+    from transformers.models.llama import modeling_llama
+
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    ref = tiny("LlamaForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    loss_and_grads(model, input_ids=ids, labels=ids)
+    cls = getattr(modeling_llama, "Llama" + role)
+    monkeypatch.setattr(cls, "forward", _doubled(cls.forward))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    assert any("codetta" in str(w.message) and "transformers" in str(w.message) for w in seen)
+
+
+def test_an_activation_changed_in_place_after_a_fused_step():
+    """GELU's approximate set on the module after a fused step: the epilogue computes the new one."""
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    ref = tiny("LlamaForCausalLM")
+    with torch.no_grad():  # gate pre-activations of several units, where the two GELUs differ
+        ref.model.layers[0].mlp.gate_proj.weight.mul_(40)
+    ref.model.layers[0].mlp.act_fn = torch.nn.GELU()
+    model = codetta.patch(copy.deepcopy(ref))
+    loss_and_grads(model, input_ids=ids, labels=ids)
+    for m in (ref, model):
+        m.model.layers[0].mlp.act_fn.approximate = "tanh"
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    assert model.model.layers[0]._codetta_plan.activation == "gelu_tanh"
+
+
 def _with_bias(linear):
     new = torch.nn.Linear(linear.in_features, linear.out_features, bias=True, device=linear.weight.device)
     with torch.no_grad():
@@ -1813,15 +1895,14 @@ def test_the_final_norm_runs_as_codettas_row_kernel(key, monkeypatch):
     ref = tiny(name, num_hidden_layers=1, **overrides)
     model = codetta.patch(copy.deepcopy(ref))
     kernels = count_calls(monkeypatch, "codetta.integrations.hf.layer.rms_norm")
-    norm_class, own = type(model.model.norm), []
-    monkeypatch.setattr(norm_class, "forward", lambda norm, x, forward=norm_class.forward: (
-        own.append(1) if norm is model.model.norm else None, forward(norm, x))[1])
     ids = torch.randint(0, VOCAB, (2, 7), device=DEVICE)
-    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
-    model.eval(), ref.eval()
-    with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
-    assert len(kernels) == 2 and own == []  # the training step and the evaluation
+    with calls_of(type(model.model.norm).forward) as calls:
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+        model.eval(), ref.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    assert len(kernels) == 2  # the training step and the evaluation
+    assert any(norm is ref.model.norm for norm in calls) and not any(norm is model.model.norm for norm in calls)
     for m in (model, ref):
         m.model.norm.register_forward_hook(_scale_output)
     with torch.no_grad():

@@ -31,6 +31,8 @@ that GEMM and the down projection.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import sys
 from dataclasses import dataclass
 from types import ModuleType
@@ -304,18 +306,52 @@ def decoder_of(model):
 
 @dataclass(frozen=True)
 class ModelClasses:
-    """A model's own transformers classes, whose forwards the fused forward computes."""
+    """A model's own transformers classes, whose forwards the fused forward computes, and those
+    forwards as they were when the model was patched (checked to be transformers' own then)."""
 
     layer: type
     attention: type
     mlp: type | None  # the dense MLP (None in a family of experts only: Mixtral)
     rms_norm: type
     rotary: type  # the rotary embedding (inv_freq, attention_scaling)
+    patched_forwards: tuple = ()
+
+    def computes_as(self, module, cls) -> bool:
+        """Whether ``module`` computes as ``cls`` (one of these classes) as transformers defines it:
+        its class's forward is cls's, still the one checked at patch time (a forward set on the
+        class since then is left to run)."""
+        return cls is not None and type(module).forward is cls.forward and cls.forward in self.patched_forwards
 
     @property
     def modeling(self) -> ModuleType:
         """The transformers module that defines them (attention functions, apply_rotary_pos_emb)."""
         return sys.modules[self.layer.__module__]
+
+
+def _package_dir(name: str) -> str | None:
+    """The folder of the installed package ``name`` (with a trailing separator), None if there is none."""
+    spec = importlib.util.find_spec(name)
+    return None if spec is None or not spec.submodule_search_locations else \
+        os.path.join(list(spec.submodule_search_locations)[0], "")
+
+
+_TRANSFORMERS_DIR = _package_dir("transformers")
+# transformers' forwards may be wrapped by its own decorators and by those of the hub-kernels
+# library it uses (`kernels`: use_kernel_forward_from_hub), which compute the same function
+_WRAPPER_DIRS = tuple(d for d in (_TRANSFORMERS_DIR, _package_dir("kernels")) if d is not None)
+
+
+def transformers_own(forward) -> bool:
+    """Whether ``forward`` is transformers' code (defined there, wrapped only by transformers'
+    decorators), not a replacement: a class's forward set by another library (as Liger-Kernel
+    and Unsloth do) or by the user, whose computation the fused forward would silently skip."""
+    innermost = forward
+    while forward is not None:
+        code = getattr(forward, "__code__", None)
+        if code is None or not code.co_filename.startswith(_WRAPPER_DIRS):
+            return False
+        innermost, forward = forward, getattr(forward, "__wrapped__", None)
+    return innermost.__code__.co_filename.startswith(_TRANSFORMERS_DIR)
 
 
 def model_classes(model) -> ModelClasses:
@@ -331,7 +367,17 @@ def model_classes(model) -> ModelClasses:
     if missing:
         raise UnsupportedModelError(f"{type(model).__name__} is not defined beside {missing} (a transformers "
                                     "modeling module). Nothing was patched.")
-    return ModelClasses(*found.values())
+    for name, cls in found.items():
+        if cls is not None and not (cls.__module__.startswith("transformers.") and transformers_own(cls.forward)):
+            where = getattr(getattr(cls.forward, "__code__", None), "co_filename", repr(cls.forward)) \
+                if cls.__module__.startswith("transformers.") else f"module {cls.__module__}"
+            raise UnsupportedModelError(
+                f"{modeling.__name__}.{name} or its forward is not transformers' own (it comes from {where}): "
+                "another library (Liger-Kernel, Unsloth) or your code replaced it, and the fused forward would "
+                "compute transformers' math in its place. Patch a model with transformers' own classes. Nothing "
+                "was patched.")
+    return ModelClasses(*found.values(),
+                        patched_forwards=tuple(cls.forward for cls in found.values() if cls is not None))
 
 
 _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
@@ -344,7 +390,7 @@ def mlp_is_fused(layer, arch: Architecture, classes: ModelClasses) -> bool:
     :func:`why_unfusable`); in a family with a mixture of experts, where the MLP is the family's
     dense one (Qwen2-MoE's ``mlp_only_layers``, Ernie 4.5 MoE's first layers); any other MLP
     runs as its own module."""
-    return not arch.moe or (classes.mlp is not None and type(layer.mlp).forward is classes.mlp.forward)
+    return not arch.moe or classes.computes_as(layer.mlp, classes.mlp)
 
 
 def _fused_paths(layer, arch: Architecture, classes: ModelClasses) -> tuple:
@@ -488,8 +534,9 @@ def why_unfusable(modules: dict, arch: Architecture, classes: ModelClasses):
                 return f"{path} is a {type(module).__name__}, not torch.nn.Dropout"
         else:
             cls = own.get(path, classes.rms_norm)
-            if type(module).forward is not cls.forward:
-                return f"{path} is a {type(module).__name__} whose forward is not {cls.__name__}'s"
+            if not classes.computes_as(module, cls):
+                return (f"{path} is a {type(module).__name__} whose forward is not {cls.__name__}'s as transformers "
+                        "defines it")
     return None
 
 
@@ -559,7 +606,7 @@ def _need(obj, path, what):
 def is_models_norm(module, classes: ModelClasses) -> bool:
     """Whether ``module`` computes as the model's RMSNorm class (whose weight and epsilon the fused
     forward reads in its place)."""
-    return type(module).forward is classes.rms_norm.forward
+    return classes.computes_as(module, classes.rms_norm)
 
 
 def _has_models_norm(owner, path: str, classes: ModelClasses) -> bool:
@@ -588,7 +635,7 @@ def check_model(model, arch: Architecture, classes: ModelClasses):
         if inv_freq.dim() != 1:
             raise UnsupportedModelError(
                 f"rotary inv_freq of shape {tuple(inv_freq.shape)} is not supported (e.g. mrope)")
-        if type(layer).forward is not classes.layer.forward:
+        if not classes.computes_as(layer, classes.layer):
             raise UnsupportedModelError(f"{what} has a forward of its own (not {classes.layer.__name__}'s), which the "
                                         "fused forward would replace; a wrapper of the layer (activation checkpointing, "
                                         "FSDP) is added after patching. Nothing was patched.")
@@ -631,7 +678,7 @@ def check_model(model, arch: Architecture, classes: ModelClasses):
 def why_rotary_unfusable(rotary, classes: ModelClasses):
     """None when the fused RoPE computes what the model's rotary embedding module does (its
     class's forward, from inv_freq and attention_scaling, no hooks), else why not."""
-    if type(rotary).forward is not classes.rotary.forward:
+    if not classes.computes_as(rotary, classes.rotary):
         return f"rotary_emb is a {type(rotary).__name__} whose forward is not {classes.rotary.__name__}'s"
     if is_hooked(rotary):
         return "rotary_emb has hooks or its own forward"

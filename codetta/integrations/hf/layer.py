@@ -231,7 +231,7 @@ def _rope_arguments(plan: LayerPlan, x, attn, position_ids, position_embeddings)
     base = plan.base_model.get()  # None for a layer copied by itself: its model's copy is gone
     rotary = base.rotary_emb if base is not None else None
     if position_embeddings is not None:
-        if rotary is not None and type(rotary).forward is not plan.classes.rotary.forward:
+        if rotary is not None and not plan.classes.computes_as(rotary, plan.classes.rotary):
             return None, f"rotary_emb is a {type(rotary).__name__} whose forward is not {plan.classes.rotary.__name__}'s"
         rope = dict(cos_sin=tuple(position_embeddings))
         if rotary is not None and is_hooked(rotary) and not _halves_equal(*position_embeddings):
@@ -385,18 +385,23 @@ def check_modules(layer, plan: LayerPlan) -> dict:
     forward (torch.compile) does not set them, which would make its graph's guards fail at the
     next call."""
     modules = fused_modules(layer, plan.arch, plan.classes)
-    # a module replaced, or a class swapped in place (module.__class__ = ...)
-    seen = (tuple(modules.items()), tuple(map(type, modules.values())))
+    act = modules.get(plan.arch.activation)
+    activation = None if act is None else gate_activation(act)
+    # a module replaced, a class swapped in place (module.__class__ = ...) or its forward replaced (the
+    # layer's too), an activation changed in place (GELU's approximate)
+    seen = (tuple(modules.items()), tuple(map(type, modules.values())),
+            tuple(type(module).forward for module in modules.values()), type(layer).forward, activation)
     if seen == plan.modules:
         return modules
-    plan.modules, plan.mlp_fused = seen, mlp_is_fused(layer, plan.arch, plan.classes)
+    plan.modules, plan.mlp_fused, plan.activation = seen, mlp_is_fused(layer, plan.arch, plan.classes), activation
     whys = {half: why_unfusable(part, plan.arch, plan.classes) for half, part in halves(modules).items()}
     unreadable = {half: why for half, why in whys.items() if why is not None}
     one_half = len(unreadable) == 1 and halves_separate(plan.arch)
+    if not plan.classes.computes_as(layer, plan.classes.layer):  # its class's forward set after patching: it runs
+        unreadable = {BOTH: f"{type(layer).__name__}.forward is not transformers' own (replaced after patching)"}
+        one_half = False
     plan.unfused_half = next(iter(unreadable)) if one_half else None
     plan.unfusable = None if one_half else next(iter(unreadable.values()), None)
-    act = modules.get(plan.arch.activation)
-    plan.activation = None if act is None else gate_activation(act)
     if unreadable:
         (half, why), = list(unreadable.items())[:1]
         plan.to_warn = (_unfused_message(layer, {half} if one_half else BOTH, why),)
@@ -623,7 +628,7 @@ def _reads_qkv_weights(attn, plan: LayerPlan) -> bool:
     attention module, each projection a plain ``nn.Linear`` without hooks): the only reader of
     the input-norm statistics a previous layer hands on (called projections get the norm's
     output made whole, an attention of another class runs as its module)."""
-    return (type(attn).forward is plan.classes.attention.forward
+    return (plan.classes.computes_as(attn, plan.classes.attention)
             and all(map(reads_weight, plan.arch.qkv_projections(attn))))
 
 
