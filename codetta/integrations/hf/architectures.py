@@ -336,14 +336,15 @@ def _package_dir(name: str) -> str | None:
 
 
 _TRANSFORMERS_DIR = _package_dir("transformers")
-# transformers' forwards may be wrapped by its own decorators and by those of the hub-kernels
-# library it uses (`kernels`: use_kernel_forward_from_hub), which compute the same function
-_WRAPPER_DIRS = tuple(d for d in (_TRANSFORMERS_DIR, _package_dir("kernels")) if d is not None)
+# transformers' forwards may be wrapped by its own decorators, by torch's (@torch.no_grad() on the
+# rotary embeddings' forward in some releases) and by those of the hub-kernels library it uses
+# (`kernels`: use_kernel_forward_from_hub), which compute the same function
+_WRAPPER_DIRS = tuple(d for d in map(_package_dir, ("transformers", "torch", "kernels")) if d is not None)
 
 
 def transformers_own(forward) -> bool:
-    """Whether ``forward`` is transformers' code (defined there, wrapped only by transformers'
-    decorators), not a replacement: a class's forward set by another library (as Liger-Kernel
+    """Whether ``forward`` is transformers' code (defined there, wrapped only by the decorators of
+    transformers, torch and the hub-kernels library), not a replacement: a class's forward set by another library (as Liger-Kernel
     and Unsloth do) or by the user, whose computation the fused forward would silently skip."""
     innermost = forward
     while forward is not None:
