@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 import codetta.ops.mlp as mlp_module
 import codetta.ops.rmsnorm as rmsnorm_module
-from codetta.ops import linear_residual, swiglu_mlp
+import codetta.ops.swiglu as swiglu_module
+from codetta.ops import linear_residual, rmsnorm_swiglu, swiglu_mlp
 from conftest import DEVICE, INTERPRET
 
 EPS = 1e-5
@@ -174,6 +175,49 @@ def test_y_recomputed_only_for_the_down_weights_gradient(monkeypatch, frozen):
         assert (got.grad is None) == (ref.grad is None)
         if ref.grad is not None:
             assert rel(got.grad, ref.grad) < 2e-5
+
+
+def unfused_gated(x, g, wg, wu):
+    h = F.rms_norm(x, (x.shape[-1],), g, EPS)
+    return F.silu(F.linear(h, wg)) * F.linear(h, wu)
+
+
+@pytest.mark.parametrize("retain_graph", [False, True])
+@pytest.mark.parametrize("operator", ["swiglu_mlp", "rmsnorm_swiglu"])
+def test_dz_written_over_z_only_when_autograd_frees_it(monkeypatch, operator, retain_graph):
+    """Where autograd frees the saved tensors after the backward, the backward writes dz over the
+    saved z (no second [M, 2F] tensor) and the graph cannot be run again; with retain_graph=True
+    z is left alone, and a second backward gives the same gradients. Both are the fp64 math's."""
+    module = mlp_module if operator == "swiglu_mlp" else swiglu_module
+    written_over_z, kernel = [], module.swiglu_backward
+
+    def recording_kernel(dy, z, **kwargs):
+        out = kwargs.get("out")
+        written_over_z.append(out is not None and out.data_ptr() == z.data_ptr())
+        return kernel(dy, z, **kwargs)
+
+    monkeypatch.setattr(module, "swiglu_backward", recording_kernel)
+    m, d, f = 13, 16, 24
+    tensors = inputs((m, d), f)[:5 if operator == "swiglu_mlp" else 4]  # rmsnorm_swiglu: no W_d
+    fused, reference = ((lambda *t: swiglu_mlp(*t, eps=EPS), unfused) if operator == "swiglu_mlp"
+                        else (lambda *t: rmsnorm_swiglu(*t, eps=EPS), unfused_gated))
+    leaves = [t.detach().requires_grad_() for t in tensors]
+    leaves64 = [t.double().detach().requires_grad_() for t in tensors]
+    out = fused(*leaves)
+    dy = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dy, retain_graph=retain_graph)
+    expected = torch.autograd.grad(reference(*leaves64), leaves64, dy.double())
+    assert written_over_z == [not retain_graph]
+    for got, ref in zip(grads, expected):
+        assert rel(got, ref) < 2e-5
+    if not retain_graph:
+        with pytest.raises(RuntimeError, match="second time"):
+            torch.autograd.grad(out, leaves, dy)
+        return
+    again = torch.autograd.grad(out, leaves, dy)
+    assert written_over_z == [False, True]
+    for first, second in zip(grads, again):
+        assert torch.equal(first, second)
 
 
 def test_next_norm_statistics_and_producer_stats():

@@ -203,7 +203,8 @@ def swiglu_backward(dy: Tensor, z: Tensor, *, activation: str = "silu", out: Opt
         dy: [M, F]; z: [M, 2F] = [z_g | z_u] in the same dtype as dy. Any row strides.
         activation: act, one of :data:`codetta.ops.activations.GATE_ACTIVATIONS` (SiLU: SwiGLU).
         out: optional [M, 2F] tensor of z's dtype with contiguous columns to write dz into
-            (it may be a view of a larger tensor: nothing outside it is written).
+            (it may be a view of a larger tensor: nothing outside it is written), z itself
+            included: each element is read before it is written, by the same program.
         y_out: optional [M, F] tensor of z's dtype with contiguous columns: the pass also
             writes y = act(z_g) * z_u into it.
         block: optional (rows, columns, num_warps) per program; by default one that suits

@@ -95,6 +95,18 @@ def arguments_needing_grad(ctx) -> tuple:
     return ctx.needs_input_grad[2:] if getattr(ctx, "direct", None) is not None else ctx.needs_input_grad
 
 
+def saved_tensors_freed_after(ctx) -> bool:
+    """In an op's backward: whether this backward is the last reader of the tensors the op saved,
+    so that it may write over one it reads for the last time (a gradient over the activation
+    it came from) instead of allocating another of its size. True on the direct eager route
+    (:class:`DirectOp`) when autograd frees the saved tensors after this backward: not with
+    ``retain_graph=True`` (a second backward reads them again), not under torch.compile (whose
+    traced ops must not mutate their inputs undeclared), and not on a PyTorch that cannot say."""
+    keeps_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return getattr(ctx, "direct", None) is not None and keeps_graph is not None \
+        and not torch.compiler.is_compiling() and not keeps_graph()
+
+
 def _runs_directly(args) -> bool:
     """Not under torch.compile nor a torch.func transform (vmap, grad: its wrapped tensors look
     plain), and every tensor argument (also in lists) a plain Tensor or Parameter with data (on

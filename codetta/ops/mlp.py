@@ -33,7 +33,10 @@ Only z is kept from the forward, not y: [M, F] less memory per layer (2 GiB over
 layers of a Llama-3-1B step at 8192 tokens), for one more [M, F] write in the backward
 kernel. y recomputed from the stored z is eager PyTorch's y (its silu(gate) * up reads the
 stored projections); the forward's y, which feeds the down GEMM, comes from the unrounded
-accumulators, so in bf16 the two may differ by a rounding.
+accumulators, so in bf16 the two may differ by a rounding. dz is written over z, its last
+read, where autograd frees the saved tensors after the backward (not with ``retain_graph``,
+nor under torch.compile: :func:`codetta.ops.autograd.saved_tensors_freed_after`): one [M, 2F]
+tensor less at the backward's peak.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from ..kernels.swiglu import swiglu_backward
 from ..matmul import gemm
 from .activations import check_activation
 from .autocast import casts_under_autocast
-from .autograd import direct_op, only_first_output_differentiable
+from .autograd import direct_op, only_first_output_differentiable, saved_tensors_freed_after
 from .rmsnorm import (NormStats, _check_norm_inputs, _linear_residual_op, _weight_k, check_eps, finite_real,
                       given_stats, rmsnorm_linear_backward, rstd_like, scaled, used_rstd)
 from .swiglu import _rmsnorm_swiglu_op, bias_grad_sums, bias_grads, rmsnorm_swiglu_reference
@@ -78,17 +81,19 @@ def _(x, norm_weight, w_gate, w_up, w_down, eps, u, rstd, next_norm_weight, next
 
 
 def swiglu_mlp_backward(dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, b_gate=None, b_up=None, branch_scale=1.0,
-                        activation="silu", dweights_into=()):
+                        activation="silu", dweights_into=(), dz_over_z=False):
     """(dx, dnorm_weight, the weight gradients of W_gate and W_up as
     :func:`codetta.ops.weight_grads.weight_grads` gives them, dW_down, the gate and up biases'
     gradient sums of :func:`codetta.ops.swiglu.bias_grad_sums`) given dx2 (the module doc's backward;
-    with a branch scale s, the branch's gradient is s dx2, the residual's dx2)."""
+    with a branch scale s, the branch's gradient is s dx2, the residual's dx2). With ``dz_over_z``
+    dz is written over z, which is not read after (one [M, 2F] tensor less)."""
     into = list(dweights_into) or [None] * 3
     f, d = w_gate.shape
     dx2_2 = rows(scaled(dx2, branch_scale)).to(w_down.dtype).contiguous()  # the branch's gradient as the GEMMs' operand
     frozen_down = into[2] is not None and into[2].numel() == 0  # no dW_d: y, its operand, is not recomputed
     y = None if frozen_down else z.new_empty(z.shape[0], f)
-    dz, zdz = swiglu_backward(gemm(dx2_2, _weight_k([w_down])), z, activation=activation, y_out=y)
+    dz, zdz = swiglu_backward(gemm(dx2_2, _weight_k([w_down])), z, activation=activation, y_out=y,
+                              out=z if dz_over_z else None)
     dw_down = dx2_2.new_empty(0) if frozen_down else weight_grad(dx2_2, y, into[2])
     if b_gate is not None or b_up is not None:
         zdz = None  # z holds z + b: the row term from dL/dh (codetta.ops.rmsnorm)
@@ -126,7 +131,8 @@ def _backward(ctx, dx2, *_unused):
     x, norm_weight, w_gate, w_up, w_down, z, rstd, b_gate, b_up = ctx.saved_tensors
     grads = run_backward(ctx, [w_gate, w_up, w_down], _mlp_backward_op, swiglu_mlp_backward,
                          dx2, x, norm_weight, w_gate, w_up, w_down, z, rstd, b_gate, b_up, ctx.branch_scale,
-                         ctx.activation, weight_args=(2, 3, 4))
+                         ctx.activation, weight_args=(2, 3, 4),
+                         direct_only=dict(dz_over_z=saved_tensors_freed_after(ctx)))
     dx, dg, dws_gate_up, dw_down, dbias = grads
     db_down = rows(dx2).sum(0) * ctx.branch_scale if ctx.has_down_bias else None
     return (dx, dg, *for_autograd(dws_gate_up, [w_gate, w_up]), *for_autograd([dw_down], [w_down]), *(None,) * 5,

@@ -29,6 +29,9 @@ Backward, given dy [M, F] (fp32 math; act' as :mod:`codetta.kernels.swiglu` list
    against [W_g; W_u] read as one along K (no copy), with zdz giving the norm's row term,
    then dW_g = dz_g^T h and dW_u = dz_u^T h.
 
+dz is written over z (which nothing reads after) where autograd frees the saved tensors after
+the backward (:func:`codetta.ops.autograd.saved_tensors_freed_after`): one [M, 2F] tensor less.
+
 z is stored in the forward rather than recomputed: one [M, 2F] write saves a GEMM.
 """
 
@@ -47,7 +50,7 @@ from ..kernels.swiglu import swiglu_backward
 from .rmsnorm import _check_norm_inputs, given_stats, norm_operands, rmsnorm_linear_backward, rstd_like, used_rstd
 from .activations import check_activation, eager_activation, epilogue_activation
 from .autocast import casts_under_autocast
-from .autograd import direct_op, only_first_output_differentiable
+from .autograd import direct_op, only_first_output_differentiable, saved_tensors_freed_after
 from .weight_grads import for_autograd, run_backward, skipping, weight_grads_like
 from .shapes import check_biases, concat_biases, rows
 
@@ -114,10 +117,12 @@ def _(x, norm_weight, w_gate, w_up, eps, u, rstd, b_gate, b_up, activation):
 
 
 def rmsnorm_swiglu_backward(dy, z, x, norm_weight, w_gate, w_up, rstd, b_gate=None, b_up=None, activation="silu",
-                            dweights_into=()):
+                            dweights_into=(), dz_over_z=False):
     """(dx, dnorm_weight, the weight gradients of W_gate and W_up as :func:`codetta.ops.weight_grads.weight_grads`
-    gives them, the biases' gradient sums of :func:`bias_grad_sums`) given dy (the module doc's steps 1 and 2)."""
-    dz, zdz = swiglu_backward(dy.reshape(z.shape[0], z.shape[1] // 2).to(z.dtype), z, activation=activation)
+    gives them, the biases' gradient sums of :func:`bias_grad_sums`) given dy (the module doc's steps 1 and 2).
+    With ``dz_over_z`` dz is written over z, which is not read after (one [M, 2F] tensor less)."""
+    dz, zdz = swiglu_backward(dy.reshape(z.shape[0], z.shape[1] // 2).to(z.dtype), z, activation=activation,
+                              out=z if dz_over_z else None)
     if b_gate is not None or b_up is not None:
         zdz = None  # z holds z + b: the row term from dL/dh (codetta.ops.rmsnorm)
     return (*rmsnorm_linear_backward(dz, zdz, x, norm_weight, [w_gate, w_up], rstd, dweights_into),
@@ -152,7 +157,7 @@ def _backward(ctx, dy, _dz, _drstd):
     z, x, norm_weight, w_gate, w_up, rstd, b_gate, b_up = ctx.saved_tensors
     dx, dg, dws, dbias = run_backward(ctx, [w_gate, w_up], _rmsnorm_swiglu_backward_op, rmsnorm_swiglu_backward,
                                       dy, z, x, norm_weight, w_gate, w_up, rstd, b_gate, b_up, ctx.activation,
-                                      weight_args=(2, 3))
+                                      weight_args=(2, 3), direct_only=dict(dz_over_z=saved_tensors_freed_after(ctx)))
     return dx, dg, *for_autograd(dws, [w_gate, w_up]), None, None, None, *bias_grads(dbias, b_gate, b_up), None
 
 

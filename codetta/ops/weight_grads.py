@@ -82,7 +82,7 @@ def _existing_grad(w: Tensor) -> Optional[Tensor]:
     return g
 
 
-def run_backward(ctx, weights: list[Tensor], op, math, *args, weight_args: tuple[int, ...]):
+def run_backward(ctx, weights: list[Tensor], op, math, *args, weight_args: tuple[int, ...], direct_only=None):
     """An operator's backward: ``op(*args, needs)``, its registered backward op, where ``needs``
     says per weight whether its gradient is wanted (``weight_args``: the positions of the
     operator's arguments that hold the weights, a list or one each); or, when some weight is
@@ -94,13 +94,16 @@ def run_backward(ctx, weights: list[Tensor], op, math, *args, weight_args: tuple
     The plain function only on the direct eager route (``ctx.direct``, see
     :mod:`codetta.ops.autograd`) with grad mode off: the registered ops stay pure, so
     torch.compile and tensor subclasses keep autograd's own accumulation; there the op skips
-    the wgrad GEMMs of the weights autograd wants no gradient for (``needs``).
+    the wgrad GEMMs of the weights autograd wants no gradient for (``needs``). ``direct_only``:
+    keyword arguments that only the plain function takes (the plain function runs where one is
+    true), such as leave to write over a saved tensor
+    (:func:`codetta.ops.autograd.saved_tensors_freed_after`).
     """
     if getattr(ctx, "direct", None) is not None:
         if not torch.is_grad_enabled():
             into = [_gradient_into(w) for w in weights]
-            if any(t is not None for t in into):
-                return math(*args, dweights_into=into)
+            if any(t is not None for t in into) or any((direct_only or {}).values()):
+                return math(*args, dweights_into=into, **(direct_only or {}))
         needs = [w.requires_grad for w in weights]
     else:  # the registered op's ctx: needs_input_grad shaped as the arguments (a list for a list of weights)
         needs = [bool(n) for i in weight_args for n in
