@@ -36,7 +36,10 @@ stored projections); the forward's y, which feeds the down GEMM, comes from the 
 accumulators, so in bf16 the two may differ by a rounding. dz is written over z, its last
 read, where autograd frees the saved tensors after the backward (not with ``retain_graph``,
 nor under torch.compile: :func:`codetta.ops.autograd.saved_tensors_freed_after`): one [M, 2F]
-tensor less at the backward's peak.
+tensor less at the backward's peak. The saved z that ``grad_fn.saved_tensors`` or a
+saved-tensors hook shows then holds dz after the backward; and as autograd's own docs warn
+against, threads backpropagating through one graph, some with ``retain_graph`` and some
+without, are not supported.
 """
 
 from __future__ import annotations
