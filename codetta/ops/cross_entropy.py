@@ -133,8 +133,8 @@ _MAX_VOCAB = 2**24  # column indices and targets are compared as fp32 in the epi
 def default_chunk_size(vocab: int, dtype: torch.dtype = torch.bfloat16, *, rows: int = 0, d: int = 0,
                        weight_grad: bool = True) -> int:
     """Rows per chunk so that one chunk of logits takes at most 2^30 bytes (1 GiB) in ``dtype``,
-    2^29 where the weight needs no gradient (rounded down to a multiple of 128 rows, one GEMM
-    tile, when that many fit): 4096 rows at V = 128256 in bf16 (2048 for a frozen weight),
+    2^28 where the weight needs no gradient (rounded down to a multiple of 128 rows, one GEMM
+    tile, when that many fit): 4096 rows at V = 128256 in bf16 (1024 for a frozen weight),
     2048 in fp32.
 
     Given the problem's ``rows`` and width ``d``, when the weight needs a gradient
@@ -145,11 +145,12 @@ def default_chunk_size(vocab: int, dtype: torch.dtype = torch.bfloat16, *, rows:
     accumulator to read and write per chunk, and smaller chunks cost no time: 8192 rows at
     V = 128256, d = 2048 took 14.4 ms forward and backward in chunks of 2048 rows (0.54 GiB),
     14.5 ms in 4096 (1.05 GiB), 15.4 ms in one (2.07 GiB) on the H200
-    (bench/results/ce_chunk_probe_h200.log). Smaller chunks do cost time: 1024 rows took 15.6
-    ms against 2048's 14.5 on an H100, and saved a LoRA step's peak 84 MiB only, its peak then
-    elsewhere (bench/results/lora_ce_chunk_h100.log).
+    (bench/results/ce_chunk_probe_h200.log). Below that they cost time: 1024 rows took 15.6
+    ms against 2048's 14.5 on an H100 (0.5 ms more of a LoRA step's forward, where the loss's
+    chunk of logits is what the step's peak holds on top of the activations: 246 MiB less
+    peak with 1024 rows, bench/results/lora_ce_chunk_h100.log); 512 rows took 19.4 ms.
     """
-    budget = _CHUNK_BYTES if weight_grad else _CHUNK_BYTES // 2
+    budget = _CHUNK_BYTES if weight_grad else _CHUNK_BYTES // 4
     chunk = max(1, budget // (dtype.itemsize * vocab))
     chunk = chunk if chunk < 128 else chunk - chunk % 128
     if weight_grad and chunk < rows and rows * dtype.itemsize <= chunk * dtype.itemsize + 4 * d:
