@@ -95,9 +95,10 @@ def run_backward(ctx, weights: list[Tensor], op, math, *args, weight_args: tuple
     :mod:`codetta.ops.autograd`) with grad mode off: the registered ops stay pure, so
     torch.compile and tensor subclasses keep autograd's own accumulation; there the op skips
     the wgrad GEMMs of the weights autograd wants no gradient for (``needs``). ``direct_only``:
-    keyword arguments that only the plain function takes (the plain function runs where one is
-    true), such as leave to write over a saved tensor
-    (:func:`codetta.ops.autograd.saved_tensors_freed_after`).
+    keyword arguments that only the plain function takes, and the direct route only (the plain
+    function then runs where one of them is true): a permission to write a gradient over a saved
+    tensor (:func:`codetta.ops.autograd.saved_tensors_freed_after`), which a registered op,
+    declared not to mutate its arguments, must not do.
     """
     if getattr(ctx, "direct", None) is not None:
         if not torch.is_grad_enabled():
