@@ -98,8 +98,47 @@ def test_one_input_requiring_grad_and_compiled_route():
 
 def test_custom_op_passes_opcheck():
     gate, up = (torch.randn(5, 2, 24, device=DEVICE, requires_grad=True) for _ in range(2))
-    torch.library.opcheck(torch.ops.codetta.gated_activation.default, (gate, up, "gelu"),
+    torch.library.opcheck(torch.ops.codetta.gated_activation.default, (gate, up, "gelu", True),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("consumed, retain_graph", [(True, False), (True, True), (False, False)])
+def test_gradients_over_the_inputs_only_when_handed_over(consumed, retain_graph):
+    """With ``inputs_consumed`` and a backward after which autograd frees the graph, dgate and dup
+    are written over gate and up (the gradients autograd hands on are those tensors); without it,
+    or with retain_graph=True, gate and up are left as they were (a second backward gives the same
+    gradients). The gradients are torch's fp64 ones either way."""
+    m, f = 13, 24
+    leaves = [torch.randn(m, f, device=DEVICE, requires_grad=True) for _ in range(2)]
+    gate, up = (t.clone() for t in leaves)  # tensors of their own, as a projection returns them
+    before = [t.detach().clone() for t in (gate, up)]
+    y = gated_activation(gate, up, "silu", inputs_consumed=consumed)
+    dy = torch.randn(m, f, device=DEVICE)
+    grads = torch.autograd.grad(y, (gate, up), dy, retain_graph=retain_graph)
+    expected = output_and_grads(lambda g, u: eager(g, u, "silu"), *before, dy, torch.float64)[1:]
+    for got, want in zip(grads, expected):
+        assert rel(got, want) < 1e-6
+    written_over = consumed and not retain_graph
+    assert [g.data_ptr() == t.data_ptr() for g, t in zip(grads, (gate, up))] == [written_over] * 2
+    if not written_over:
+        assert all(torch.equal(t, b) for t, b in zip((gate, up), before))
+    if retain_graph:
+        assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(y, (gate, up), dy), grads))
+
+
+def test_handed_over_inputs_saved_by_another_node_raise_not_mislead():
+    """gate = exp(a), whose backward reads its saved output: written over by a backward told the
+    inputs were handed over, it raises (the version counter bumped) instead of reading dgate as
+    exp(a); gate and up of one storage (each contiguous) are never written over."""
+    a, b = (torch.randn(6, 8, device=DEVICE, requires_grad=True) for _ in range(2))
+    y = gated_activation(a.exp(), b.clone(), inputs_consumed=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    both = torch.randn(2, 6, 8, device=DEVICE, requires_grad=True).clone()
+    gate, up = both.unbind()
+    before = both.detach().clone()
+    gated_activation(gate, up, inputs_consumed=True).sum().backward()
+    assert torch.equal(both, before)
 
 
 def test_kernel_writes_exactly_its_output():

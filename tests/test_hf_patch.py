@@ -945,13 +945,14 @@ def enable_checkpointing(model, every_n_layers=1, **checkpoint_kwargs):
 
 
 def count_calls(monkeypatch, target):
-    """A list that gets an entry at each call of ``target`` (a "module.function" path)."""
+    """A list that gets an entry at each call of ``target`` (a "module.function" path): the call's
+    keyword arguments."""
     module_name, _, name = target.rpartition(".")
     module = importlib.import_module(module_name)
     calls, original = [], getattr(module, name)
 
     def counting(*args, **kwargs):
-        calls.append(1)
+        calls.append(kwargs)
         return original(*args, **kwargs)
 
     monkeypatch.setattr(module, name, counting)
@@ -1460,6 +1461,7 @@ CALLED = [  # (a model of MODELS, layer 1's projections each with the wrapper gi
     ("qwen3_qk_norm", {"self_attn.k_proj": LoraLike, "mlp.up_proj": LoraLike}, None),  # QK-norm after the projections
     ("arcee_ungated_mlp_bias", {"mlp.up_proj": LoraLike}, None),  # no gate
     ("gemma2_sandwich_norms_softcaps", {"self_attn.q_proj": LoraLike, "mlp.gate_proj": LoraLike}, "mlp.down_proj"),
+    ("llama", {"mlp.gate_proj": LoraLike}, "mlp.up_proj"),  # a hook may see up's output: the backward leaves it alone
 ]
 
 
@@ -1474,9 +1476,10 @@ def test_projections_it_cannot_read_are_called_the_rest_fused(key, wrapped, hook
     forward), or a forward pre-hook or full backward hook on one: the fused forward calls those modules where the model's
     attention and MLP do (the QKV projections on the input norm's output, RoPE after them by
     codetta.ops.apply_rope; o_proj on the attention's output; gate and up on the MLP norm's output,
-    then act(gate) * up by codetta.ops.gated_activation; down_proj on its output; a called
-    o_proj's and down_proj's added to the residual stream as the layer adds them), without a
-    warning; the rest of the layer stays fused and the training step equals the unpatched model's."""
+    then act(gate) * up by codetta.ops.gated_activation, which may write their gradients over
+    them where no hook saw them; down_proj on its output; a called o_proj's and down_proj's added
+    to the residual stream as the layer adds them), without a warning; the rest of the layer
+    stays fused and the training step equals the unpatched model's."""
     name, overrides = MODELS[key]
     ref = tiny(name, num_hidden_layers=2, **overrides)
     for path, make in wrapped.items():
@@ -1502,6 +1505,8 @@ def test_projections_it_cannot_read_are_called_the_rest_fused(key, wrapped, hook
                                                          2)
     gated = model.config.model_type != "arcee"  # Arcee's MLP has no gate: act(up) is its module's
     assert len(activation_kernels) == (1 if gated and called & {"gate_proj", "up_proj", "gate_up_proj"} else 0)
+    assert all(kwargs["inputs_consumed"] == (hooked not in ("mlp.gate_proj", "mlp.up_proj"))
+               for kwargs in activation_kernels)
     assert [(layer._codetta_plan.unfused_half, layer._codetta_plan.unfusable) for layer in model.model.layers] == [
         (None, None)] * 2
 

@@ -13,35 +13,54 @@ and up and writes y = act(gate) * up (fp32, rounded once), and the backward is o
 
 from the two saved inputs. The op is the custom op ``codetta::gated_activation`` (its backward
 ``codetta::gated_activation_backward``), so torch.compile traces it without a graph break.
+
+A caller that hands gate and up over (``inputs_consumed``: nothing reads them after the op but
+its backward, as where :func:`codetta.patch`'s layer called the projections itself and no hook
+saw their outputs) lets the backward write dgate and dup over them, as it reads each element
+last, where autograd frees the saved tensors after it
+(:func:`codetta.ops.autograd.saved_tensors_freed_after`): one pair of [M, F] tensors less at
+the backward's peak. Their version counters are then bumped, so that another autograd node
+that saved them (a projection whose last operation keeps its output) raises rather than
+reading gradients as activations.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from ..kernels.swiglu import gated_activation as gated_activation_kernel
 from ..kernels.swiglu import gated_activation_backward
 from ..matmul import KERNEL_DTYPES, check_device
 from .activations import check_activation
-from .autograd import arguments_needing_grad, direct_op
+from .autograd import arguments_needing_grad, direct_op, saved_tensors_freed_after
 from .shapes import rows
 
 
 @direct_op("codetta::gated_activation")
-def _gated_activation_op(gate: Tensor, up: Tensor, activation: str) -> Tensor:
+def _gated_activation_op(gate: Tensor, up: Tensor, activation: str, inputs_consumed: bool) -> Tensor:
     return gated_activation_kernel(rows(gate), rows(up), activation=activation).reshape(gate.shape)
 
 
 @_gated_activation_op.register_fake
-def _(gate, up, activation):
+def _(gate, up, activation, inputs_consumed):
     return gate.new_empty(gate.shape)
+
+
+def _gradients(dy: Tensor, gate: Tensor, up: Tensor, activation: str, over_inputs: bool = False):
+    """(dgate, dup) given dy; with ``over_inputs`` written over gate and up (contiguous, of
+    separate storages) and their version counters bumped."""
+    outs = dict(dgate_out=gate.view(-1, gate.shape[-1]), dup_out=up.view(-1, up.shape[-1])) if over_inputs else {}
+    dgate, dup, _ = gated_activation_backward(rows(dy.to(gate.dtype)), rows(gate), rows(up), activation=activation,
+                                              **outs)
+    if over_inputs:
+        torch.autograd.graph.increment_version((gate, up))
+    return dgate.reshape(gate.shape), dup.reshape(gate.shape)
 
 
 @direct_op("codetta::gated_activation_backward")
 def _gated_activation_backward_op(dy: Tensor, gate: Tensor, up: Tensor, activation: str) -> tuple[Tensor, Tensor]:
-    dgate, dup, _ = gated_activation_backward(rows(dy.to(gate.dtype)), rows(gate), rows(up),
-                                              activation=activation)
-    return dgate.reshape(gate.shape), dup.reshape(gate.shape)
+    return _gradients(dy, gate, up, activation)
 
 
 @_gated_activation_backward_op.register_fake
@@ -50,28 +69,35 @@ def _(dy, gate, up, activation):
 
 
 def _setup(ctx, inputs, output):
-    gate, up, activation = inputs
+    gate, up, activation, inputs_consumed = inputs
     ctx.save_for_backward(gate, up)
-    ctx.activation = activation
+    ctx.activation, ctx.inputs_consumed = activation, inputs_consumed
 
 
 def _backward(ctx, dy):
     gate, up = ctx.saved_tensors
     need_gate, need_up = arguments_needing_grad(ctx)[:2]
-    dgate, dup = _gated_activation_backward_op(dy, gate, up, ctx.activation)
-    return dgate if need_gate else None, dup if need_up else None, None
+    if ctx.inputs_consumed and saved_tensors_freed_after(ctx):
+        dgate, dup = _gradients(dy, gate, up, ctx.activation, over_inputs=True)
+    else:
+        dgate, dup = _gated_activation_backward_op(dy, gate, up, ctx.activation)
+    return dgate if need_gate else None, dup if need_up else None, None, None
 
 
 _gated_activation_op.register_autograd(_backward, setup_context=_setup)
 
 
-def gated_activation(gate: Tensor, up: Tensor, activation: str = "silu") -> Tensor:
+def gated_activation(gate: Tensor, up: Tensor, activation: str = "silu", *, inputs_consumed: bool = False) -> Tensor:
     """act(gate) * up, computed in fp32 and rounded once; differentiable in gate and up.
 
     Equals ``(F.silu(gate.float()) * up.float()).to(gate.dtype)`` for SwiGLU, likewise for the
     other activations of :data:`codetta.ops.activations.GATE_ACTIVATIONS` ("silu", "gelu"
     (erf), "gelu_tanh", "relu"). gate and up: [..., F] of one shape, dtype (fp16, bf16 or
     fp32) and device. Returns [..., F] in their dtype.
+
+    ``inputs_consumed=True`` promises that nothing reads gate and up after this call but its
+    backward, which may then write the gradients over them (see the module doc); taken where
+    they are contiguous and do not share storage.
     """
     for name, t in (("gate", gate), ("up", up)):
         if not isinstance(t, Tensor) or t.dim() < 1 or t.dtype not in KERNEL_DTYPES:
@@ -84,4 +110,10 @@ def gated_activation(gate: Tensor, up: Tensor, activation: str = "silu") -> Tens
     check_activation(activation)
     if not gate.is_meta:  # on the meta device the registered op's fake implementation gives the shapes
         check_device(gate.device, "gate")
-    return _gated_activation_op(gate, up, activation)
+    return _gated_activation_op(gate, up, activation, bool(inputs_consumed) and _separate_and_whole(gate, up))
+
+
+def _separate_and_whole(gate: Tensor, up: Tensor) -> bool:
+    """Whether the backward can write over gate and up: plain contiguous tensors of two storages."""
+    return all(type(t) in (Tensor, torch.nn.Parameter) and t.is_contiguous() and not t.is_meta for t in (gate, up)) \
+        and gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()

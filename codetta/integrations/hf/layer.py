@@ -695,9 +695,14 @@ def _mlp_hidden(layer, plan: LayerPlan, x1, g2, eps2, stats):
     :func:`_gated_activation_of_modules`."""
     arch, mlp = plan.arch, layer.mlp
     act = layer.get_submodule(arch.activation)
-    if not all(map(reads_weight, arch.gate_up_projections(mlp))):
+    projections = arch.gate_up_projections(mlp)
+    if not all(map(reads_weight, projections)):
         gate, up = arch.gate_up_of_modules(mlp, _norm_like_module(arch, layer.get_submodule(arch.mlp_norm), x1, g2))
-        return act(up) if gate is None else _gated_activation_of_modules(plan, act, gate, up)
+        if gate is None:
+            return act(up)
+        # outputs that no hook saw, inside the projections or out, are this function's alone to hand over
+        unseen = not any(is_hooked(m) for p in projections for m in p.modules())
+        return _gated_activation_of_modules(plan, act, gate, up, unseen)
     (w_gate, w_up), (b_gate, b_up) = arch.gate_up_weights(mlp)
     if _gate_in_epilogue(plan, mlp):
         return rmsnorm_swiglu(x1, g2, w_gate, w_up, eps2, stats=stats, bias=(b_gate, b_up), activation=plan.activation)
@@ -709,11 +714,12 @@ def _mlp_hidden(layer, plan: LayerPlan, x1, g2, eps2, stats):
     return act(gate) * up
 
 
-def _gated_activation_of_modules(plan: LayerPlan, act, gate, up):
+def _gated_activation_of_modules(plan: LayerPlan, act, gate, up, unseen: bool):
     """act(gate) * up for gate and up projections the model's modules made: one kernel each way
     (:func:`codetta.ops.gated_activation`, which keeps gate and up for the backward, not also
-    act(gate)) where the epilogue's activations include the module's (``plan.activation``),
-    swiglu fusion is on and the two are alike; else the activation module, as the model's MLP."""
+    act(gate), and writes their gradients over them where nothing else saw them: ``unseen``)
+    where the epilogue's activations include the module's (``plan.activation``), swiglu fusion
+    is on and the two are alike; else the activation module, as the model's MLP."""
     if plan.fuse_swiglu and plan.activation is not None and gate.shape == up.shape and gate.dtype == up.dtype:
-        return gated_activation(gate, up, plan.activation)
+        return gated_activation(gate, up, plan.activation, inputs_consumed=unseen)
     return act(gate) * up
