@@ -53,8 +53,9 @@ def _gradients(dy: Tensor, gate: Tensor, up: Tensor, activation: str, over_input
     outs = dict(dgate_out=gate.view(-1, gate.shape[-1]), dup_out=up.view(-1, up.shape[-1])) if over_inputs else {}
     dgate, dup, _ = gated_activation_backward(rows(dy.to(gate.dtype)), rows(gate), rows(up), activation=activation,
                                               **outs)
-    for t in (gate, up) if over_inputs else ():
-        torch.autograd.graph.increment_version(t)
+    if over_inputs:
+        for t in (gate, up):
+            torch.autograd.graph.increment_version(t)
     return dgate.reshape(gate.shape), dup.reshape(gate.shape)
 
 
