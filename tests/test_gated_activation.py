@@ -129,7 +129,7 @@ def test_gradients_over_the_inputs_only_when_handed_over(consumed, retain_graph)
 def test_handed_over_inputs_saved_by_another_node_raise_not_mislead():
     """gate = exp(a), whose backward reads its saved output: written over by a backward told the
     inputs were handed over, it raises (the version counter bumped) instead of reading dgate as
-    exp(a); gate and up of one storage (each contiguous) are never written over."""
+    exp(a); gate and up of one storage, or leaves (parameters), are never written over."""
     a, b = (torch.randn(6, 8, device=DEVICE, requires_grad=True) for _ in range(2))
     y = gated_activation(a.exp(), b.clone(), inputs_consumed=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -139,6 +139,10 @@ def test_handed_over_inputs_saved_by_another_node_raise_not_mislead():
     before = both.detach().clone()
     gated_activation(gate, up, inputs_consumed=True).sum().backward()
     assert torch.equal(both, before)
+    params = [torch.nn.Parameter(torch.randn(6, 8, device=DEVICE)) for _ in range(2)]
+    values = [p.detach().clone() for p in params]
+    gated_activation(*params, inputs_consumed=True).sum().backward()
+    assert all(torch.equal(p, v) and p.grad.data_ptr() != p.data_ptr() for p, v in zip(params, values))
 
 
 def test_kernel_writes_exactly_its_output():

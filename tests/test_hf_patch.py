@@ -1461,7 +1461,6 @@ CALLED = [  # (a model of MODELS, layer 1's projections each with the wrapper gi
     ("qwen3_qk_norm", {"self_attn.k_proj": LoraLike, "mlp.up_proj": LoraLike}, None),  # QK-norm after the projections
     ("arcee_ungated_mlp_bias", {"mlp.up_proj": LoraLike}, None),  # no gate
     ("gemma2_sandwich_norms_softcaps", {"self_attn.q_proj": LoraLike, "mlp.gate_proj": LoraLike}, "mlp.down_proj"),
-    ("llama", {"mlp.gate_proj": LoraLike}, "mlp.up_proj"),  # a hook may see up's output: the backward leaves it alone
 ]
 
 
@@ -1476,10 +1475,10 @@ def test_projections_it_cannot_read_are_called_the_rest_fused(key, wrapped, hook
     forward), or a forward pre-hook or full backward hook on one: the fused forward calls those modules where the model's
     attention and MLP do (the QKV projections on the input norm's output, RoPE after them by
     codetta.ops.apply_rope; o_proj on the attention's output; gate and up on the MLP norm's output,
-    then act(gate) * up by codetta.ops.gated_activation, which may write their gradients over
-    them where no hook saw them; down_proj on its output; a called o_proj's and down_proj's added
-    to the residual stream as the layer adds them), without a warning; the rest of the layer
-    stays fused and the training step equals the unpatched model's."""
+    then act(gate) * up by codetta.ops.gated_activation, which leaves these modules' outputs alone
+    (they are not PEFT's); down_proj on its output; a called o_proj's and down_proj's added to
+    the residual stream as the layer adds them), without a warning; the rest of the layer stays
+    fused and the training step equals the unpatched model's."""
     name, overrides = MODELS[key]
     ref = tiny(name, num_hidden_layers=2, **overrides)
     for path, make in wrapped.items():
@@ -1505,8 +1504,7 @@ def test_projections_it_cannot_read_are_called_the_rest_fused(key, wrapped, hook
                                                          2)
     gated = model.config.model_type != "arcee"  # Arcee's MLP has no gate: act(up) is its module's
     assert len(activation_kernels) == (1 if gated and called & {"gate_proj", "up_proj", "gate_up_proj"} else 0)
-    assert all(kwargs["inputs_consumed"] == (hooked not in ("mlp.gate_proj", "mlp.up_proj"))
-               for kwargs in activation_kernels)
+    assert not any(kwargs["inputs_consumed"] for kwargs in activation_kernels)
     assert [(layer._codetta_plan.unfused_half, layer._codetta_plan.unfusable) for layer in model.model.layers] == [
         (None, None)] * 2
 
@@ -1662,8 +1660,48 @@ def test_peft_lora_under_gradient_checkpointing(targets, reentrant, monkeypatch)
         warnings.filterwarnings("ignore", message=".*(use_cache|checkpointing)")
         assert_same_training_step(ref, model, input_ids=ids, labels=ids)
     assert len(activation_kernels) == (2 * 2 if targets == "all-linear" else 0)  # 2 layers, each recomputed
+    assert all(kwargs["inputs_consumed"] for kwargs in activation_kernels)  # PEFT's plain LoRA outputs: written over
     assert sum("lora_A" in n and p.grad is not None for n, p in model.named_parameters()) == \
         sum("lora_A" in n for n, _ in model.named_parameters())
+
+
+class _SigmoidProjection(torch.nn.Linear):
+    """A projection whose last operation's backward reads its output (sigmoid's)."""
+
+    def forward(self, x):
+        return torch.sigmoid(super().forward(x))
+
+
+@pytest.mark.parametrize("variant", ["lora", "dora", "hooked_lora_B", "sigmoid_projection"])
+def test_gradients_written_over_only_plain_peft_lora_outputs(variant, monkeypatch):
+    """The gate and up outputs that codetta.ops.gated_activation's backward may write its
+    gradients over (inputs_consumed) are PEFT's plain LoRA ones only, which no autograd node saves
+    and no module keeps: not DoRA's, not where a hook sits inside the adapter, not a projection whose
+    last operation's backward reads its output (under non-reentrant checkpointing, whose saved-tensor
+    hooks bypass autograd's version check, that would be read as gradients). The training step
+    equals the unpatched model's in every case."""
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj"], lora_dropout=0.0,
+                           use_dora=variant == "dora")
+    base = tiny("LlamaForCausalLM")
+    ref, model = _with_same_adapters(peft, base, lora)
+    for m in (ref, model):
+        mlp = m.get_base_model().model.layers[1].mlp
+        if variant == "hooked_lora_B":
+            mlp.gate_proj.lora_B["default"].register_forward_hook(lambda module, args, out: None)
+        if variant == "sigmoid_projection":
+            adapted = mlp.up_proj
+            mlp.up_proj = _SigmoidProjection(adapted.in_features, adapted.out_features, bias=False, device=DEVICE)
+            mlp.up_proj.load_state_dict({"weight": adapted.base_layer.weight.detach()})
+        enable_checkpointing(m, use_reentrant=False)
+    activation_kernels = count_calls(monkeypatch, "codetta.integrations.hf.layer.gated_activation")
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(use_cache|checkpointing)")
+        assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    consumed = [kwargs["inputs_consumed"] for kwargs in activation_kernels]  # each layer's, again when recomputed
+    layer_0, layer_1 = variant != "dora", variant == "lora"  # DoRA on both layers, the other variants on layer 1
+    assert sorted(consumed) == sorted([layer_0, layer_1] * 2)
 
 
 @pytest.mark.parametrize("when", ["before_patch", "after_patch"])

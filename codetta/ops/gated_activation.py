@@ -15,13 +15,15 @@ from the two saved inputs. The op is the custom op ``codetta::gated_activation``
 ``codetta::gated_activation_backward``), so torch.compile traces it without a graph break.
 
 A caller that hands gate and up over (``inputs_consumed``: nothing reads them after the op but
-its backward, as where :func:`codetta.patch`'s layer called the projections itself and no hook
-saw their outputs) lets the backward write dgate and dup over them, as it reads each element
-last, where autograd frees the saved tensors after it
-(:func:`codetta.ops.autograd.saved_tensors_freed_after`): one pair of [M, F] tensors less at
-the backward's peak. Their version counters are then bumped, so that another autograd node
-that saved them (a projection whose last operation keeps its output) raises rather than
-reading gradients as activations.
+its backward — no other autograd node saved them, no module or hook kept them — as where
+:func:`codetta.patch`'s layer called PEFT LoRA projections itself,
+:func:`codetta.integrations.hf.architectures.output_owned_by_caller`) lets the backward write
+dgate and dup over them, as it reads each element last, where autograd frees the saved tensors
+after it (:func:`codetta.ops.autograd.saved_tensors_freed_after`): one pair of [M, F] tensors
+less at the backward's peak. Leaves (parameters) and views are never written over. Their version
+counters are bumped then, so a node that saved them after all raises, where autograd checks: not
+under saved-tensor hooks (non-reentrant checkpointing among them), where it would read the
+gradients as its activations: the promise is the caller's to keep.
 """
 
 from __future__ import annotations
@@ -97,8 +99,9 @@ def gated_activation(gate: Tensor, up: Tensor, activation: str = "silu", *, inpu
     fp32) and device. Returns [..., F] in their dtype.
 
     ``inputs_consumed=True`` promises that nothing reads gate and up after this call but its
-    backward, which may then write the gradients over them (see the module doc); taken where
-    they are contiguous and do not share storage.
+    backward (nor saved them for its own backward), which may then write the gradients over them
+    (see the module doc); taken where they are contiguous tensors made by autograd operations
+    (not leaves, not views) of two storages.
     """
     for name, t in (("gate", gate), ("up", up)):
         if not isinstance(t, Tensor) or t.dim() < 1 or t.dtype not in KERNEL_DTYPES:
@@ -111,10 +114,11 @@ def gated_activation(gate: Tensor, up: Tensor, activation: str = "silu", *, inpu
     check_activation(activation)
     if not gate.is_meta:  # on the meta device the registered op's fake implementation gives the shapes
         check_device(gate.device, "gate")
-    return _gated_activation_op(gate, up, activation, bool(inputs_consumed) and _separate_and_whole(gate, up))
+    return _gated_activation_op(gate, up, activation, bool(inputs_consumed) and _writable_over(gate, up))
 
 
-def _separate_and_whole(gate: Tensor, up: Tensor) -> bool:
-    """Whether the backward can write over gate and up: plain contiguous tensors of two storages."""
-    return all(type(t) in (Tensor, torch.nn.Parameter) and t.is_contiguous() and not t.is_meta for t in (gate, up)) \
-        and gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
+def _writable_over(gate: Tensor, up: Tensor) -> bool:
+    """Whether the backward may write over gate and up: plain contiguous tensors that autograd
+    operations made (not leaves such as parameters, not views of another tensor), of two storages."""
+    return all(type(t) is Tensor and t.is_contiguous() and not t.is_meta and not t.is_leaf and not t._is_view()
+               for t in (gate, up)) and gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()

@@ -493,6 +493,26 @@ def is_hooked(module) -> bool:
             or global_hooks(backward=True))
 
 
+_PEFT_LORA = "peft.tuners.lora.layer"
+
+
+def output_owned_by_caller(module) -> bool:
+    """Whether a projection's output is its caller's alone, so that the caller may let a backward
+    write gradients over it (:func:`codetta.ops.gated_activation`'s ``inputs_consumed``): a PEFT
+    LoRA ``Linear`` (its class's forward PEFT's own) over a plain ``nn.Linear``, plain LoRA on
+    each adapter (no DoRA or other variant), no hook in it or global. Its output is then
+    base(h) + B(A(h)) s (cast to base's dtype), or base(h) alone: a new tensor that no other
+    autograd node saves (none of them keeps its output) and that the module does not keep. Any
+    other module may keep its output, return a parameter, or end in an operation whose backward
+    reads its output."""
+    cls = type(module)
+    return (cls.__name__ == "Linear" and cls.__module__ == _PEFT_LORA
+            and getattr(cls.forward, "__module__", None) == _PEFT_LORA
+            and type(getattr(module, "base_layer", None)) is torch.nn.Linear
+            and not getattr(module, "lora_variant", True)
+            and not any(map(is_hooked, module.modules())))
+
+
 def hooks_between(layer, next_layer) -> bool:
     """Whether hooks run between ``layer``'s forward and ``next_layer``'s (the first's forward
     hooks, the second's pre-hooks, global ones), which may change the residual stream in

@@ -66,8 +66,8 @@ from .. import warn_unless_traced
 from . import checkpointing
 from .architectures import (ATTENTION, MLP, RESIDUAL_DROPOUTS, Architecture, ModelClasses, fused_modules,
                             gate_activation, halves, halves_separate, hooked_module, hooks_between, is_hooked,
-                            is_models_norm, mlp_is_fused, reads_weight, stored_weight, why_rotary_dims_unfit,
-                            why_rotary_unfusable, why_unfusable)
+                            is_models_norm, mlp_is_fused, output_owned_by_caller, reads_weight, stored_weight,
+                            why_rotary_dims_unfit, why_rotary_unfusable, why_unfusable)
 
 try:  # transformers' collector of recorded outputs (output_attentions=True, output_hidden_states=True)
     from transformers.utils.output_capturing import _active_collector
@@ -700,9 +700,7 @@ def _mlp_hidden(layer, plan: LayerPlan, x1, g2, eps2, stats):
         gate, up = arch.gate_up_of_modules(mlp, _norm_like_module(arch, layer.get_submodule(arch.mlp_norm), x1, g2))
         if gate is None:
             return act(up)
-        # outputs that no hook saw, inside the projections or out, are this function's alone to hand over
-        unseen = not any(is_hooked(m) for p in projections for m in p.modules())
-        return _gated_activation_of_modules(plan, act, gate, up, unseen)
+        return _gated_activation_of_modules(plan, act, gate, up, all(map(output_owned_by_caller, projections)))
     (w_gate, w_up), (b_gate, b_up) = arch.gate_up_weights(mlp)
     if _gate_in_epilogue(plan, mlp):
         return rmsnorm_swiglu(x1, g2, w_gate, w_up, eps2, stats=stats, bias=(b_gate, b_up), activation=plan.activation)
@@ -714,12 +712,13 @@ def _mlp_hidden(layer, plan: LayerPlan, x1, g2, eps2, stats):
     return act(gate) * up
 
 
-def _gated_activation_of_modules(plan: LayerPlan, act, gate, up, unseen: bool):
+def _gated_activation_of_modules(plan: LayerPlan, act, gate, up, owned: bool):
     """act(gate) * up for gate and up projections the model's modules made: one kernel each way
     (:func:`codetta.ops.gated_activation`, which keeps gate and up for the backward, not also
-    act(gate), and writes their gradients over them where nothing else saw them: ``unseen``)
-    where the epilogue's activations include the module's (``plan.activation``), swiglu fusion
-    is on and the two are alike; else the activation module, as the model's MLP."""
+    act(gate), and writes their gradients over them where they are this function's alone:
+    ``owned``, see :func:`.architectures.output_owned_by_caller`) where the epilogue's
+    activations include the module's (``plan.activation``), swiglu fusion is on and the two are
+    alike; else the activation module, as the model's MLP."""
     if plan.fuse_swiglu and plan.activation is not None and gate.shape == up.shape and gate.dtype == up.dtype:
-        return gated_activation(gate, up, plan.activation, inputs_consumed=unseen)
+        return gated_activation(gate, up, plan.activation, inputs_consumed=owned)
     return act(gate) * up
