@@ -574,8 +574,8 @@ def test_default_chunk_size():
     assert ce.default_chunk_size(128256, rows=8192, d=2048) == 8192
     assert ce.default_chunk_size(128256, rows=16384, d=4096) == 4096
     assert ce.default_chunk_size(128256, rows=100, d=4096) == 4096
-    # a frozen weight has no dW accumulator: the rows stay in chunks of half as many bytes
-    assert ce.default_chunk_size(128256, rows=8192, d=4096, weight_grad=False) == 2048
+    # a frozen weight has no dW accumulator: the rows stay in chunks of a quarter as many bytes (2^28)
+    assert ce.default_chunk_size(128256, rows=8192, d=4096, weight_grad=False) == 1024
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for vocab in (37, 1000, 32000, 128256, 262144, 2**30):
             rows = ce.default_chunk_size(vocab, dtype)
