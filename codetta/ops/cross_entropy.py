@@ -83,7 +83,7 @@ chunk dW is written directly in the weight's dtype); fp32 [V] for db. The defaul
 the buffer at C * V * itemsize <= 2^30 bytes (1 GiB): 4096 rows at V = 128256 in bf16; or
 takes all M rows when their logits need no more memory than such a chunk plus the fp32 dW
 accumulator (M <= C + 4d / itemsize: 8192 rows at d = 2048 or 4096), which also saves dW's
-read-modify-write per chunk. A frozen weight (no dW) keeps the buffer at 2^29 bytes: 2048
+read-modify-write per chunk. A frozen weight (no dW) keeps the buffer at 2^28 bytes: 1024
 rows. The gradients computed in the forward live until the backward.
 
 The RMSNorm of each chunk, forward and backward, is one row kernel each
@@ -611,7 +611,7 @@ def linear_cross_entropy(x, weight, target, *, bias=None, ignore_index=-100, red
         target: integer class indices of x's leading shape; ``ignore_index`` rows count nothing.
         reduction: "mean" (over the rows not ignored), "sum", or "none" (x's leading shape).
         chunk_size: rows per chunk (default :func:`default_chunk_size`: 2^30 bytes of
-            logits in the weight's dtype at most (2^29 for a frozen weight), or all rows when that
+            logits in the weight's dtype at most (2^28 for a frozen weight), or all rows when that
             takes less memory).
         label_smoothing: e in [0, 1], as PyTorch's: the target distribution is (1 - e) one-hot
             + e uniform. z_loss: c >= 0, the coefficient of the auxiliary loss c lse^2 (PaLM).
