@@ -39,19 +39,20 @@ def where(frames: list[dict]) -> str:
     return "?" if not frames else f"{frames[0]['filename']}:{frames[0]['line']} {frames[0]['name']}"
 
 
-def live_at_peak(trace: list[dict], start_bytes: int) -> tuple[int, dict]:
+def live_at_peak(trace: list[dict], start_bytes: int) -> tuple[int, dict, list[dict]]:
     """(peak bytes, {address: (size, frames)} of the blocks allocated in the history and live at
-    the peak), replaying its allocs and frees on top of ``start_bytes`` allocated before it began."""
-    live, total, peak, at_peak = {}, start_bytes, start_bytes, {}
+    the peak, the frames of the allocation that reached it), replaying its allocs and frees on top
+    of ``start_bytes`` allocated before it began."""
+    live, total, peak, at_peak, peak_frames = {}, start_bytes, start_bytes, {}, []
     for event in trace:
         if event["action"] == "alloc":
             live[event["addr"]] = (event["size"], event.get("frames", []))
             total += event["size"]
             if total > peak:
-                peak, at_peak = total, dict(live)
+                peak, at_peak, peak_frames = total, dict(live), event.get("frames", [])
         elif event["action"] == "free_completed":  # a block of the history's, or one allocated before it
             total -= live.pop(event["addr"])[0] if event["addr"] in live else event["size"]
-    return peak, at_peak
+    return peak, at_peak, peak_frames
 
 
 def main():
@@ -82,18 +83,23 @@ def main():
     torch.cuda.synchronize()
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    peak, blocks = live_at_peak(snapshot["device_traces"][0], before)
-    groups = collections.defaultdict(lambda: [0, 0])
+    peak, blocks, peak_frames = live_at_peak(snapshot["device_traces"][0], before)
+    groups = collections.defaultdict(lambda: [0, 0, collections.Counter()])
     for size, frames in blocks.values():
         groups[where(frames)][0] += size
         groups[where(frames)][1] += 1
+        groups[where(frames)][2][round(size / 2**20, 1)] += 1
     mib = 2**20
     print(f"{args.variant} lora={args.lora or '-'}: before the {args.phase} {before / mib:.0f} MiB allocated, replayed "
           f"peak {peak / mib:.0f} MiB (max_memory_allocated {torch.cuda.max_memory_allocated() / mib:.0f}), "
           f"{sum(s for s, _ in blocks.values()) / mib:.0f} MiB in {len(blocks)} blocks allocated during the "
           f"{args.phase}")
-    for name, (size, count) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:args.rows]:
-        print(f"{size / mib:9.1f} MiB {count:5d} blocks  {name}")
+    for name, (size, count, sizes) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:args.rows]:
+        by_size = ", ".join(f"{n} x {s:g}" for s, n in sorted(sizes.items(), reverse=True))
+        print(f"{size / mib:9.1f} MiB {count:5d} blocks  {name}  ({by_size} MiB)")
+    print("the allocation that reached the peak, innermost frames of the model's code first:")
+    for f in [f for f in peak_frames if any(part in f["filename"] for part in OWN_CODE)][:8]:
+        print(f"    {f['filename']}:{f['line']} {f['name']}")
 
 
 if __name__ == "__main__":
