@@ -7,7 +7,8 @@ After the warmup steps, one step runs with torch.cuda.memory's history on. Repla
 allocations and frees finds the moment the allocated bytes peak; the blocks live then are
 grouped by the innermost Python frame of the model's code that allocated them (codetta,
 transformers, peft, liger_kernel, torch.nn/autograd, else the innermost frame), and the
-largest groups printed with their bytes (MiB). Run it for two variants to see where their peaks
+largest groups printed with their bytes (MiB) and block sizes, then the frames of the
+allocation that reached the peak (when it happened). Run it for two variants to see where their peaks
 differ. With ``--phase backward`` the history starts after the forward: the backward's peak, the
 forward's activations among the bytes allocated before it.
 """
@@ -86,9 +87,10 @@ def main():
     peak, blocks, peak_frames = live_at_peak(snapshot["device_traces"][0], before)
     groups = collections.defaultdict(lambda: [0, 0, collections.Counter()])
     for size, frames in blocks.values():
-        groups[where(frames)][0] += size
-        groups[where(frames)][1] += 1
-        groups[where(frames)][2][round(size / 2**20, 1)] += 1
+        group = groups[where(frames)]
+        group[0] += size
+        group[1] += 1
+        group[2][round(size / 2**20, 1)] += 1
     mib = 2**20
     print(f"{args.variant} lora={args.lora or '-'}: before the {args.phase} {before / mib:.0f} MiB allocated, replayed "
           f"peak {peak / mib:.0f} MiB (max_memory_allocated {torch.cuda.max_memory_allocated() / mib:.0f}), "
