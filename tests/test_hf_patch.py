@@ -784,6 +784,64 @@ def test_logits_without_labels_and_generate():
     assert torch.equal(out, out_ref)
 
 
+def _bytes_saved_for_backward(model, ids, use_cache):
+    """The bytes of the distinct storages autograd keeps for the backward of one training forward."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(input_ids=ids, labels=ids, use_cache=use_cache)
+    assert (out.past_key_values is not None) == use_cache
+    out.loss.backward()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("key", ["llama", "mistral_sliding", "qwen3_qk_norm"])
+@pytest.mark.parametrize("rope", [True, False], ids=["qkv_rope_fused", "q_proj_called"])
+def test_the_kv_cache_of_a_training_forward_holds_no_second_copy_for_the_backward(key, rope):
+    """With the cache on in training (transformers' default), attention reads the fused QKV output
+    (kept for the op's backward anyway) or codetta.ops.apply_rope's (where q_proj is called, as
+    PEFT's), not the cache's copies of k and v: autograd keeps as many bytes as with
+    use_cache=False. The cache still holds the model's keys and values."""
+    name, overrides = MODELS[key]
+    ref = tiny(name, **overrides)
+    if not rope:
+        for i in range(len(ref.model.layers)):
+            _wrap(ref, f"model.layers.{i}.self_attn.q_proj", LoraLike)
+    model = codetta.patch(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
+    assert _bytes_saved_for_backward(model, ids, True) == _bytes_saved_for_backward(model, ids, False)
+    with torch.no_grad():
+        cached, cached_ref = (m(input_ids=ids, use_cache=True).past_key_values for m in (model, ref))
+    for layer, layer_ref in zip(cached.layers, cached_ref.layers):
+        torch.testing.assert_close(layer.keys, layer_ref.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.values, layer_ref.values, rtol=1e-5, atol=1e-5)
+
+
+def test_training_on_top_of_a_cached_prefix_matches_unpatched():
+    """A training forward given a cache that already holds a prefix (prompt or prefix tuning):
+    attention reads the cache's keys and values, the prefix's included."""
+    ref = tiny("LlamaForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    prefix, ids = (torch.randint(0, VOCAB, (2, n), device=DEVICE) for n in (5, 7))
+    grads = []
+    for m in (ref, model):
+        with torch.no_grad():
+            cache = m(input_ids=prefix, use_cache=True).past_key_values
+        m.zero_grad(set_to_none=True)
+        loss = m(input_ids=ids, labels=ids, past_key_values=cache).loss
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}))
+    (loss_ref, grads_ref), (loss, got) = grads
+    torch.testing.assert_close(loss, loss_ref, rtol=2e-5, atol=0)
+    assert got.keys() == grads_ref.keys()
+    for n, g in grads_ref.items():
+        torch.testing.assert_close(got[n], g, rtol=2e-4, atol=2e-5, msg=n)
+
+
 # the families whose attention or RoPE differ from Llama's (the others differ in what training covers)
 ATTENTION_FAMILIES = [key for key in NEW_FAMILIES if not key.startswith(("gemma_", "arcee", "granite", "seed_oss"))]
 

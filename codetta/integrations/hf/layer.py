@@ -355,15 +355,32 @@ def _attention(attn, plan: LayerPlan, q, k, v, attention_mask, kwargs):
     kwargs = dict(kwargs)
     caches = {name: kwargs.pop(name) for name in _CACHE_NAMES if name in kwargs}
     if caches.get("cache") is not None:
-        k, v = caches["cache"].update(k, v, attn.layer_idx, kwargs=kwargs)
+        k, v = _updated_cache(caches["cache"], attn.layer_idx, k, v, kwargs=kwargs)
     elif caches.get("past_key_values") is not None:
-        k, v = caches["past_key_values"].update(k, v, attn.layer_idx)
+        k, v = _updated_cache(caches["past_key_values"], attn.layer_idx, k, v)
     modeling = plan.classes.modeling
     interface = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
                                                                modeling.eager_attention_forward)
     out, _ = interface(attn, q, k, v, attention_mask, dropout=0.0 if not attn.training else attn.attention_dropout,
                        scaling=attn.scaling, **plan.arch.attention_kwargs(attn), **kwargs)
     return out.reshape(*lead, -1)
+
+
+def _updated_cache(cache, layer_idx: int, k, v, **update_kwargs):
+    """The keys and values attention reads after the cache's update: the cache's, unless its layer
+    held nothing before and gives back states of the shape it was given, which then are k and v
+    (transformers' DynamicLayer concatenates them to an empty tensor: a copy). Attention then reads
+    k and v themselves, so that autograd saves the fused QKV output, which the op keeps for its
+    backward anyway, and not a second copy that only the cache holds once the step's outputs are
+    dropped (16 MiB a layer at Llama-3.2-1B's shape and 8192 tokens)."""
+    layers = getattr(cache, "layers", None)
+    fresh = isinstance(layers, list) and (layer_idx >= len(layers)
+                                          or getattr(layers[layer_idx], "is_initialized", True) is False)
+    k_all, v_all = cache.update(k, v, layer_idx, **update_kwargs)
+    if fresh and all(got.shape == given.shape and got.dtype == given.dtype and got.device == given.device
+                     for got, given in ((k_all, k), (v_all, v))):
+        return k, v
+    return k_all, v_all
 
 
 def attention_weights_requested() -> bool:
