@@ -26,6 +26,11 @@ if not _torch.cuda.is_available() and "TRITON_INTERPRET" not in _os.environ:
     else:
         _os.environ["TRITON_INTERPRET"] = "1"
 
+from .interpreter import interpreting as _interpreting, skip_repeated_language_patches as _skip_repeats  # noqa: E402
+
+if _interpreting():
+    _skip_repeats()
+
 from . import epilogue  # noqa: E402
 from .epilogue import EpilogueError, Program, kernel_source, run_reference  # noqa: E402
 from .matmul import Config, GemmError, explain, gemm, interleave  # noqa: E402
