@@ -799,13 +799,26 @@ def _bytes_saved_for_backward(model, ids, use_cache):
     return sum(storages.values())
 
 
+_ATTENTION_READS = []  # (q, k, v) storages' addresses per attention call
+
+
+def _attention_recording_what_it_reads(module, q, k, v, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    _ATTENTION_READS.append(tuple(t.untyped_storage().data_ptr() for t in (q, k, v)))
+    return sdpa_attention_forward(module, q, k, v, attention_mask, **kwargs)
+
+
 @pytest.mark.parametrize("key", ["llama", "mistral_sliding", "qwen3_qk_norm"])
 @pytest.mark.parametrize("rope", [True, False], ids=["qkv_rope_fused", "q_proj_called"])
 def test_the_kv_cache_of_a_training_forward_holds_no_second_copy_for_the_backward(key, rope):
-    """With the cache on in training (transformers' default), attention reads the fused QKV output
-    (kept for the op's backward anyway) or codetta.ops.apply_rope's (where q_proj is called, as
-    PEFT's), not the cache's copies of k and v: autograd keeps as many bytes as with
-    use_cache=False. The cache still holds the model's keys and values."""
+    """With the cache on in training (transformers' default), attention reads k and v where they
+    lie in q's memory (the fused QKV output; apply_rope's rotated q and k where q_proj is called,
+    as PEFT's), which it keeps for its backward anyway, and the cache's copy of the others (a
+    called v_proj's output is then not kept beside the cache's copy): autograd keeps as many bytes
+    as with use_cache=False. The cache holds the model's keys and values."""
+    transformers.AttentionInterface.register("codetta_reads", _attention_recording_what_it_reads)
+    transformers.masking_utils.AttentionMaskInterface.register("codetta_reads", transformers.masking_utils.sdpa_mask)
     name, overrides = MODELS[key]
     ref = tiny(name, **overrides)
     if not rope:
@@ -814,6 +827,12 @@ def test_the_kv_cache_of_a_training_forward_holds_no_second_copy_for_the_backwar
     model = codetta.patch(copy.deepcopy(ref))
     ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
     assert _bytes_saved_for_backward(model, ids, True) == _bytes_saved_for_backward(model, ids, False)
+    model.set_attn_implementation("codetta_reads")
+    _ATTENTION_READS.clear()
+    cache = model(input_ids=ids, labels=ids).past_key_values
+    assert len(_ATTENTION_READS) == len(cache.layers) == 2
+    for (q, k, v), layer in zip(_ATTENTION_READS, cache.layers):
+        assert k == q and v == (q if rope else layer.values.untyped_storage().data_ptr())
     with torch.no_grad():
         cached, cached_ref = (m(input_ids=ids, use_cache=True).past_key_values for m in (model, ref))
     for layer, layer_ref in zip(cached.layers, cached_ref.layers):

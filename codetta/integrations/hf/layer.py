@@ -355,9 +355,9 @@ def _attention(attn, plan: LayerPlan, q, k, v, attention_mask, kwargs):
     kwargs = dict(kwargs)
     caches = {name: kwargs.pop(name) for name in _CACHE_NAMES if name in kwargs}
     if caches.get("cache") is not None:
-        k, v = _updated_cache(caches["cache"], attn.layer_idx, k, v, kwargs=kwargs)
+        k, v = _updated_cache(caches["cache"], attn.layer_idx, q, k, v, kwargs=kwargs)
     elif caches.get("past_key_values") is not None:
-        k, v = _updated_cache(caches["past_key_values"], attn.layer_idx, k, v)
+        k, v = _updated_cache(caches["past_key_values"], attn.layer_idx, q, k, v)
     modeling = plan.classes.modeling
     interface = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
                                                                modeling.eager_attention_forward)
@@ -366,21 +366,28 @@ def _attention(attn, plan: LayerPlan, q, k, v, attention_mask, kwargs):
     return out.reshape(*lead, -1)
 
 
-def _updated_cache(cache, layer_idx: int, k, v, **update_kwargs):
-    """The keys and values attention reads after the cache's update: the cache's, unless its layer
-    held nothing before and gives back states of the shape it was given, which then are k and v
-    (transformers' DynamicLayer concatenates them to an empty tensor: a copy). Attention then reads
-    k and v themselves, so that autograd saves the fused QKV output, which the op keeps for its
-    backward anyway, and not a second copy that only the cache holds once the step's outputs are
-    dropped (16 MiB a layer at Llama-3.2-1B's shape and 8192 tokens)."""
+def _updated_cache(cache, layer_idx: int, q, k, v, **update_kwargs):
+    """The keys and values attention reads after the cache's update: the cache's, except where the
+    cache's layer held nothing before (it then gives back copies of k and v, transformers'
+    DynamicLayer concatenating them to an empty tensor) and k or v lies in q's memory (the fused
+    QKV output, apply_rope's rotated q and k): attention keeps q, and with it that memory, for its
+    backward anyway, and reading k or v there instead of the cache's copy keeps no second copy for
+    the backward once the step's outputs, and with them the cache, are dropped (16 MiB a layer at
+    Llama-3.2-1B's shape and 8192 tokens). A k or v of a memory of its own (a called v_proj's
+    output) is read from the cache, which holds that copy anyway. Under torch.compile, the cache's."""
     layers = getattr(cache, "layers", None)
-    fresh = isinstance(layers, list) and (layer_idx >= len(layers)
-                                          or getattr(layers[layer_idx], "is_initialized", True) is False)
+    fresh = isinstance(layers, list) and not torch.compiler.is_compiling() and (
+        layer_idx >= len(layers) or getattr(layers[layer_idx], "is_initialized", True) is False)
     k_all, v_all = cache.update(k, v, layer_idx, **update_kwargs)
-    if fresh and all(got.shape == given.shape and got.dtype == given.dtype and got.device == given.device
-                     for got, given in ((k_all, k), (v_all, v))):
-        return k, v
-    return k_all, v_all
+    if not fresh:
+        return k_all, v_all
+    kept = q.untyped_storage().data_ptr()
+
+    def read(given, copy):
+        same = copy.shape == given.shape and copy.dtype == given.dtype and copy.device == given.device
+        return given if same and given.untyped_storage().data_ptr() == kept else copy
+
+    return read(k, k_all), read(v, v_all)
 
 
 def attention_weights_requested() -> bool:
