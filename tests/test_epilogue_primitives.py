@@ -7,6 +7,7 @@ against something neither of them is. Shapes are odd (no multiple of any tile).
 
 import functools
 import math
+import re
 from fractions import Fraction
 
 import numpy as np
@@ -159,6 +160,19 @@ def test_numeric_constants_of_any_real_type():
         p.acc * 10**400
     with pytest.raises(ep.EpilogueError, match=r"\.eq\(\)"):
         ep.where(p.acc == 0, p.acc, 1.0)
+
+
+@pytest.mark.parametrize("spelled, apply, instead", [
+    ("x ** y", lambda x: x ** 2, "square"), ("x ** y", lambda x: 2 ** x, "exp"),
+    ("x // y", lambda x: x // 2, "floor"), ("x // y", lambda x: 2 // x, "floor"),
+    ("x % y", lambda x: x % 2, "floor"), ("x % y", lambda x: 2 % x, "floor"),
+    ("round(x)", round, "round_to"), ("math.floor", math.floor, "floor"), ("math.floor", math.ceil, "floor"),
+    ("math.floor", math.trunc, "floor"),
+], ids=["pow", "rpow", "floordiv", "rfloordiv", "mod", "rmod", "round", "floor", "ceil", "trunc"])
+def test_python_operators_without_an_epilogue_operation_are_refused_naming_the_program(spelled, apply, instead):
+    p = ep.Program("no_such_operation")
+    with pytest.raises(ep.EpilogueError, match=rf"'no_such_operation'.*{re.escape(spelled)}.*{instead}"):
+        apply(p.acc)
 
 
 def test_constants_are_fp32_as_in_the_reference():

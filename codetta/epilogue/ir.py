@@ -77,6 +77,15 @@ def _is_name(name) -> bool:
     return isinstance(name, str) and name.isascii() and name.isidentifier()
 
 
+def _no_operation(spelled: str, instead: str):
+    """An operator of Python's that the language has no operation for: an EpilogueError naming the
+    program and what to write instead (Python's own TypeError would name neither)."""
+    def refuse(self, *args):
+        raise EpilogueError(f"program {self.program.name!r}: {spelled} is no epilogue operation; use {instead}")
+
+    return refuse
+
+
 class Expr:
     """One node of an epilogue expression graph (immutable; shared subexpressions are reused)."""
 
@@ -154,6 +163,13 @@ class Expr:
         )
 
     __hash__ = object.__hash__
+
+    __pow__ = __rpow__ = _no_operation("x ** y", "square(x), sqrt(x), rsqrt(x) or exp(y * log(x))")
+    __floordiv__ = __rfloordiv__ = _no_operation("x // y", "floor(x / y)")
+    __mod__ = __rmod__ = _no_operation("x % y", "x - y * floor(x / y)")
+    __round__ = _no_operation("round(x)", "floor(x + 0.5), or round_to(x, dtype) for a dtype's rounding")
+    __floor__ = __trunc__ = __ceil__ = _no_operation("math.floor, trunc or ceil of x",
+                                                     "codetta.epilogue.floor(x) (ceil(x) = -floor(-x))")
 
     def eq(self, o):
         return _binary("eq", self, o)
