@@ -94,28 +94,30 @@ def test_linear_residual_with_next_norm_statistics(n, nth_candidate):
     assert chosen
 
 
-@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("variant", ["plain", "bias", "bias_qk_norm"])
 @pytest.mark.parametrize("n", range(MAX_CANDIDATES))
-def test_rmsnorm_qkv_rope(n, qk_norm, nth_candidate):
+def test_rmsnorm_qkv_rope(n, variant, nth_candidate):
+    """q, k and v stored per part of B; the backward reads them back (plain), or not (bias, QK-norm)."""
     chosen = nth_candidate(n)
     positions = torch.randint(0, 70000, (M,), device=DEVICE)
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, HEAD, 2, device=DEVICE).float() / HEAD))
-    extra = [norm_weight(HEAD), norm_weight(HEAD)] if qk_norm else []
-
-    def fused(x, g, wq, wk, wv, bq, bk, bv, *qk):
-        qk = dict(q_norm_weight=qk[0], k_norm_weight=qk[1], qk_norm_eps=EPS) if qk else {}
-        return ops.rmsnorm_qkv_rope(x, g, wq, wk, wv, positions, inv_freq, head_dim=HEAD, bias=(bq, bk, bv), eps=EPS,
-                                    **qk)
-
-    def reference(x, g, wq, wk, wv, bq, bk, bv, *qk):
-        qk = dict(q_norm_weight=qk[0], k_norm_weight=qk[1], qk_norm_eps=EPS) if qk else {}
-        return rmsnorm_qkv_rope_reference(x, g, wq, wk, wv, positions, inv_freq, head_dim=HEAD, bias=(bq, bk, bv),
-                                          eps=EPS, **qk)
-
     s = D**-0.5
+    extra = [param(HQ * HEAD), param(HKV * HEAD), param(HKV * HEAD)] if variant != "plain" else []
+    extra += [norm_weight(HEAD), norm_weight(HEAD)] if variant == "bias_qk_norm" else []
+
+    def keywords(extra):
+        return dict(bias=tuple(extra[:3]) or None, **(dict(q_norm_weight=extra[3], k_norm_weight=extra[4],
+                                                                qk_norm_eps=EPS) if len(extra) > 3 else {}))
+
+    def fused(x, g, wq, wk, wv, *extra):
+        return ops.rmsnorm_qkv_rope(x, g, wq, wk, wv, positions, inv_freq, head_dim=HEAD, eps=EPS, **keywords(extra))
+
+    def reference(x, g, wq, wk, wv, *extra):
+        return rmsnorm_qkv_rope_reference(x, g, wq, wk, wv, positions, inv_freq, head_dim=HEAD, eps=EPS,
+                                          **keywords(extra))
+
     check(fused, reference, [param(M, D), norm_weight(), param(HQ * HEAD, D, scale=s), param(HKV * HEAD, D, scale=s),
-                             param(HKV * HEAD, D, scale=s), param(HQ * HEAD), param(HKV * HEAD), param(HKV * HEAD),
-                             *extra])
+                             param(HKV * HEAD, D, scale=s), *extra])
     assert chosen
 
 

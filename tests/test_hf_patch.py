@@ -784,8 +784,9 @@ def test_logits_without_labels_and_generate():
     assert torch.equal(out, out_ref)
 
 
-def _bytes_saved_for_backward(model, ids, use_cache):
-    """The bytes of the distinct storages autograd keeps for the backward of one training forward."""
+def _bytes_held_after_forward(model, ids, use_cache):
+    """(the bytes of the distinct storages autograd keeps for the backward of one training forward,
+    the bytes of those the returned KV cache holds besides), and the cache."""
     storages = {}
 
     def pack(t):
@@ -795,8 +796,10 @@ def _bytes_saved_for_backward(model, ids, use_cache):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(input_ids=ids, labels=ids, use_cache=use_cache)
     assert (out.past_key_values is not None) == use_cache
+    cached = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+              for layer in (out.past_key_values.layers if use_cache else []) for t in (layer.keys, layer.values)}
     out.loss.backward()
-    return sum(storages.values())
+    return sum(storages.values()), sum(n for ptr, n in cached.items() if ptr not in storages), out.past_key_values
 
 
 _ATTENTION_READS = []  # (q, k, v) storages' addresses per attention call
@@ -811,12 +814,15 @@ def _attention_recording_what_it_reads(module, q, k, v, attention_mask, **kwargs
 
 @pytest.mark.parametrize("key", ["llama", "mistral_sliding", "qwen3_qk_norm"])
 @pytest.mark.parametrize("rope", [True, False], ids=["qkv_rope_fused", "q_proj_called"])
-def test_the_kv_cache_of_a_training_forward_holds_no_second_copy_for_the_backward(key, rope):
-    """With the cache on in training (transformers' default), attention reads k and v where they
-    lie in q's memory (the fused QKV output; apply_rope's rotated q and k where q_proj is called,
-    as PEFT's), which it keeps for its backward anyway, and the cache's copy of the others (a
-    called v_proj's output is then not kept beside the cache's copy): autograd keeps as many bytes
-    as with use_cache=False. The cache holds the model's keys and values."""
+def test_the_kv_cache_of_a_training_forward_holds_no_second_copy(key, rope):
+    """With the cache on in training (transformers' default): a fresh DynamicLayer holds the k and
+    v that lie in allocations of their own (the fused QKV GEMM's; a called v_proj's output)
+    themselves, not copies, and attention reads them; other caches (sliding windows) copy, and
+    attention reads the given k and v where autograd keeps them anyway (the fused op saves them;
+    apply_rope's rotated q and k lie in q's memory, which attention keeps), else the cache's copy
+    (a called v_proj's output is then not kept beside it). So autograd keeps as many bytes as
+    with use_cache=False, and the cache holds nothing more than the copies it could not avoid.
+    The cache holds the model's keys and values."""
     transformers.AttentionInterface.register("codetta_reads", _attention_recording_what_it_reads)
     transformers.masking_utils.AttentionMaskInterface.register("codetta_reads", transformers.masking_utils.sdpa_mask)
     name, overrides = MODELS[key]
@@ -826,13 +832,25 @@ def test_the_kv_cache_of_a_training_forward_holds_no_second_copy_for_the_backwar
             _wrap(ref, f"model.layers.{i}.self_attn.q_proj", LoraLike)
     model = codetta.patch(copy.deepcopy(ref))
     ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
-    assert _bytes_saved_for_backward(model, ids, True) == _bytes_saved_for_backward(model, ids, False)
+    saved, cache_only, cache = _bytes_held_after_forward(model, ids, True)
+    assert saved == _bytes_held_after_forward(model, ids, False)[0]
+    sliding = key == "mistral_sliding"
+    k_bytes = sum(layer.keys.untyped_storage().nbytes() for layer in cache.layers)  # as many as v's (a sliding
+    # window's keys: a slice of the whole update's)
+    # a sliding window's layer copies k and v (attention reads the given, or, as for a called v_proj,
+    # repeats the copy per query head under its mask); a DynamicLayer copies apply_rope's k (in q's memory)
+    assert cache_only == (2 * k_bytes if sliding else 0 if rope else k_bytes)
     model.set_attn_implementation("codetta_reads")
     _ATTENTION_READS.clear()
     cache = model(input_ids=ids, labels=ids).past_key_values
     assert len(_ATTENTION_READS) == len(cache.layers) == 2
     for (q, k, v), layer in zip(_ATTENTION_READS, cache.layers):
-        assert k == q and v == (q if rope else layer.values.untyped_storage().data_ptr())
+        held = layer.keys.untyped_storage().data_ptr(), layer.values.untyped_storage().data_ptr()
+        if rope:  # q, k, v apart; the cache's own where it holds them, else the op's
+            assert len({q, k, v}) == 3 and (k, v) != (held if sliding else (None, None))
+            assert sliding or (k, v) == held
+        else:  # k in q's memory (apply_rope); v_proj's output: the cache's, or its own held by the cache
+            assert k == q and v == held[1]
     with torch.no_grad():
         cached, cached_ref = (m(input_ids=ids, use_cache=True).past_key_values for m in (model, ref))
     for layer, layer_ref in zip(cached.layers, cached_ref.layers):

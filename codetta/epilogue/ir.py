@@ -62,6 +62,7 @@ COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
 LOGICAL = ("and", "or", "not")
 
 STORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_B_PARTS = 4  # B parts codetta.gemm reads as one without a copy (and a store per part writes)
 # The parameters of codetta.gemm other than the operands: no operand (nor accumulating store,
 # whose tensor is passed as an operand) may take their names.
 GEMM_PARAMETERS = ("a", "b", "epilogue", "out", "config", "finish")
@@ -401,7 +402,8 @@ class Output:
     """Something a program writes.
 
     kind 'store': a tile [M, width] cast to ``dtype`` (None: the GEMM's input dtype),
-    added into an existing tensor when ``accumulate``.
+    added into an existing tensor when ``accumulate``; ``per_b_part``: written as one tensor
+    per part of B along N (part i's columns, [M, N_i], in an allocation of its own).
     kind 'row_sum' / 'row_max' / 'row_logsumexp': a reduction over the columns, fp32,
     [M] or [M, width / segment] per segment.
     kind 'col_sum': a reduction over the rows, fp32, [width].
@@ -413,6 +415,7 @@ class Output:
     dtype: torch.dtype | None = None
     accumulate: bool = False
     segment: int | None = None
+    per_b_part: bool = False
 
     @property
     def width(self):
@@ -555,11 +558,17 @@ class Program:
             )
         self.outputs[out.name] = out
 
-    def store(self, name, value, dtype=None, accumulate=False):
+    def store(self, name, value, dtype=None, accumulate=False, per_b_part=False):
         """Write ``value`` as an [M, width] tensor of ``dtype`` (None: the inputs' dtype).
 
         With ``accumulate=True`` the caller passes the existing tensor under ``name``
         and the program adds into it (out = out + value, in fp32, then rounded).
+
+        With ``per_b_part=True`` the columns of each part of B (``gemm(a, [b0, b1, ...])``,
+        parts [K, N_i] along N) go to a tensor of their own, [M, N_i] each, and the call
+        returns the tuple of them: e.g. q, k and v of a QKV projection in three allocations,
+        which their users can keep or free one by one (a KV cache holds k and v, not q).
+        For a value over all N columns, not accumulated.
         """
         if dtype is not None and dtype not in STORE_DTYPES:
             raise EpilogueError(f"program {self.name!r}: store dtype must be one of {STORE_DTYPES}, got {dtype}")
@@ -568,7 +577,12 @@ class Program:
         if accumulate and name in GEMM_PARAMETERS:  # its tensor is passed to codetta.gemm by this name
             raise EpilogueError(f"program {self.name!r}: an accumulating store cannot be named {name!r} "
                                 "(a parameter of codetta.gemm)")
-        self._output(Output(name, "store", value, dtype=dtype, accumulate=bool(accumulate)))
+        if not isinstance(per_b_part, bool):
+            raise EpilogueError(f"program {self.name!r}: per_b_part must be a bool, got {per_b_part!r}")
+        if per_b_part and (accumulate or getattr(value, "width", None) is not FULL):
+            raise EpilogueError(f"program {self.name!r}: store {name!r} per_b_part needs a value over all N columns "
+                                "(not over column pairs), not accumulated")
+        self._output(Output(name, "store", value, dtype=dtype, accumulate=accumulate, per_b_part=per_b_part))
 
     def _row_reduction(self, kind, name, value, segment):
         if segment is not None:
@@ -664,7 +678,8 @@ class Program:
         for i, n in enumerate(self.nodes()):
             parts.append(f"{i}:{n.op}:{[index[id(a)] for a in n.args]}:{n.attrs!r}")
         for o in sorted(self.outputs.values(), key=lambda o: o.name):
-            parts.append(f"out:{o.name}:{o.kind}:{index[id(o.value)]}:{o.dtype}:{o.accumulate}:{o.segment}")
+            parts.append(f"out:{o.name}:{o.kind}:{index[id(o.value)]}:{o.dtype}:{o.accumulate}:{o.segment}"
+                         + (":per_b_part" if o.per_b_part else ""))
         for o in sorted(self.operands.values(), key=lambda o: o.name):
             parts.append(f"in:{o}")
         return hashlib.sha256(("\n".join(parts)).encode()).hexdigest()[:16]

@@ -117,7 +117,8 @@ def run_reference(program: Program, a, b, operands, compute_dtype=torch.float32)
     a: [..., M, K] (leading dims flattened into M); b: [K, N], a list of [K, N_i]
     concatenated along N or of [K_i, N] along K, or ``interleave(b0, b1)``;
     operands: name -> tensor or number (and, for accumulating stores, the tensor to add into).
-    Returns name -> output tensor, shaped as codetta.gemm returns it; an accumulating store's
+    Returns name -> output tensor, shaped as codetta.gemm returns it (a store per part of B: a
+    tuple of tensors, one per part); an accumulating store's
     result is a new tensor (prior + value: the operand is left as it was, where codetta.gemm
     adds into it in place).
     """
@@ -127,7 +128,7 @@ def run_reference(program: Program, a, b, operands, compute_dtype=torch.float32)
         raise EpilogueError(f"run_reference: compute_dtype must be a floating point dtype (torch.float32 like "
                             f"the kernels, torch.float64), got {compute_dtype}")
     operands = dict(operands)
-    Call(a, b, program, operands, {}, for_kernel=False)  # the checks codetta.gemm makes, on any device
+    call = Call(a, b, program, operands, {}, for_kernel=False)  # the checks codetta.gemm makes, on any device
     cd = compute_dtype
     lead = tuple(a.shape[:-1])
     acc = a.reshape(math.prod(lead), a.shape[-1]).to(cd) @ _b_matrix(b, a.shape[-1], cd)
@@ -196,7 +197,12 @@ def run_reference(program: Program, a, b, operands, compute_dtype=torch.float32)
             dtype = out.dtype or a.dtype
             if out.accumulate:
                 tile = operands[out.name].to(cd).reshape(m, w) + tile
-            results[out.name] = tile.to(dtype).reshape(*lead, w)
+            stored = tile.to(dtype)
+            if out.per_b_part:  # one tensor per part of B along N
+                results[out.name] = tuple(stored[:, start:end].reshape(*lead, end - start).clone()
+                                          for start, end in zip(call.starts, call.ends))
+            else:
+                results[out.name] = stored.reshape(*lead, w)
         elif out.kind == "col_sum":
             results[out.name] = tile.sum(0).float()
         else:

@@ -20,9 +20,10 @@ is what the RMSNorm backward needs (with s, qkv . dqkv = z . dz too, since qkv =
 and dz = s R^T dqkv).
 
 dqkv may come in parts along the columns (dq, dk, dv as autograd hands them back, each
-[M, N_i] with a row stride of its own, whole heads each): the kernel reads each column from
-its part, so that they need not be concatenated into one [M, N] tensor first (a read and a
-write of all of dqkv).
+[M, N_i] with a row stride of its own, whole heads each), and so may qkv (q, k and v as the
+QKV GEMM stores them, in allocations of their own): the kernel reads each column from its
+part, so that they need not be concatenated into one [M, N] tensor first (a read and a
+write of all of them).
 
 A program takes a block of rows and a group of consecutive heads, loads the block's rows of
 the tables once and rotates each head of the group in turn: the first R columns of a head as
@@ -58,15 +59,26 @@ INTERPRET_BLOCK = (16, 4, 4)
 
 
 @triton.jit
+def _head_in_parts(start, rows64, p0, p1, p2, s0, s1, s2, end0, end1):
+    """The pointers to column ``start`` of the given rows in a tensor held in three parts along
+    the columns, [0, end0), [end0, end1) and [end1, ...) (whole heads each)."""
+    in_first, in_second = start < end0, start < end1
+    base = tl.where(in_first, p0, tl.where(in_second, p1, p2))
+    stride = tl.where(in_first, s0, tl.where(in_second, s1, s2))
+    return base + rows64 * stride + start - tl.where(in_first, 0, tl.where(in_second, end0, end1))
+
+
+@triton.jit
 def _rotate_kernel(
-    dqkv0, dqkv1, dqkv2, qkv, cos, sin, dz, zdz_part,
-    M, n_heads, n_rotated_heads, end0, end1,
-    s_dqkv0, s_dqkv1, s_dqkv2, s_qkv, s_table, s_dz, s_part,
+    dqkv0, dqkv1, dqkv2, qkv0, qkv1, qkv2, cos, sin, dz, zdz_part,
+    M, n_heads, n_rotated_heads, end0, end1, qkv_end0, qkv_end1,
+    s_dqkv0, s_dqkv1, s_dqkv2, s_qkv0, s_qkv1, s_qkv2, s_table, s_dz, s_part,
     HEAD_DIM: tl.constexpr, HALF_R: tl.constexpr, HALF_P: tl.constexpr, REST_P: tl.constexpr,
     INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, HEADS: tl.constexpr, TRANSPOSED: tl.constexpr,
     WITH_ZDZ: tl.constexpr, EMULATE_RNE: tl.constexpr,
 ):
-    """dqkv in three parts: columns [0, end0), [end0, end1), [end1, n_heads D), whole heads each.
+    """dqkv in three parts: columns [0, end0), [end0, end1), [end1, n_heads D), whole heads each;
+    qkv likewise, split at qkv_end0 and qkv_end1.
     HALF_P: R/2 rounded up to a power of two; REST_P: D - R so rounded (0 when R = D)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = (rows < M)[:, None]
@@ -85,11 +97,7 @@ def _rotate_kernel(
         head = tl.program_id(1) * HEADS + i
         if head < n_heads:
             start = head * HEAD_DIM
-            in_first, in_second = start < end0, start < end1
-            base = tl.where(in_first, dqkv0, tl.where(in_second, dqkv1, dqkv2))
-            stride = tl.where(in_first, s_dqkv0, tl.where(in_second, s_dqkv1, s_dqkv2))
-            col = start - tl.where(in_first, 0, tl.where(in_second, end0, end1))
-            src = base + rows64 * stride + col
+            src = _head_in_parts(start, rows64, dqkv0, dqkv1, dqkv2, s_dqkv0, s_dqkv1, s_dqkv2, end0, end1)
             out = dz + rows64 * s_dz + start
             if INTERLEAVED:
                 d = tl.load(src + block, mask=block_ok, other=0.0).to(tl.float32)
@@ -107,7 +115,7 @@ def _rotate_kernel(
             else:
                 tl.store(out + t, cast(o1, out_ty, EMULATE_RNE), mask=pair_ok)
                 tl.store(out + HALF_R + t, cast(o2, out_ty, EMULATE_RNE), mask=pair_ok)
-            qkv_head = qkv + rows64 * s_qkv + start
+            qkv_head = _head_in_parts(start, rows64, qkv0, qkv1, qkv2, s_qkv0, s_qkv1, s_qkv2, qkv_end0, qkv_end1)
             if WITH_ZDZ:
                 if INTERLEAVED:
                     z = tl.load(qkv_head + block, mask=block_ok, other=0.0).to(tl.float32)
@@ -128,11 +136,23 @@ def _rotate_kernel(
         tl.store(zdz_part + rows.to(tl.int64) * s_part + tl.program_id(1), partial, mask=rows < M)
 
 
-def rotate(dqkv: torch.Tensor | list[torch.Tensor], qkv: Optional[torch.Tensor], cos: torch.Tensor,
+def _in_parts(t: torch.Tensor | list[torch.Tensor], what: str) -> tuple[list[torch.Tensor], list[int]]:
+    """(up to three parts along the columns, each read with unit column stride, padded to three by
+    repeating the last; where each part's columns end, likewise padded) of a tensor or its parts."""
+    parts = [p if p.stride(1) == 1 else p.contiguous() for p in (t if isinstance(t, list) else [t])]
+    if not 1 <= len(parts) <= 3 or any(p.shape[0] != parts[0].shape[0] or p.dtype != parts[0].dtype for p in parts):
+        raise ValueError(f"{what} must be a tensor or up to three parts of one dtype and row count, got "
+                         f"{[(tuple(p.shape), p.dtype) for p in parts]}")
+    ends = list(itertools.accumulate(p.shape[1] for p in parts))
+    return parts + [parts[-1]] * (3 - len(parts)), ends + [ends[-1]] * (3 - len(ends))
+
+
+def rotate(dqkv: torch.Tensor | list[torch.Tensor], qkv: torch.Tensor | list[torch.Tensor] | None, cos: torch.Tensor,
            sin: torch.Tensor, *, n_rotated: int, head_dim: int, interleaved: bool = False,
            transposed: bool = True, block: Optional[tuple] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(dz [M, N] in dqkv's dtype, zdz [M] fp32) from dqkv [M, N], or its parts along the columns
-    (at most three, whole heads each: [dq, dk, dv]), qkv [M, N] and the tables cos, sin [M, R/2]
+    (at most three, whole heads each: [dq, dk, dv]), qkv [M, N] (or its parts, whole heads each:
+    [q, k, v]) and the tables cos, sin [M, R/2]
     fp32 (attention scaling included); see the module docstring. With ``qkv=None`` only dz is
     computed (zdz is None). ``interleaved``: the rotated pairs are adjacent columns.
     ``transposed=False``: the forward rotation instead (RoPE itself: dqkv is then z, dz the
@@ -140,19 +160,16 @@ def rotate(dqkv: torch.Tensor | list[torch.Tensor], qkv: Optional[torch.Tensor],
     GPU_BLOCK (for benchmarks)."""
     if not transposed and qkv is not None:
         raise ValueError("zdz (qkv given) comes with the transposed rotation only")
-    parts = [t if t.stride(1) == 1 else t.contiguous() for t in (dqkv if isinstance(dqkv, list) else [dqkv])]
-    if not 1 <= len(parts) <= 3 or any(t.shape[0] != parts[0].shape[0] or t.dtype != parts[0].dtype for t in parts):
-        raise ValueError(f"dqkv must be a tensor or up to three parts of one dtype and row count, got "
-                         f"{[(tuple(t.shape), t.dtype) for t in parts]}")
+    parts, ends = _in_parts(dqkv, "dqkv")
+    with_zdz = qkv is not None
+    qkv_parts, qkv_ends = _in_parts(qkv, "qkv") if with_zdz else (parts, ends)
     half_r = cos.shape[1]
-    if not 0 < 2 * half_r <= head_dim or any(t.shape[1] % head_dim for t in parts) or n_rotated % head_dim:
+    if not 0 < 2 * half_r <= head_dim or any(t.shape[1] % head_dim for t in parts + qkv_parts) or n_rotated % head_dim:
         raise ValueError(f"the rotary dims {2 * half_r} must be at most head_dim {head_dim}, and the parts "
                          f"{[t.shape[1] for t in parts]} and the {n_rotated} rotated columns whole heads")
-    ends = list(itertools.accumulate(t.shape[1] for t in parts))  # where each part's columns end
-    parts += [parts[-1]] * (3 - len(parts))
-    ends += [ends[-1]] * (3 - len(ends))
-    with_zdz = qkv is not None
-    qkv = (qkv if qkv.stride(1) == 1 else qkv.contiguous()) if with_zdz else parts[0]
+    if qkv_ends[-1] != ends[-1] or qkv_parts[0].shape[0] != parts[0].shape[0]:
+        raise ValueError(f"qkv has {qkv_ends[-1]} columns and {qkv_parts[0].shape[0]} rows, dqkv {ends[-1]} and "
+                         f"{parts[0].shape[0]}")
     m, n = parts[0].shape[0], ends[-1]
     block_m, heads, warps = block or (INTERPRET_BLOCK if interpreting() else GPU_BLOCK)
     grid = (cdiv(m, block_m), cdiv(n // head_dim, heads))
@@ -161,8 +178,9 @@ def rotate(dqkv: torch.Tensor | list[torch.Tensor], qkv: Optional[torch.Tensor],
     rest = head_dim - 2 * half_r
     if m and n:
         launch(_rotate_kernel, grid,
-            *parts, qkv, cos, sin, dz, part, m, n // head_dim, n_rotated // head_dim, ends[0], ends[1],
-            *(t.stride(0) for t in parts), qkv.stride(0), cos.stride(0), dz.stride(0), part.stride(0),
+            *parts, *qkv_parts, cos, sin, dz, part, m, n // head_dim, n_rotated // head_dim, ends[0], ends[1],
+            qkv_ends[0], qkv_ends[1], *(t.stride(0) for t in parts + qkv_parts), cos.stride(0), dz.stride(0),
+            part.stride(0),
             HEAD_DIM=head_dim, HALF_R=half_r, HALF_P=next_power_of_2(half_r),
             REST_P=next_power_of_2(rest) if rest else 0, INTERLEAVED=interleaved, BLOCK_M=block_m,
             HEADS=heads, TRANSPOSED=transposed, WITH_ZDZ=with_zdz, EMULATE_RNE=interpreting(), num_warps=warps,

@@ -66,9 +66,13 @@ def compile_gemm(program: Program, path: str, config: Config, *, dtype: torch.dt
         sig["a"] = f"*{elem}"
         sig.update({f"b{i}": f"*{elem}" for i in range(num_b)})
     sig.update(stride_a0="i32", stride_a1="i32", stride_b0=parts, stride_b1=parts)
+    unused = {}  # a store per part of B: the arguments of the parts past num_b are None
     for name, kind in kernel_args(program, path):
-        sig[name] = _argument_type(program, name, kind, elem, cfg)
-    constexprs = dict(BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, STAGES=cfg.STAGES,
+        if kind in ("part", "part_desc") and int(name[-1]) >= num_b:
+            unused[name] = None
+        else:
+            sig[name] = _argument_type(program, name, kind, elem, cfg)
+    constexprs = dict(unused,BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_M=cfg.GROUP_M, STAGES=cfg.STAGES,
                       EPI_SPLIT=cfg.EPI_SPLIT, FLATTEN=cfg.FLATTEN and tma and one_k_loop(b_parts, num_b), NUM_B=num_b,
                       B_PARTS=b_parts, A_KM=a_km, B_KN=b_kn, INTERPRET=False,
                       PRECISION="ieee" if dtype == torch.float32 else "tf32",
@@ -87,17 +91,19 @@ def _argument_type(program, name, kind, elem, cfg):
         return "*fp32"
     if kind == "scalar":
         return "fp32"
+    per_part = base in program.outputs and program.outputs[base].per_b_part
     if kind == "stride":
-        return "i32"
+        return ("i32",) * MAX_B_PARTS if per_part else "i32"
     if kind == "aux":
         return f"*{elem}"
-    if kind == "out":
+    if kind in ("out", "part"):
         return f"*{_output_type(program, base, elem)}"
     if kind == "table_desc":
         return _descriptor("fp32", [cfg.BM, program.operands[base].period])
-    owner = program.outputs[base] if kind == "out_desc" else program.operands[base]
+    stored = kind in ("out_desc", "part_desc")
+    owner = program.outputs[base] if stored else program.operands[base]
     width = cfg.epilogue_bn if owner.width is FULL else cfg.epilogue_bn // 2
-    return _descriptor(_output_type(program, base, elem) if kind == "out_desc" else elem, [cfg.BM, width])
+    return _descriptor(_output_type(program, base, elem) if stored else elem, [cfg.BM, width])
 
 
 def _output_type(program, name, elem):

@@ -11,12 +11,11 @@ import numbers
 
 import torch
 
-from ..epilogue.ir import FULL, HALF, EpilogueError, Program
+from ..epilogue.ir import FULL, HALF, MAX_B_PARTS, EpilogueError, Program
 from ..interpreter import interpreter_problem, interpreting
 from .memory import overlaps_itself
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the kernels compute in
-MAX_B_PARTS = 4  # B parts read as one without a copy
 
 
 class GemmError(ValueError):
@@ -136,6 +135,7 @@ class Call:
         self.starts = tuple(int(sum(sizes[:i])) for i in range(len(parts)))
         self.ends = tuple(int(sum(sizes[: i + 1])) for i in range(len(parts)))
         self._check_segments()
+        self._check_per_b_part()
         self.operands = self._check_operands(operands)
         self.given = operands  # as passed: an accumulating store returns the caller's tensor, in its shape
         self.user_out = self._check_out(out or {})
@@ -156,6 +156,13 @@ class Call:
                     f"program {p.name!r} uses segments of {seg} columns but its {width.value} width "
                     f"{self.width(width)} is no multiple of {seg}"
                 )
+
+    def _check_per_b_part(self):
+        split = [o.name for o in self.program.outputs.values() if o.per_b_part]
+        if split and self.b_parts != "n":
+            given = "interleaved" if self.b_parts == "interleave" else "parts along K"
+            raise EpilogueError(f"program {self.program.name!r} stores {split[0]!r} per part of B, which needs b as "
+                                f"one tensor or parts [K, N_i] along N, not {given}")
 
     def describe_operand(self, name: str) -> str:
         return f"operand {name!r} of program {self.program.name!r}"
@@ -229,6 +236,9 @@ class Call:
             o = p.outputs.get(name)
             if o is None or (o.kind == "store" and o.accumulate):
                 raise EpilogueError(f"program {p.name!r} has no output {name!r} to write into")
+            if o.per_b_part:
+                raise EpilogueError(f"out[{name!r}] of program {p.name!r}: a store per part of B is allocated by the "
+                                    "call (one tensor per part), not given")
             check_tensor(t, f"out[{name!r}]", self.device)
             shape, dtype = self.output_shape(o), self.output_dtype(o)
             if t.dtype != dtype:
@@ -242,6 +252,10 @@ class Call:
                 rows_view(t, shape[-1], what)  # written as [M, width] rows: a clear error if it cannot be
             checked[name] = t
         return checked
+
+    def part_shapes(self, o) -> list[tuple]:
+        """The shapes of the tensors a store per part of B writes: [..., N_i] each."""
+        return [(*self.lead, end - start) for start, end in zip(self.starts, self.ends)]
 
     def output_shape(self, o):
         n = self.width(o.width)

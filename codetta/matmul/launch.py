@@ -70,7 +70,7 @@ def gemm(a, b, epilogue: Program | None = None, *, out=None, config=None, finish
     program = epilogue if epilogue is not None else _plain_program()
     out = _outputs_given(out, epilogue)
     finish = _finishers(finish, program)
-    b = _without_empty_parts(b)
+    given_b, b = b, _without_empty_parts(b)
     _warn_if_differentiable(a, b, operands)
     written = _checked_writes(program, a, b, operands, out)
     with on_device(a):  # tuning and launches on a's GPU, whichever is current
@@ -80,7 +80,7 @@ def gemm(a, b, epilogue: Program | None = None, *, out=None, config=None, finish
         else:
             results = plan.execute(a, b, operands, out, finish)
     count_writes(written)
-    return results["out"] if epilogue is None else results
+    return results["out"] if epilogue is None else _with_empty_parts(results, program, given_b, b)
 
 
 def _checked_writes(program, a, b, operands, out):
@@ -131,6 +131,19 @@ def _warn_if_differentiable(a, b, operands):
                       stacklevel=3)
 
 
+def _with_empty_parts(results, program, given_b, b):
+    """The results with an empty tensor, in its place, for each part of B that
+    :func:`_without_empty_parts` left out, in the stores per part of B."""
+    if b is given_b:
+        return results
+    for o in program.outputs.values():
+        if o.per_b_part:
+            kept, first = iter(results[o.name]), results[o.name][0]
+            results[o.name] = tuple(next(kept) if t.numel() else first.new_empty(*first.shape[:-1], 0)
+                                    for t in given_b)
+    return results
+
+
 def _without_empty_parts(b):
     """A list of B parts without those that hold no element (a [K, 0] part along N, a [0, N] part
     along K: they add nothing, and no TMA descriptor takes them); as given when all or none do."""
@@ -154,6 +167,9 @@ def _trivial(call, finish):
         shape, dtype = call.output_shape(o), call.output_dtype(o)
         if o.kind == "store" and o.accumulate:
             results[o.name] = call.given[o.name]
+            continue
+        if o.per_b_part:
+            results[o.name] = tuple(torch.empty(s, device=call.device, dtype=dtype) for s in call.part_shapes(o))
             continue
         t = call.user_out.get(o.name)
         if t is None:

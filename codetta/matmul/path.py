@@ -129,7 +129,8 @@ def tiles_tma_ok(call):
         user = call.operands.get(o.name) if o.accumulate else call.user_out.get(o.name)
         if user is not None:
             tiles.append(call.operands[o.name] if o.accumulate else rows_view(user, user.shape[-1], o.name))
-        elif call.output_shape(o)[-1] * call.output_dtype(o).itemsize % 16:
+        elif any(shape[-1] * call.output_dtype(o).itemsize % 16
+                 for shape in (call.part_shapes(o) if o.per_b_part else [call.output_shape(o)])):
             return False
     return all(tma_ok(t) for t in tiles)
 

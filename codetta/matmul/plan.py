@@ -76,11 +76,15 @@ class Plan:
                    for name, value in c.operands.items()}
         self.prepare = [(name, prep) for name, prep in prepare.items() if prep is not None]  # the others as given
         self.accumulate = accum
-        written = [o for o in p.outputs.values() if (o.kind == "store" and not o.accumulate) or o.segment]
+        written = [o for o in p.outputs.values()
+                   if (o.kind == "store" and not o.accumulate and not o.per_b_part) or o.segment]
         self.user_written = [(o.name, (c.M, c.output_shape(o)[-1])) for o in written if o.name in c.user_out]
         # (name, shape, dtype, the [M, cols] view the kernel writes, None when it is the shape itself)
         self.allocated = [(o.name, shape, c.output_dtype(o), None if shape == (c.M, shape[-1]) else (c.M, shape[-1]))
                           for o in written if o.name not in c.user_out for shape in [c.output_shape(o)]]
+        # stores per part of B: (name, the parts' shapes, dtype), each part written as [M, N_i]
+        self.allocated_parts = [(o.name, c.part_shapes(o), c.output_dtype(o)) for o in p.outputs.values()
+                                if o.per_b_part]
         self.partials = _partial_shapes(c, cfg)
         # (name, finishing step, the output's shape)
         self.finished = [(o.name, _FINISH[o.kind], c.output_shape(o)) for o in p.outputs.values()
@@ -134,6 +138,16 @@ class Plan:
                     fills[name] = lambda a, b, o, w, q, base=base, block=block: self.tma_descriptor(w[base][1], block)
                 else:
                     fills[name] = lambda a, b, o, w, q, base=base, block=block: self.tma_descriptor(o[base], block)
+            elif kind in ("part_desc", "part"):  # a store per part of B: this part's descriptor or pointer
+                i = int(suffix[len("desc" if kind == "part_desc" else "ptr"):])
+                if i >= len(c.parts):
+                    values[name] = None
+                elif kind == "part":
+                    fills[name] = lambda a, b, o, w, q, base=base, i=i: w[base][1][i]
+                else:
+                    block = [cfg.BM, cfg.epilogue_bn]
+                    fills[name] = lambda a, b, o, w, q, base=base, i=i, block=block: self.tma_descriptor(
+                        w[base][1][i], block)
             elif kind == "partial":
                 fills[name] = lambda a, b, o, w, q, base=base, i=int(suffix == "psum"): q[base][i]
             elif suffix == "pstride":
@@ -163,6 +177,10 @@ class Plan:
         return self.descriptor(low, [low.shape[0], 2, low.shape[1]], [low.stride(0), distance, 1], block)
 
     def _tile_stride(self, c, base, dim):
+        out = c.program.outputs.get(base)
+        if out is not None and out.per_b_part:  # contiguous [M, N_i] parts; 0 past the call's parts
+            widths = [shape[-1] for shape in c.part_shapes(out)]
+            return tuple((widths[i], 1)[dim] if i < len(widths) else 0 for i in range(MAX_B_PARTS))
         if base in c.operands:
             return c.operands[base].stride(dim)
         user = c.user_out.get(base)
@@ -189,6 +207,9 @@ class Plan:
             outs[name] = (t, t if rows is None else t.view(rows))
         for name, rows in self.user_written:
             outs[name] = (out[name], out[name].view(rows))
+        for name, shapes, dtype in self.allocated_parts:
+            stored = tuple(torch.empty(shape, device=self.device, dtype=dtype) for shape in shapes)
+            outs[name] = (stored, tuple(t.view(self.M, t.shape[-1]) for t in stored))
         bufs = {name: tuple(torch.empty(shape, device=self.device, dtype=torch.float32) for _ in range(count))
                 for name, count, shape in self.partials}
         args = list(self.template)

@@ -21,13 +21,14 @@ from torch.autograd import forward_ad
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def only_first_output_differentiable(ctx, outputs):
-    """In a custom op's setup_context: its outputs after the first (statistics, saved
-    pre-activations) carry no gradient, and autograd passes None, not a tensor of zeros, for
-    gradients that never arrived. Without this, every step would allocate and fill a zero
-    gradient for each such output (on the host ~20 µs each, on the GPU a memset)."""
+def only_first_output_differentiable(ctx, outputs, n: int = 1):
+    """In a custom op's setup_context: its outputs after the first (the first ``n``: see
+    :class:`DirectOp`'s ``differentiable``; statistics, saved pre-activations) carry no
+    gradient, and autograd passes None, not a tensor of zeros, for gradients that never
+    arrived. Without this, every step would allocate and fill a zero gradient for each such
+    output (on the host ~20 µs each, on the GPU a memset)."""
     ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(*outputs[1:])
+    ctx.mark_non_differentiable(*outputs[n:])
 
 
 def refuse_double_backward(name: str, grads) -> None:
@@ -74,12 +75,15 @@ def refuse_unsupported_autodiff(name: str, args) -> None:
                            "custom operators have no functorch autograd); use loss.backward() or torch.autograd.grad")
 
 
-def _guarded_backward(name: str, backward, n_inputs: int):
+def _guarded_backward(name: str, backward, n_inputs: int, differentiable: int):
     """An op's backward that returns no gradients when its first output's gradient did not come
     (None: a downstream function gave none), as autograd would for zeros: the other outputs carry
     no gradient (see :func:`only_first_output_differentiable`), so nothing flows back; and that
-    refuses batched gradients (:func:`refuse_batched_gradients`)."""
+    refuses batched gradients (:func:`refuse_batched_gradients`). With several ``differentiable``
+    outputs, their gradients come to ``backward`` as one list (see :class:`DirectOp`)."""
     def guarded(ctx, *grads):
+        if differentiable > 1:
+            grads = (_gradient_parts(grads[:differentiable], ctx.differentiable), *grads[differentiable:])
         if grads[0] is None:
             return (None,) * n_inputs
         refuse_batched_gradients(name, grads)
@@ -228,14 +232,19 @@ class DirectOp:
     dim in which a call returns the first output, as views (``torch.split``), followed by the
     others. On the direct route the parts are outputs of their own, and the op's backward gets
     their gradients as a list (autograd would otherwise concatenate them into one tensor
-    first: a copy of all of them); through the registered op it gets the one tensor."""
+    first: a copy of all of them); through the registered op it gets the one tensor.
 
-    def __init__(self, name: str, impl, split_first=None):
+    ``differentiable`` (default 1): how many of the first outputs carry gradients; the op's
+    backward gets theirs as one list (zeros for those that did not come, None when none did),
+    on either route: outputs computed together in allocations of their own (q, k and v)."""
+
+    def __init__(self, name: str, impl, split_first=None, differentiable: int = 1):
         self.impl = impl
         self.op = torch.library.custom_op(name, impl, mutates_args=())
         self.op.register_vmap(_per_sample(self.op))
         self.setup_context = self.backward = None
         self.split_first = split_first
+        self.differentiable = differentiable
 
     def parts_of_first(self, first, args):
         """The first output as the views a call returns (``split_first``)."""
@@ -253,9 +262,16 @@ class DirectOp:
         return fake
 
     def register_autograd(self, backward, *, setup_context):
-        backward = _guarded_backward(self.op._qualname, backward, len(self.op._opoverload._schema.arguments))
-        self.op.register_autograd(backward, setup_context=setup_context)
-        self.backward, self.setup_context = backward, setup_context
+        n = self.differentiable
+        backward = _guarded_backward(self.op._qualname, backward, len(self.op._opoverload._schema.arguments), n)
+        if n > 1:
+            def setup(ctx, inputs, output, setup_context=setup_context):
+                ctx.differentiable = [(t.shape, t.dtype, t.device) for t in output[:n]]  # for zero gradients
+                setup_context(ctx, inputs, output)
+        else:
+            setup = setup_context
+        self.op.register_autograd(backward, setup_context=setup)
+        self.backward, self.setup_context = backward, setup
 
     def __call__(self, *args):
         refuse_unsupported_autodiff(self.op._qualname, args)
@@ -269,6 +285,6 @@ class DirectOp:
         return _Direct.apply(self, layout, *flat)
 
 
-def direct_op(name: str, split_first=None):
+def direct_op(name: str, split_first=None, differentiable: int = 1):
     """Decorator: ``@direct_op("codetta::name")`` on the implementation makes a :class:`DirectOp`."""
-    return lambda impl: DirectOp(name, impl, split_first)
+    return lambda impl: DirectOp(name, impl, split_first, differentiable)

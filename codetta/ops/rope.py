@@ -105,8 +105,9 @@ def _forward_program(rotary_dim: int, with_bias: bool, qk_norm_dim: int = 0, int
     rotated = p.col("rotated", ep.HALF).ne(0)  # q and k pairs inside the rotary dims
     cos, sin = p.table("cos", rotary_dim // 2, ep.HALF), p.table("sin", rotary_dim // 2, ep.HALF)
     # the other pairs (v, columns past R) as they are: a rotation by 0 would turn an inf partner into NaN
+    # q, k and v each in an allocation of its own (B's parts W_q, W_k, W_v): a KV cache can hold k and v alone
     p.store("qkv", ep.join(ep.where(rotated, x1 * cos - x2 * sin, x1), ep.where(rotated, x2 * cos + x1 * sin, x2),
-                           segment=segment))
+                           segment=segment), per_b_part=True)
     return p
 
 
@@ -196,21 +197,16 @@ def tables_from_cos_sin(cos: Tensor, sin: Tensor, lead: torch.Size) -> tuple[Ten
     return _cached_tables((cos, sin), tuple(lead), make)
 
 
-def _q_k_v_widths(args) -> list[int]:
-    """The widths of q, k and v in the op's qkv output, from its arguments."""
-    n_q, n_kv, head_dim = args[6:9]
-    return [n_q * head_dim, n_kv * head_dim, n_kv * head_dim]
-
-
-@direct_op("codetta::rmsnorm_qkv_rope", split_first=_q_k_v_widths)
+@direct_op("codetta::rmsnorm_qkv_rope", differentiable=3)
 def _qkv_rope_op(
     x: Tensor, norm_weight: Tensor, weights: list[Tensor], bias: Optional[Tensor], cos: Tensor, sin: Tensor,
     n_q: int, n_kv: int, head_dim: int, rotary_dim: int, interleaved: bool, eps: float, u: Optional[Tensor],
     rstd: Optional[Tensor], q_norm_weight: Optional[Tensor], k_norm_weight: Optional[Tensor], qk_norm_eps: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(qkv, rstd, z): z is the pre-QK-norm projection [..., N] with QK-norm, else empty; cos and sin
-    are the per-token tables [M, R/2] fp32 (:func:`rope_tables`). A call returns qkv as (q, k, v),
-    whose gradients the backward takes as they are (``split_first``: no concatenation)."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(q, k, v, rstd, z): q, k and v in allocations of their own (one GEMM stores them per part
+    of B), whose gradients the backward takes as they are (no concatenation); z is the
+    pre-QK-norm projection [..., N] with QK-norm, else empty; cos and sin are the per-token
+    tables [M, R/2] fp32 (:func:`rope_tables`)."""
     x2 = rows(x)
     u, rstd, rstd_out = norm_operands(x2, norm_weight, eps, weights[0].dtype, u, rstd)
     rotated = _rotated_pairs(n_q, n_kv, head_dim, rotary_dim, x.device, interleaved)
@@ -224,29 +220,33 @@ def _qkv_rope_op(
     program = _forward_program(rotary_dim, bias is not None, head_dim if qk_norm else 0, interleaved)
     out = gemm(u.reshape(x2.shape), _weight_t(weights), program, **operands)
     lead = x.shape[:-1]
-    qkv = out["qkv"].reshape(*lead, out["qkv"].shape[-1])
+    q, k, v = (t.reshape(*lead, t.shape[-1]) for t in out["qkv"])
     z = out["z"].reshape(*lead, out["z"].shape[-1]) if qk_norm else x.new_empty(0)
-    return qkv, rstd_out, z
+    return q, k, v, rstd_out, z
 
 
 @_qkv_rope_op.register_fake
 def _(x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, rotary_dim, interleaved, eps, u, rstd,
       q_norm_weight, k_norm_weight, qk_norm_eps):
-    n, low = (n_q + 2 * n_kv) * head_dim, weights[0].dtype
-    z = x.new_empty(*x.shape[:-1], n, dtype=low) if q_norm_weight is not None else x.new_empty(0)
-    return x.new_empty(*x.shape[:-1], n, dtype=low), rstd_like(x, u, rstd), z
+    low = weights[0].dtype
+    q, k, v = (x.new_empty(*x.shape[:-1], n * head_dim, dtype=low) for n in (n_q, n_kv, n_kv))
+    z = x.new_empty(*x.shape[:-1], (n_q + 2 * n_kv) * head_dim, dtype=low) if q_norm_weight is not None \
+        else x.new_empty(0)
+    return q, k, v, rstd_like(x, u, rstd), z
 
 
 def rmsnorm_qkv_rope_backward(dqkv, qkv, x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, interleaved,
                               rstd, z, q_norm_weight, k_norm_weight, qk_norm_eps, dweights_into=()):
     """(dx, dnorm_weight, [dW_q, dW_k, dW_v], dbias, dq_norm_weight, dk_norm_weight) given dqkv, or
-    [dq, dk, dv] (the module doc's backward). Without QK-norm it reads the output qkv; with
-    QK-norm the pre-norm z instead (qkv unused)."""
-    dqkv2 = [rows(t) for t in dqkv] if isinstance(dqkv, list) else rows(dqkv)
+    [dq, dk, dv] (the module doc's backward). Without QK-norm and bias it reads the outputs
+    [q, k, v] (``qkv``, or one tensor); with QK-norm the pre-norm z instead (qkv unused)."""
+    def rows_of(t):
+        return [rows(p) for p in t] if isinstance(t, list) else rows(t)
+
     qk_norm = q_norm_weight is not None
     # with a bias the stored outputs hold z + b, whose zdz would cancel: the norm's row term is then
     # taken from dL/dh (zdz None; see codetta.ops.rmsnorm)
-    dz, zdz = rotate(dqkv2, None if qk_norm or bias is not None else rows(qkv), cos, sin,
+    dz, zdz = rotate(rows_of(dqkv), None if qk_norm or bias is not None else rows_of(qkv), cos, sin,
                      n_rotated=(n_q + n_kv) * head_dim, head_dim=head_dim, interleaved=interleaved)
     if qk_norm:  # dz above is dzn; QK-norm's backward in place gives dz and zdz from the pre-norm z
         dz, zdz, dqw, dkw = qk_norm_backward(dz, rows(z), q_norm_weight, k_norm_weight, n_q=n_q, n_kv=n_kv,
@@ -261,47 +261,59 @@ def rmsnorm_qkv_rope_backward(dqkv, qkv, x, norm_weight, weights, bias, cos, sin
 
 @direct_op("codetta::rmsnorm_qkv_rope_backward")
 def _qkv_rope_backward_op(
-    dqkv: Tensor, qkv: Optional[Tensor], x: Tensor, norm_weight: Tensor, weights: list[Tensor], bias: Optional[Tensor],
-    cos: Tensor, sin: Tensor, n_q: int, n_kv: int, head_dim: int, interleaved: bool, rstd: Tensor,
-    z: Optional[Tensor], q_norm_weight: Optional[Tensor], k_norm_weight: Optional[Tensor], qk_norm_eps: float,
-    needs: list[bool],
+    dqkv: list[Tensor], qkv: list[Tensor], x: Tensor, norm_weight: Tensor, weights: list[Tensor],
+    bias: Optional[Tensor], cos: Tensor, sin: Tensor, n_q: int, n_kv: int, head_dim: int, interleaved: bool,
+    rstd: Tensor, z: Optional[Tensor], q_norm_weight: Optional[Tensor], k_norm_weight: Optional[Tensor],
+    qk_norm_eps: float, needs: list[bool],
 ) -> tuple[Tensor, Tensor, list[Tensor], Tensor, Tensor, Tensor]:
-    return rmsnorm_qkv_rope_backward(dqkv, qkv, x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, interleaved,
-                                     rstd, z, q_norm_weight, k_norm_weight, qk_norm_eps, skipping(weights, needs))
+    """The backward given [dq, dk, dv] and the outputs [q, k, v] it reads (empty: not read)."""
+    return rmsnorm_qkv_rope_backward(dqkv, qkv or None, x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim,
+                                     interleaved, rstd, z, q_norm_weight, k_norm_weight, qk_norm_eps,
+                                     skipping(weights, needs))
 
 
 @_qkv_rope_backward_op.register_fake
 def _(dqkv, qkv, x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, interleaved, rstd, z,
       q_norm_weight, k_norm_weight, qk_norm_eps, needs):
     def grad_like(t):
-        return t.new_empty(t.shape) if t is not None else dqkv.new_empty(0, dtype=torch.float32)
+        return t.new_empty(t.shape) if t is not None else x.new_empty(0, dtype=torch.float32)
 
     return (x.new_empty(x.shape), norm_weight.new_empty(norm_weight.shape), weight_grads_like(weights, needs),
             grad_like(bias), grad_like(q_norm_weight), grad_like(k_norm_weight))
 
 
+def saves_qkv(bias, q_norm_weight) -> bool:
+    """Whether the op keeps its outputs q, k and v for the backward (for the norm's zdz): without
+    QK-norm (the pre-norm z instead) and without a bias (the row term from dL/dh instead).
+    ``bias``: the op's (one tensor, or None) or :func:`rmsnorm_qkv_rope`'s (b_q, b_k, b_v)."""
+    no_bias = bias is None or (isinstance(bias, (tuple, list)) and all(b is None for b in bias))
+    return no_bias and q_norm_weight is None
+
+
 def _setup(ctx, inputs, output):
-    only_first_output_differentiable(ctx, output)
+    only_first_output_differentiable(ctx, output, 3)
     (x, norm_weight, weights, bias, cos, sin, n_q, n_kv, head_dim, rotary_dim, interleaved, eps, u, rstd, q_norm_weight,
      k_norm_weight, qk_norm_eps) = inputs
-    qkv, rstd_out, z = output
+    q, k, v, rstd_out, z = output
     qk_norm = q_norm_weight is not None
     ctx.meta = (n_q, n_kv, head_dim, interleaved, bias is not None, qk_norm, qk_norm_eps)  # R: cos.shape[1] * 2
     empty = x.new_empty(0)
-    # the backward reads the output only without QK-norm (its pre-norm z instead) and without a bias
-    saved = z if qk_norm else qkv if bias is None else empty
-    ctx.save_for_backward(saved, x, norm_weight, cos, sin, used_rstd(u, rstd, rstd_out),
+    read = [z] if qk_norm else [q, k, v] if saves_qkv(bias, q_norm_weight) else []
+    ctx.n_read = len(read)
+    ctx.save_for_backward(*read, x, norm_weight, cos, sin, used_rstd(u, rstd, rstd_out),
                           bias if bias is not None else empty, q_norm_weight if qk_norm else empty,
                           k_norm_weight if qk_norm else empty, *weights)
 
 
 def _backward(ctx, dqkv, _drstd, _dz):
-    saved, x, norm_weight, cos, sin, rstd, bias, q_norm_weight, k_norm_weight, *weights = ctx.saved_tensors
+    saved = ctx.saved_tensors
+    read = list(saved[:ctx.n_read])  # [z] with QK-norm, [q, k, v] where the backward reads them, else []
+    x, norm_weight, cos, sin, rstd, bias, q_norm_weight, k_norm_weight, *weights = saved[ctx.n_read:]
     n_q, n_kv, head_dim, interleaved, has_bias, qk_norm, qk_norm_eps = ctx.meta
-    qk = (saved, q_norm_weight, k_norm_weight) if qk_norm else (None, None, None)
+    qk = (read[0], q_norm_weight, k_norm_weight) if qk_norm else (None, None, None)
     dx, dg, dws, dbias, dqw, dkw = run_backward(
         ctx, weights, _qkv_rope_backward_op, rmsnorm_qkv_rope_backward,
-        dqkv, None if qk_norm or has_bias else saved, x, norm_weight, weights, bias if has_bias else None, cos, sin,
+        dqkv, [] if qk_norm else read, x, norm_weight, weights, bias if has_bias else None, cos, sin,
         n_q, n_kv, head_dim, interleaved, rstd, *qk, qk_norm_eps, weight_args=(2,))
     none10 = (None,) * 10  # cos, sin, n_q, n_kv, head_dim, rotary_dim, interleaved, eps, u, rstd
     return (dx, dg, for_autograd(dws, weights), dbias if has_bias else None, *none10, dqw if qk_norm else None,
@@ -459,7 +471,7 @@ def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w
             power of two).
         qk_norm_eps: QK-norm's epsilon (Qwen3: config.rms_norm_eps).
     Returns:
-        (q, k, v): [..., H_q D], [..., H_kv D], [..., H_kv D], views of one qkv tensor.
+        (q, k, v): [..., H_q D], [..., H_kv D], [..., H_kv D], each in an allocation of its own.
     """
     _check_norm_inputs(x, norm_weight, {"w_q": w_q, "w_k": w_k, "w_v": w_v}, eps)
     weights = [w_q, w_k, w_v]

@@ -59,9 +59,10 @@ from torch.nn.utils import parametrize
 from ...ops import (apply_rope, gated_activation, linear_residual, rms_norm, rmsnorm_linear, rmsnorm_qkv_rope,
                     rmsnorm_swiglu, swiglu_mlp)
 from ...matmul import KERNEL_DTYPES
+from ...matmul.memory import overlaps_itself
 from ...ops.autocast import stream_under_autocast
 from ...ops.rmsnorm import NormStats, scaled, stream_fits, weight_readable_ahead
-from ...ops.rope import angles_need_grad, fits_qkv_epilogue
+from ...ops.rope import angles_need_grad, fits_qkv_epilogue, saves_qkv
 from .. import warn_unless_traced
 from . import checkpointing
 from .architectures import (ATTENTION, MLP, RESIDUAL_DROPOUTS, Architecture, ModelClasses, fused_modules,
@@ -282,22 +283,24 @@ def _halves_equal(cos, sin) -> bool:
 
 
 def _qkv(layer, plan: LayerPlan, x, norm, position_ids, position_embeddings):
-    """q, k, v as [..., heads * head_dim] each, RoPE applied where the layer applies it (and QK-norm
-    where the model has it), q scaled by position where the model scales it; ``norm``: the input
-    norm's (statistics or None, weight)."""
+    """(q, k, v, whether autograd keeps k and v for the backward anyway): q, k, v as
+    [..., heads * head_dim] each, RoPE applied where the layer applies it (and QK-norm where the
+    model has it), q scaled by position where the model scales it; ``norm``: the input norm's
+    (statistics or None, weight)."""
     attn = layer.self_attn
-    q, k, v = _rotated_qkv(layer, plan, x, norm, position_ids, position_embeddings)
+    q, k, v, kept = _rotated_qkv(layer, plan, x, norm, position_ids, position_embeddings)
     if plan.arch.query_position_scale:  # after RoPE, in q's dtype, as the model's attention does
         params = attn.config.rope_parameters
         scale = plan.classes.modeling.get_llama_4_attn_scale(
             position_ids, params.get("llama_4_scaling_beta"), params.get("original_max_position_embeddings"))
         heads = (*q.shape[:-1], -1, attn.head_dim)  # scale: [B, 1, S, 1] for [B, heads, S, D]
         q = (q.reshape(heads) * scale.transpose(1, 2).to(q.dtype)).flatten(-2)
-    return q, k, v
+    return q, k, v, kept
 
 
 def _rotated_qkv(layer, plan: LayerPlan, x, norm, position_ids, position_embeddings):
-    """q, k, v of the norm-folded QKV GEMM, RoPE (and QK-norm) in its epilogue where it fuses.
+    """(q, k, v, whether autograd keeps k and v for the backward anyway) of the norm-folded QKV
+    GEMM, RoPE (and QK-norm) in its epilogue where it fuses (q, k and v apart in memory).
     Where the fused forward cannot read a QKV projection (:func:`.architectures.reads_weight`: a
     PEFT LoRA adapter on it, hooks), the projection modules on the input norm's output (codetta's
     row kernel), QK-norm likewise, RoPE by :func:`codetta.ops.apply_rope` (one kernel each way);
@@ -320,8 +323,9 @@ def _rotated_qkv(layer, plan: LayerPlan, x, norm, position_ids, position_embeddi
         if arch.has_qk_norm(attn):  # the modules' own weights: their gradients land there
             qk_norm = dict(q_norm_weight=arch.norm_weight(attn.q_norm), k_norm_weight=arch.norm_weight(attn.k_norm),
                            qk_norm_eps=arch.norm_epsilon(attn.q_norm))
-        return rmsnorm_qkv_rope(x, g1, *weights, head_dim=attn.head_dim, bias=biases,
-                                interleaved=arch.interleaved_rope, eps=eps, stats=stats, **qk_norm, **rope)
+        q, k, v = rmsnorm_qkv_rope(x, g1, *weights, head_dim=attn.head_dim, bias=biases,
+                                   interleaved=arch.interleaved_rope, eps=eps, stats=stats, **qk_norm, **rope)
+        return q, k, v, k.requires_grad and saves_qkv(biases, qk_norm.get("q_norm_weight"))
     if weights is None:
         q, k, v = arch.qkv_of_modules(attn, _norm_like_module(arch, ln, x, g1))
     else:
@@ -333,31 +337,32 @@ def _rotated_qkv(layer, plan: LayerPlan, x, norm, position_ids, position_embeddi
         q, k = (_norm_like_module(arch, norm, t.reshape(heads)) for norm, t in ((attn.q_norm, q), (attn.k_norm, k)))
     q, k = q.reshape(*heads[:-2], -1), k.reshape(*heads[:-2], -1)
     if rope is not None:
-        return (*apply_rope(q, k, head_dim=attn.head_dim, interleaved=arch.interleaved_rope, **rope), v)
+        return (*apply_rope(q, k, head_dim=attn.head_dim, interleaved=arch.interleaved_rope, **rope), v, False)
     if rotates:
         cos, sin = position_embeddings
         q, k = plan.classes.modeling.apply_rotary_pos_emb(q.reshape(heads), k.reshape(heads), cos, sin, unsqueeze_dim=2)
-    return q.reshape(*heads[:-2], -1), k.reshape(*heads[:-2], -1), v
+    return q.reshape(*heads[:-2], -1), k.reshape(*heads[:-2], -1), v, False
 
 
 _CACHE_NAMES = ("cache", "past_key_values")  # the KV cache's argument: transformers 5.24 renamed it
 
 
-def _attention(attn, plan: LayerPlan, q, k, v, attention_mask, kwargs):
+def _attention(attn, plan: LayerPlan, q, k, v, attention_mask, kwargs, kv_kept=False):
     """The model's attention on [..., heads * head_dim] q, k, v, as its attention module runs it:
     the same attention function with the same arguments (``kwargs``: what the decoder layer
     passes its attention module, position_ids and use_cache included: flash attention reads
     packed sequences' boundaries from position_ids), after the KV cache's update. The cache
     comes as ``cache`` (transformers >= 5.24, whose update also takes the attention's keyword
-    arguments) or ``past_key_values`` (earlier)."""
+    arguments) or ``past_key_values`` (earlier). ``kv_kept``: autograd keeps k and v for the
+    backward anyway (see :func:`_updated_cache`)."""
     lead = q.shape[:-1]
     q, k, v = (t.reshape(*lead, -1, attn.head_dim).transpose(1, 2) for t in (q, k, v))
     kwargs = dict(kwargs)
     caches = {name: kwargs.pop(name) for name in _CACHE_NAMES if name in kwargs}
     if caches.get("cache") is not None:
-        k, v = _updated_cache(caches["cache"], attn.layer_idx, q, k, v, kwargs=kwargs)
+        k, v = _updated_cache(caches["cache"], attn.layer_idx, q, k, v, kv_kept, kwargs=kwargs)
     elif caches.get("past_key_values") is not None:
-        k, v = _updated_cache(caches["past_key_values"], attn.layer_idx, q, k, v)
+        k, v = _updated_cache(caches["past_key_values"], attn.layer_idx, q, k, v, kv_kept)
     modeling = plan.classes.modeling
     interface = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation,
                                                                modeling.eager_attention_forward)
@@ -366,28 +371,56 @@ def _attention(attn, plan: LayerPlan, q, k, v, attention_mask, kwargs):
     return out.reshape(*lead, -1)
 
 
-def _updated_cache(cache, layer_idx: int, q, k, v, **update_kwargs):
-    """The keys and values attention reads after the cache's update: the cache's, except where the
-    cache's layer held nothing before (it then gives back copies of k and v, transformers'
-    DynamicLayer concatenating them to an empty tensor) and k or v lies in q's memory (the fused
-    QKV output, apply_rope's rotated q and k): attention keeps q, and with it that memory, for its
-    backward anyway, and reading k or v there instead of the cache's copy keeps no second copy for
-    the backward once the step's outputs, and with them the cache, are dropped (16 MiB a layer at
-    Llama-3.2-1B's shape and 8192 tokens). A k or v of a memory of its own (a called v_proj's
-    output) is read from the cache, which holds that copy anyway. Under torch.compile, the cache's."""
+def _updated_cache(cache, layer_idx: int, q, k, v, kv_kept: bool, **update_kwargs):
+    """The keys and values attention reads after the cache's update.
+
+    Where the cache's layer held nothing before and is transformers' DynamicLayer (the default,
+    in training too, where the cache lives until the step's outputs are dropped), whose update
+    would concatenate k and v to empty tensors (copies), the layer holds k or v itself where it
+    lies in an allocation of its own (the fused QKV GEMM stores q, k and v apart; a called
+    v_proj's output): the same values, without a copy; a caller keeping the cache keeps the
+    memory of k and v only, as with the copies. Elsewhere the cache updates as it does, and where
+    its layer held nothing before (it then gives back copies of k and v) attention reads the given
+    k or v where autograd keeps it for the backward anyway (``kv_kept``: the op that made them
+    saved them; or it lies in q's memory, apply_rope's rotated q and k, which attention keeps):
+    no second copy is then held for the backward once the cache is dropped. Under torch.compile,
+    the cache's update and the cache's k and v."""
     layers = getattr(cache, "layers", None)
     fresh = isinstance(layers, list) and not torch.compiler.is_compiling() and (
         layer_idx >= len(layers) or getattr(layers[layer_idx], "is_initialized", True) is False)
-    k_all, v_all = cache.update(k, v, layer_idx, **update_kwargs)
+    if fresh and layer_idx < len(layers) and _holds_given_tensors(cache, layers[layer_idx]):
+        layer = layers[layer_idx]
+        layer.lazy_initialization(k, v)
+        layer.keys = k if _alone(k) else torch.cat([layer.keys, k], dim=-2)
+        layer.values = v if _alone(v) else torch.cat([layer.values, v], dim=-2)
+        k_all, v_all = layer.keys, layer.values
+    else:
+        k_all, v_all = cache.update(k, v, layer_idx, **update_kwargs)
     if not fresh:
         return k_all, v_all
-    kept = q.untyped_storage().data_ptr()
+    in_q = q.untyped_storage().data_ptr()
 
     def read(given, copy):
         same = copy.shape == given.shape and copy.dtype == given.dtype and copy.device == given.device
-        return given if same and given.untyped_storage().data_ptr() == kept else copy
+        return given if same and (kv_kept or given.untyped_storage().data_ptr() == in_q) else copy
 
     return read(k, k_all), read(v, v_all)
+
+
+def _holds_given_tensors(cache, layer) -> bool:
+    """Whether the fresh cache layer may hold the given k and v themselves: transformers' own
+    DynamicLayer (not a subclass: sliding windows keep a slice) in a cache whose update is
+    transformers' own and that does not offload layers."""
+    from transformers import cache_utils
+
+    return type(layer) is cache_utils.DynamicLayer and type(cache).update is cache_utils.Cache.update \
+        and not getattr(cache, "offloading", False)
+
+
+def _alone(t) -> bool:
+    """Whether t is all that its memory holds (a whole allocation, in any order of dims)."""
+    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size() \
+        and not overlaps_itself(t)
 
 
 def attention_weights_requested() -> bool:
@@ -543,8 +576,9 @@ def _fused_layer(layer, x, attention_mask, position_ids, use_cache, position_emb
         return _mlp_residual(layer, plan, x1)
     stats, g1 = plan.incoming.take(x)
     norm = (stats, g1 if stats is not None else arch.norm_weight(layer.input_layernorm))
-    q, k, v = _qkv(layer, plan, x, norm, position_ids, position_embeddings)
-    a = _attention(attn, plan, q, k, v, attention_mask, dict(position_ids=position_ids, use_cache=use_cache, **kwargs))
+    q, k, v, kv_kept = _qkv(layer, plan, x, norm, position_ids, position_embeddings)
+    a = _attention(attn, plan, q, k, v, attention_mask, dict(position_ids=position_ids, use_cache=use_cache, **kwargs),
+                   kv_kept)
     if arch.output_norms:
         return _sandwiched_residuals(layer, plan, x, a)
     if own_half == MLP:
