@@ -853,9 +853,17 @@ def test_the_kv_cache_of_a_training_forward_holds_no_second_copy(key, rope):
             assert k == q and v == held[1]
     with torch.no_grad():
         cached, cached_ref = (m(input_ids=ids, use_cache=True).past_key_values for m in (model, ref))
-    for layer, layer_ref in zip(cached.layers, cached_ref.layers):
-        torch.testing.assert_close(layer.keys, layer_ref.keys, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(layer.values, layer_ref.values, rtol=1e-5, atol=1e-5)
+        given, given_ref = (m(input_ids=ids, past_key_values=transformers.DynamicCache()).past_key_values
+                            for m in (model, ref))  # a cache made without a config: no sliding layers
+    for layer, layer_ref, layer_given, layer_given_ref in zip(cached.layers, cached_ref.layers, given.layers,
+                                                              given_ref.layers):
+        for name in ("keys", "values"):
+            torch.testing.assert_close(getattr(layer, name), getattr(layer_ref, name), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(getattr(layer_given, name), getattr(layer_given_ref, name), rtol=1e-5,
+                                       atol=1e-5)
+        if rope and not sliding:  # the GEMM's own k and v, each its whole allocation
+            assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size()
+                       for t in (layer.keys, layer.values, layer_given.keys, layer_given.values))
 
 
 def test_training_on_top_of_a_cached_prefix_matches_unpatched():

@@ -388,8 +388,8 @@ def _updated_cache(cache, layer_idx: int, q, k, v, kv_kept: bool, **update_kwarg
     layers = getattr(cache, "layers", None)
     fresh = isinstance(layers, list) and not torch.compiler.is_compiling() and (
         layer_idx >= len(layers) or getattr(layers[layer_idx], "is_initialized", True) is False)
-    if fresh and layer_idx < len(layers) and _holds_given_tensors(cache, layers[layer_idx]):
-        layer = layers[layer_idx]
+    layer = _fresh_dynamic_layer(cache, layer_idx) if fresh else None
+    if layer is not None:
         layer.lazy_initialization(k, v)
         layer.keys = k if _alone(k) else torch.cat([layer.keys, k], dim=-2)
         layer.values = v if _alone(v) else torch.cat([layer.values, v], dim=-2)
@@ -407,14 +407,21 @@ def _updated_cache(cache, layer_idx: int, q, k, v, kv_kept: bool, **update_kwarg
     return read(k, k_all), read(v, v_all)
 
 
-def _holds_given_tensors(cache, layer) -> bool:
-    """Whether the fresh cache layer may hold the given k and v themselves: transformers' own
-    DynamicLayer (not a subclass: sliding windows keep a slice) in a cache whose update is
-    transformers' own and that does not offload layers."""
+def _fresh_dynamic_layer(cache, layer_idx: int):
+    """The fresh layer ``layer_idx`` of the cache where it may hold the given k and v themselves:
+    transformers' own DynamicLayer (not a subclass: sliding windows keep a slice) in a cache whose
+    update is transformers' own and that does not offload layers (a cache made without a config
+    gets its layers appended, as its update would); else None."""
     from transformers import cache_utils
 
-    return type(layer) is cache_utils.DynamicLayer and type(cache).update is cache_utils.Cache.update \
-        and not getattr(cache, "offloading", False)
+    if type(cache).update is not cache_utils.Cache.update or getattr(cache, "offloading", False):
+        return None
+    layers = cache.layers
+    if getattr(cache, "layer_class_to_replicate", None) is cache_utils.DynamicLayer:
+        while len(layers) <= layer_idx:
+            layers.append(cache_utils.DynamicLayer())
+    layer = layers[layer_idx] if layer_idx < len(layers) else None
+    return layer if type(layer) is cache_utils.DynamicLayer and not layer.is_initialized else None
 
 
 def _alone(t) -> bool:
