@@ -784,24 +784,6 @@ def test_logits_without_labels_and_generate():
     assert torch.equal(out, out_ref)
 
 
-def _bytes_held_after_forward(model, ids, use_cache):
-    """(the bytes of the distinct storages autograd keeps for the backward of one training forward,
-    the bytes of those the returned KV cache holds besides), and the cache."""
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(input_ids=ids, labels=ids, use_cache=use_cache)
-    assert (out.past_key_values is not None) == use_cache
-    cached = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-              for layer in (out.past_key_values.layers if use_cache else []) for t in (layer.keys, layer.values)}
-    out.loss.backward()
-    return sum(storages.values()), sum(n for ptr, n in cached.items() if ptr not in storages), out.past_key_values
-
-
 _ATTENTION_READS = []  # (q, k, v) storages' addresses per attention call
 
 
@@ -810,6 +792,29 @@ def _attention_recording_what_it_reads(module, q, k, v, attention_mask, **kwargs
 
     _ATTENTION_READS.append(tuple(t.untyped_storage().data_ptr() for t in (q, k, v)))
     return sdpa_attention_forward(module, q, k, v, attention_mask, **kwargs)
+
+
+def _held_after_forward(model, ids, use_cache):
+    """(the bytes of the distinct storages autograd keeps for the backward of one training forward,
+    the bytes of the KV cache's copies of a k or v that attention read from elsewhere while autograd
+    keeps that too: held twice until the cache is dropped), and the cache."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    _ATTENTION_READS.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(input_ids=ids, labels=ids, use_cache=use_cache)
+    assert (out.past_key_values is not None) == use_cache
+    twice = 0
+    for (_, *read), layer in zip(_ATTENTION_READS, out.past_key_values.layers if use_cache else []):
+        for ptr, held in zip(read, (layer.keys, layer.values)):
+            if held.untyped_storage().data_ptr() != ptr and ptr in storages:
+                twice += held.untyped_storage().nbytes()
+    out.loss.backward()
+    return sum(storages.values()), twice, out.past_key_values
 
 
 @pytest.mark.parametrize("key", ["llama", "mistral_sliding", "qwen3_qk_norm"])
@@ -821,8 +826,8 @@ def test_the_kv_cache_of_a_training_forward_holds_no_second_copy(key, rope):
     attention reads the given k and v where autograd keeps them anyway (the fused op saves them;
     apply_rope's rotated q and k lie in q's memory, which attention keeps), else the cache's copy
     (a called v_proj's output is then not kept beside it). So autograd keeps as many bytes as
-    with use_cache=False, and the cache holds nothing more than the copies it could not avoid.
-    The cache holds the model's keys and values."""
+    with use_cache=False, and k or v is held twice only where a copy cannot be avoided. The cache
+    holds the model's keys and values."""
     transformers.AttentionInterface.register("codetta_reads", _attention_recording_what_it_reads)
     transformers.masking_utils.AttentionMaskInterface.register("codetta_reads", transformers.masking_utils.sdpa_mask)
     name, overrides = MODELS[key]
@@ -831,16 +836,16 @@ def test_the_kv_cache_of_a_training_forward_holds_no_second_copy(key, rope):
         for i in range(len(ref.model.layers)):
             _wrap(ref, f"model.layers.{i}.self_attn.q_proj", LoraLike)
     model = codetta.patch(copy.deepcopy(ref))
+    model.set_attn_implementation("codetta_reads")
     ids = torch.randint(0, VOCAB, (2, 9), device=DEVICE)
-    saved, cache_only, cache = _bytes_held_after_forward(model, ids, True)
-    assert saved == _bytes_held_after_forward(model, ids, False)[0]
+    saved, twice, cache = _held_after_forward(model, ids, True)
+    assert saved == _held_after_forward(model, ids, False)[0]
     sliding = key == "mistral_sliding"
     k_bytes = sum(layer.keys.untyped_storage().nbytes() for layer in cache.layers)  # as many as v's (a sliding
     # window's keys: a slice of the whole update's)
-    # a sliding window's layer copies k and v (attention reads the given, or, as for a called v_proj,
-    # repeats the copy per query head under its mask); a DynamicLayer copies apply_rope's k (in q's memory)
-    assert cache_only == (2 * k_bytes if sliding else 0 if rope else k_bytes)
-    model.set_attn_implementation("codetta_reads")
+    # a sliding window's layer copies k and v (attention reads the GEMM's, which its backward keeps); a
+    # DynamicLayer copies apply_rope's k (in q's memory), and holds a called v_proj's output itself
+    assert twice == (2 * k_bytes if sliding and rope else 0 if rope else k_bytes)
     _ATTENTION_READS.clear()
     cache = model(input_ids=ids, labels=ids).past_key_values
     assert len(_ATTENTION_READS) == len(cache.layers) == 2
