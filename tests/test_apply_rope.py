@@ -86,6 +86,8 @@ def test_forward_backward_fp32(case, by):
     for i, (a, b) in enumerate(zip(got, want)):
         assert a.shape == b.shape and a.dtype == torch.float32, i
         assert rel(a, b) < 1e-6, i
+    for t in ours(q, k):  # each in an allocation of its own (a KV cache may hold k alone)
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])

@@ -821,13 +821,12 @@ def _held_after_forward(model, ids, use_cache):
 @pytest.mark.parametrize("rope", [True, False], ids=["qkv_rope_fused", "q_proj_called"])
 def test_the_kv_cache_of_a_training_forward_holds_no_second_copy(key, rope):
     """With the cache on in training (transformers' default): a fresh DynamicLayer holds the k and
-    v that lie in allocations of their own (the fused QKV GEMM's; a called v_proj's output)
-    themselves, not copies, and attention reads them; other caches (sliding windows) copy, and
-    attention reads the given k and v where autograd keeps them anyway (the fused op saves them;
-    apply_rope's rotated q and k lie in q's memory, which attention keeps), else the cache's copy
-    (a called v_proj's output is then not kept beside it). So autograd keeps as many bytes as
-    with use_cache=False, and k or v is held twice only where a copy cannot be avoided. The cache
-    holds the model's keys and values."""
+    v that lie in allocations of their own (the fused QKV GEMM's; apply_rope's k; a called
+    v_proj's output) themselves, not copies, and attention reads them; other caches (sliding
+    windows) copy, and attention reads the given k and v where autograd keeps them anyway (the
+    fused op saves them), else the cache's copy (apply_rope's k and a called v_proj's output are
+    then not kept beside it). So autograd keeps as many bytes as with use_cache=False, and k or v
+    is held twice only where a copy cannot be avoided. The cache holds the model's keys and values."""
     transformers.AttentionInterface.register("codetta_reads", _attention_recording_what_it_reads)
     transformers.masking_utils.AttentionMaskInterface.register("codetta_reads", transformers.masking_utils.sdpa_mask)
     name, overrides = MODELS[key]
@@ -843,19 +842,18 @@ def test_the_kv_cache_of_a_training_forward_holds_no_second_copy(key, rope):
     sliding = key == "mistral_sliding"
     k_bytes = sum(layer.keys.untyped_storage().nbytes() for layer in cache.layers)  # as many as v's (a sliding
     # window's keys: a slice of the whole update's)
-    # a sliding window's layer copies k and v (attention reads the GEMM's, which its backward keeps); a
-    # DynamicLayer copies apply_rope's k (in q's memory), and holds a called v_proj's output itself
-    assert twice == (2 * k_bytes if sliding and rope else 0 if rope else k_bytes)
+    # a sliding window's layer copies k and v (attention reads the fused GEMM's, which its backward keeps)
+    assert twice == (2 * k_bytes if sliding and rope else 0)
     _ATTENTION_READS.clear()
     cache = model(input_ids=ids, labels=ids).past_key_values
     assert len(_ATTENTION_READS) == len(cache.layers) == 2
     for (q, k, v), layer in zip(_ATTENTION_READS, cache.layers):
         held = layer.keys.untyped_storage().data_ptr(), layer.values.untyped_storage().data_ptr()
-        if rope:  # q, k, v apart; the cache's own where it holds them, else the op's
-            assert len({q, k, v}) == 3 and (k, v) != (held if sliding else (None, None))
-            assert sliding or (k, v) == held
-        else:  # k in q's memory (apply_rope); v_proj's output: the cache's, or its own held by the cache
-            assert k == q and v == held[1]
+        assert len({q, k, v}) == 3  # apart
+        if rope and sliding:  # the fused op's own, beside the cache's copies
+            assert k != held[0] and v != held[1]
+        else:  # the cache's: the given themselves (a DynamicLayer), or its copies
+            assert (k, v) == held
     with torch.no_grad():
         cached, cached_ref = (m(input_ids=ids, use_cache=True).past_key_values for m in (model, ref))
         given, given_ref = (m(input_ids=ids, past_key_values=transformers.DynamicCache()).past_key_values
@@ -866,7 +864,7 @@ def test_the_kv_cache_of_a_training_forward_holds_no_second_copy(key, rope):
             torch.testing.assert_close(getattr(layer, name), getattr(layer_ref, name), rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(getattr(layer_given, name), getattr(layer_given_ref, name), rtol=1e-5,
                                        atol=1e-5)
-        if rope and not sliding:  # the GEMM's own k and v, each its whole allocation
+        if not sliding:  # the given k and v themselves, each its whole allocation
             assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size()
                        for t in (layer.keys, layer.values, layer_given.keys, layer_given.values))
 

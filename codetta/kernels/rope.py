@@ -23,7 +23,8 @@ dqkv may come in parts along the columns (dq, dk, dv as autograd hands them back
 [M, N_i] with a row stride of its own, whole heads each), and so may qkv (q, k and v as the
 QKV GEMM stores them, in allocations of their own): the kernel reads each column from its
 part, so that they need not be concatenated into one [M, N] tensor first (a read and a
-write of all of them).
+write of all of them). dz may be written in dqkv's parts too (``out_in_parts``: rotated q and
+k in allocations of their own, which a KV cache can hold apart).
 
 A program takes a block of rows and a group of consecutive heads, loads the block's rows of
 the tables once and rotates each head of the group in turn: the first R columns of a head as
@@ -70,15 +71,15 @@ def _head_in_parts(start, rows64, p0, p1, p2, s0, s1, s2, end0, end1):
 
 @triton.jit
 def _rotate_kernel(
-    dqkv0, dqkv1, dqkv2, qkv0, qkv1, qkv2, cos, sin, dz, zdz_part,
-    M, n_heads, n_rotated_heads, end0, end1, qkv_end0, qkv_end1,
-    s_dqkv0, s_dqkv1, s_dqkv2, s_qkv0, s_qkv1, s_qkv2, s_table, s_dz, s_part,
+    dqkv0, dqkv1, dqkv2, qkv0, qkv1, qkv2, cos, sin, dz0, dz1, dz2, zdz_part,
+    M, n_heads, n_rotated_heads, end0, end1, qkv_end0, qkv_end1, dz_end0, dz_end1,
+    s_dqkv0, s_dqkv1, s_dqkv2, s_qkv0, s_qkv1, s_qkv2, s_table, s_dz0, s_dz1, s_dz2, s_part,
     HEAD_DIM: tl.constexpr, HALF_R: tl.constexpr, HALF_P: tl.constexpr, REST_P: tl.constexpr,
     INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr, HEADS: tl.constexpr, TRANSPOSED: tl.constexpr,
     WITH_ZDZ: tl.constexpr, EMULATE_RNE: tl.constexpr,
 ):
     """dqkv in three parts: columns [0, end0), [end0, end1), [end1, n_heads D), whole heads each;
-    qkv likewise, split at qkv_end0 and qkv_end1.
+    qkv and dz likewise, split at qkv_end0 and qkv_end1, dz_end0 and dz_end1.
     HALF_P: R/2 rounded up to a power of two; REST_P: D - R so rounded (0 when R = D)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = (rows < M)[:, None]
@@ -91,14 +92,14 @@ def _rotate_kernel(
         s = -s
     block = tl.arange(0, 2 * HALF_P)[None, :]  # interleaved: the rotated columns as one block
     block_ok = row_ok & (block < 2 * HALF_R)
-    out_ty = dz.dtype.element_ty
+    out_ty = dz0.dtype.element_ty
     partial = tl.zeros([BLOCK_M], dtype=tl.float32)
     for i in range(HEADS):
         head = tl.program_id(1) * HEADS + i
         if head < n_heads:
             start = head * HEAD_DIM
             src = _head_in_parts(start, rows64, dqkv0, dqkv1, dqkv2, s_dqkv0, s_dqkv1, s_dqkv2, end0, end1)
-            out = dz + rows64 * s_dz + start
+            out = _head_in_parts(start, rows64, dz0, dz1, dz2, s_dz0, s_dz1, s_dz2, dz_end0, dz_end1)
             if INTERLEAVED:
                 d = tl.load(src + block, mask=block_ok, other=0.0).to(tl.float32)
                 d1, d2 = tl.split(tl.reshape(d, (BLOCK_M, HALF_P, 2)))
@@ -149,14 +150,16 @@ def _in_parts(t: torch.Tensor | list[torch.Tensor], what: str) -> tuple[list[tor
 
 def rotate(dqkv: torch.Tensor | list[torch.Tensor], qkv: torch.Tensor | list[torch.Tensor] | None, cos: torch.Tensor,
            sin: torch.Tensor, *, n_rotated: int, head_dim: int, interleaved: bool = False,
-           transposed: bool = True, block: Optional[tuple] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+           transposed: bool = True, out_in_parts: bool = False,
+           block: Optional[tuple] = None) -> tuple[torch.Tensor | list[torch.Tensor], Optional[torch.Tensor]]:
     """(dz [M, N] in dqkv's dtype, zdz [M] fp32) from dqkv [M, N], or its parts along the columns
     (at most three, whole heads each: [dq, dk, dv]), qkv [M, N] (or its parts, whole heads each:
     [q, k, v]) and the tables cos, sin [M, R/2]
     fp32 (attention scaling included); see the module docstring. With ``qkv=None`` only dz is
     computed (zdz is None). ``interleaved``: the rotated pairs are adjacent columns.
     ``transposed=False``: the forward rotation instead (RoPE itself: dqkv is then z, dz the
-    rotated z; zdz must not be asked for). ``block``: (rows, heads, warps) per program instead of
+    rotated z; zdz must not be asked for). ``out_in_parts``: dz as a list of tensors split as
+    dqkv's parts, each its own allocation. ``block``: (rows, heads, warps) per program instead of
     GPU_BLOCK (for benchmarks)."""
     if not transposed and qkv is not None:
         raise ValueError("zdz (qkv given) comes with the transposed rotation only")
@@ -173,14 +176,17 @@ def rotate(dqkv: torch.Tensor | list[torch.Tensor], qkv: torch.Tensor | list[tor
     m, n = parts[0].shape[0], ends[-1]
     block_m, heads, warps = block or (INTERPRET_BLOCK if interpreting() else GPU_BLOCK)
     grid = (cdiv(m, block_m), cdiv(n // head_dim, heads))
-    dz = torch.empty(m, n, device=parts[0].device, dtype=parts[0].dtype)
-    part = torch.empty(m, grid[1], device=dz.device, dtype=torch.float32) if with_zdz else cos  # cos: unused
+    given = dqkv if isinstance(dqkv, list) else [dqkv]
+    dz = [torch.empty(m, t.shape[1], device=t.device, dtype=t.dtype) for t in given] if out_in_parts \
+        else torch.empty(m, n, device=parts[0].device, dtype=parts[0].dtype)
+    dz_parts, dz_ends = _in_parts(dz, "dz")
+    part = torch.empty(m, grid[1], device=cos.device, dtype=torch.float32) if with_zdz else cos  # cos: unused
     rest = head_dim - 2 * half_r
     if m and n:
         launch(_rotate_kernel, grid,
-            *parts, *qkv_parts, cos, sin, dz, part, m, n // head_dim, n_rotated // head_dim, ends[0], ends[1],
-            qkv_ends[0], qkv_ends[1], *(t.stride(0) for t in parts + qkv_parts), cos.stride(0), dz.stride(0),
-            part.stride(0),
+            *parts, *qkv_parts, cos, sin, *dz_parts, part, m, n // head_dim, n_rotated // head_dim, ends[0], ends[1],
+            qkv_ends[0], qkv_ends[1], dz_ends[0], dz_ends[1], *(t.stride(0) for t in parts + qkv_parts),
+            cos.stride(0), *(t.stride(0) for t in dz_parts), part.stride(0),
             HEAD_DIM=head_dim, HALF_R=half_r, HALF_P=next_power_of_2(half_r),
             REST_P=next_power_of_2(rest) if rest else 0, INTERLEAVED=interleaved, BLOCK_M=block_m,
             HEADS=heads, TRANSPOSED=transposed, WITH_ZDZ=with_zdz, EMULATE_RNE=interpreting(), num_warps=warps,

@@ -29,56 +29,49 @@ from .shapes import rows
 from .rope import rope_tables_for
 
 
-def _q_k_widths(args) -> list[int]:
-    """The widths of q and k in the op's output, from its arguments."""
-    return [args[0].shape[-1], args[1].shape[-1]]
-
-
 def _rotated(parts: list[Tensor], cos: Tensor, sin: Tensor, head_dim: int, interleaved: bool,
-             transposed: bool) -> Tensor:
-    """q and k (or dq and dk) rotated, as one [..., N_q + N_k] tensor of the first part's leading dims."""
-    lead = parts[0].shape[:-1]
+             transposed: bool) -> tuple[Tensor, Tensor]:
+    """q and k (or dq and dk) rotated, each in an allocation of its own, in their leading dims."""
     out, _ = rotate([rows(t) for t in parts], None, cos, sin, n_rotated=sum(t.shape[-1] for t in parts),
-                    head_dim=head_dim, interleaved=interleaved, transposed=transposed)
-    return out.reshape(*lead, out.shape[-1])
+                    head_dim=head_dim, interleaved=interleaved, transposed=transposed, out_in_parts=True)
+    return tuple(o.reshape(t.shape) for o, t in zip(out, parts))
 
 
-@direct_op("codetta::apply_rope", split_first=_q_k_widths)
-def _apply_rope_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, head_dim: int, interleaved: bool) -> Tensor:
-    """q and k rotated, [..., N_q + N_k]; a call returns it as (q, k) (``split_first``). One tensor,
-    not a tuple of one: PyTorch 2.11 specializes the sizes of such an op under torch.compile
-    (its schema returns ``((Tensor))``: a graph per shape under ``dynamic=True``)."""
+@direct_op("codetta::apply_rope", differentiable=2)
+def _apply_rope_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, head_dim: int,
+                   interleaved: bool) -> tuple[Tensor, Tensor]:
+    """q and k rotated, each in an allocation of its own (a KV cache can hold k without q)."""
     return _rotated([q, k], cos, sin, head_dim, interleaved, transposed=False)
 
 
 @_apply_rope_op.register_fake
 def _(q, k, cos, sin, head_dim, interleaved):
-    return q.new_empty(*q.shape[:-1], q.shape[-1] + k.shape[-1])
+    return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
 @direct_op("codetta::apply_rope_backward")
-def _apply_rope_backward_op(dqk: Tensor, cos: Tensor, sin: Tensor, head_dim: int, interleaved: bool) -> Tensor:
-    """[dq, dk] (the eager route's parts) or their concatenation: the transposed rotation, joined."""
-    return _rotated(dqk if isinstance(dqk, list) else [dqk], cos, sin, head_dim, interleaved, transposed=True)
+def _apply_rope_backward_op(dqk: list[Tensor], cos: Tensor, sin: Tensor, head_dim: int,
+                            interleaved: bool) -> tuple[Tensor, Tensor]:
+    """(dq, dk) from [dq, dk] as autograd hands them back: the transposed rotation."""
+    return _rotated(dqk, cos, sin, head_dim, interleaved, transposed=True)
 
 
 @_apply_rope_backward_op.register_fake
 def _(dqk, cos, sin, head_dim, interleaved):
-    return dqk.new_empty(dqk.shape)
+    return tuple(t.new_empty(t.shape) for t in dqk)
 
 
 def _setup(ctx, inputs, output):
-    q, _, cos, sin, head_dim, interleaved = inputs
+    _, _, cos, sin, head_dim, interleaved = inputs
     ctx.save_for_backward(cos, sin)
     ctx.set_materialize_grads(False)
-    ctx.meta = (q.shape[-1], head_dim, interleaved)
+    ctx.meta = (head_dim, interleaved)
 
 
 def _backward(ctx, dqk):
     cos, sin = ctx.saved_tensors
-    n_q, head_dim, interleaved = ctx.meta
-    dz = _apply_rope_backward_op(dqk, cos, sin, head_dim, interleaved)
-    return dz[..., :n_q], dz[..., n_q:], None, None, None, None
+    head_dim, interleaved = ctx.meta
+    return (*_apply_rope_backward_op(dqk, cos, sin, head_dim, interleaved), None, None, None, None)
 
 
 _apply_rope_op.register_autograd(_backward, setup_context=_setup)
@@ -91,7 +84,7 @@ def apply_rope(q: Tensor, k: Tensor, positions: Tensor | None = None, inv_freq: 
     returns them: heads side by side along the last dim), differentiable in q and k.
 
     Equals Hugging Face's ``apply_rotary_pos_emb`` on the heads (rotate_half, or the interleaved
-    convention), computed in fp32 and rounded once. The angles come as in
+    convention), computed in fp32 and rounded once; the two results in allocations of their own. The angles come as in
     :func:`codetta.ops.rmsnorm_qkv_rope`: ``positions`` (one per token of q's leading dims) and
     ``inv_freq`` [R/2] with ``attention_scaling``, or ``cos_sin``, a Hugging Face rotary
     embedding's (cos, sin) [..., R] (broadcasting to q's leading dims, the two halves of each

@@ -160,8 +160,7 @@ def _not_views(output):
 
 
 class _Direct(torch.autograd.Function):
-    """An op's implementation with its own setup_context and backward, lists flattened; the
-    first output in parts where the op says so (:class:`DirectOp`'s ``split_first``)."""
+    """An op's implementation with its own setup_context and backward, lists flattened."""
 
     @staticmethod
     def forward(ctx, op, layout, *flat):
@@ -169,19 +168,12 @@ class _Direct(torch.autograd.Function):
         output = _not_views(op.impl(*inputs))
         op.setup_context(ctx, inputs, output)
         ctx.direct = (op, layout)
-        if op.split_first is None:
-            return output
-        first, rest = _first_and_rest(output)
-        parts = _not_views(op.parts_of_first(first, inputs))
-        ctx.parts = [(p.shape, p.dtype, p.device) for p in parts]
-        return (*parts, *rest)
+        return output
 
     @staticmethod
     def backward(ctx, *grads):
         op, layout = ctx.direct
         refuse_double_backward(op.op._qualname, grads)
-        if op.split_first is not None:
-            grads = (_gradient_parts(grads[:len(ctx.parts)], ctx.parts), *grads[len(ctx.parts):])
         result = op.backward(ctx, *grads)
         flat = []
         for g, n in zip(result, layout):
@@ -192,14 +184,9 @@ class _Direct(torch.autograd.Function):
         return (None, None, *flat)
 
 
-def _first_and_rest(output):
-    """(the first output, the others) of an op returning a tuple or one tensor."""
-    return (output[0], output[1:]) if isinstance(output, tuple) else (output, ())
-
-
 def _gradient_parts(grads, parts):
-    """The gradients of a first output returned in parts, as a list for the op's backward
-    (zeros for a part whose gradient never came), or None when none came."""
+    """The gradients of the first outputs (see :class:`DirectOp`'s ``differentiable``), as a
+    list for the op's backward (zeros for one whose gradient never came), or None when none came."""
     if all(g is None for g in grads):
         return None
     return [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
@@ -228,34 +215,18 @@ class DirectOp:
     """A custom op (``.op``, registered with torch.library) that eager calls with plain tensors
     run without the dispatcher. ``register_fake`` and ``register_autograd`` as on the op.
 
-    ``split_first`` (optional): a function of the op's arguments giving the sizes along the last
-    dim in which a call returns the first output, as views (``torch.split``), followed by the
-    others. On the direct route the parts are outputs of their own, and the op's backward gets
-    their gradients as a list (autograd would otherwise concatenate them into one tensor
-    first: a copy of all of them); through the registered op it gets the one tensor.
+    ``differentiable`` (default 1): how many of the first outputs carry gradients; with more
+    than one the op's backward gets theirs as one list (zeros for those that did not come,
+    None when none did), on either route: outputs computed together, each in an allocation of
+    its own (q, k and v), whose gradients autograd hands back apart (an op returning views of
+    one tensor would get them concatenated into one first: a copy of all of them)."""
 
-    ``differentiable`` (default 1): how many of the first outputs carry gradients; the op's
-    backward gets theirs as one list (zeros for those that did not come, None when none did),
-    on either route: outputs computed together in allocations of their own (q, k and v)."""
-
-    def __init__(self, name: str, impl, split_first=None, differentiable: int = 1):
+    def __init__(self, name: str, impl, differentiable: int = 1):
         self.impl = impl
         self.op = torch.library.custom_op(name, impl, mutates_args=())
         self.op.register_vmap(_per_sample(self.op))
         self.setup_context = self.backward = None
-        self.split_first = split_first
         self.differentiable = differentiable
-
-    def parts_of_first(self, first, args):
-        """The first output as the views a call returns (``split_first``)."""
-        return torch.split(first, self.split_first(args), dim=-1)
-
-    def _split(self, output, args):
-        """A whole output as a call returns it (the first output in parts where it is split)."""
-        if self.split_first is None:
-            return output
-        first, rest = _first_and_rest(output)
-        return (*self.parts_of_first(first, args), *rest)
 
     def register_fake(self, fake):
         self.op.register_fake(fake)
@@ -276,15 +247,15 @@ class DirectOp:
     def __call__(self, *args):
         refuse_unsupported_autodiff(self.op._qualname, args)
         if not _runs_directly(args):
-            return self._split(self.op(*args), args)
+            return self.op(*args)
         flat, layout = _flatten(args)
         if not torch.is_grad_enabled() or not any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
-            return self._split(self.impl(*args), args)
+            return self.impl(*args)
         if self.backward is None:  # e.g. a backward op under create_graph=True: the op says it has no derivative
-            return self._split(self.op(*args), args)
+            return self.op(*args)
         return _Direct.apply(self, layout, *flat)
 
 
-def direct_op(name: str, split_first=None, differentiable: int = 1):
+def direct_op(name: str, differentiable: int = 1):
     """Decorator: ``@direct_op("codetta::name")`` on the implementation makes a :class:`DirectOp`."""
-    return lambda impl: DirectOp(name, impl, split_first, differentiable)
+    return lambda impl: DirectOp(name, impl, differentiable)

@@ -377,14 +377,14 @@ def _updated_cache(cache, layer_idx: int, q, k, v, kv_kept: bool, **update_kwarg
     Where the cache's layer held nothing before and is transformers' DynamicLayer (the default,
     in training too, where the cache lives until the step's outputs are dropped), whose update
     would concatenate k and v to empty tensors (copies), the layer holds k or v itself where it
-    lies in an allocation of its own (the fused QKV GEMM stores q, k and v apart; a called
-    v_proj's output): the same values, without a copy; a caller keeping the cache keeps the
-    memory of k and v only, as with the copies. Elsewhere the cache updates as it does, and where
-    its layer held nothing before (it then gives back copies of k and v) attention reads the given
-    k or v where autograd keeps it for the backward anyway (``kv_kept``: the op that made them
-    saved them; or it lies in q's memory, apply_rope's rotated q and k, which attention keeps):
-    no second copy is then held for the backward once the cache is dropped. Under torch.compile,
-    the cache's update and the cache's k and v."""
+    lies in an allocation of its own (the fused QKV GEMM stores q, k and v apart, apply_rope q and
+    k; a called v_proj's output): the same values, without a copy; a caller keeping the cache
+    keeps the memory of k and v only, as with the copies. Elsewhere the cache updates as it does,
+    and where its layer held nothing before (it then gives back copies of k and v) attention reads
+    the given k or v where autograd keeps it for the backward anyway (``kv_kept``: the op that
+    made them saved them; or it lies in q's memory, which attention keeps: views of one QKV GEMM's
+    output where RoPE is not fused): no second copy is then held for the backward once the cache
+    is dropped. Under torch.compile, the cache's update and the cache's k and v."""
     layers = getattr(cache, "layers", None)
     fresh = isinstance(layers, list) and not torch.compiler.is_compiling() and (
         layer_idx >= len(layers) or getattr(layers[layer_idx], "is_initialized", True) is False)
