@@ -146,6 +146,8 @@ def training_step():
         rotary = inv_freq[: extra.get("rotary_dim", hd) // 2]
         q, k, v = ops.rmsnorm_qkv_rope(x, g, wq, wk, wv, positions, rotary, head_dim=hd, **extra)
         (q.float().sum() + k.float().sum() + v.float().sum()).backward()
+    q, k = ops.apply_rope(rand(m, heads * hd), rand(m, kv * hd), positions, inv_freq, head_dim=hd)  # q, k apart
+    (q.float().sum() + k.float().sum()).backward()
     for activation in ("gelu_tanh", "relu"):
         y = ops.rmsnorm_swiglu(x, g, rand(40, d), rand(40, d), bias=(rand(40), rand(40)), activation=activation)
         y.float().sum().backward()
