@@ -253,7 +253,7 @@ class Call:
             checked[name] = t
         return checked
 
-    def part_shapes(self, o) -> list[tuple]:
+    def part_shapes(self) -> list[tuple]:
         """The shapes of the tensors a store per part of B writes: [..., N_i] each."""
         return [(*self.lead, end - start) for start, end in zip(self.starts, self.ends)]
 

@@ -169,7 +169,7 @@ def _trivial(call, finish):
             results[o.name] = call.given[o.name]
             continue
         if o.per_b_part:
-            results[o.name] = tuple(torch.empty(s, device=call.device, dtype=dtype) for s in call.part_shapes(o))
+            results[o.name] = tuple(torch.empty(s, device=call.device, dtype=dtype) for s in call.part_shapes())
             continue
         t = call.user_out.get(o.name)
         if t is None:

@@ -130,7 +130,7 @@ def tiles_tma_ok(call):
         if user is not None:
             tiles.append(call.operands[o.name] if o.accumulate else rows_view(user, user.shape[-1], o.name))
         elif any(shape[-1] * call.output_dtype(o).itemsize % 16
-                 for shape in (call.part_shapes(o) if o.per_b_part else [call.output_shape(o)])):
+                 for shape in (call.part_shapes() if o.per_b_part else [call.output_shape(o)])):
             return False
     return all(tma_ok(t) for t in tiles)
 

@@ -83,7 +83,7 @@ class Plan:
         self.allocated = [(o.name, shape, c.output_dtype(o), None if shape == (c.M, shape[-1]) else (c.M, shape[-1]))
                           for o in written if o.name not in c.user_out for shape in [c.output_shape(o)]]
         # stores per part of B: (name, the parts' shapes, dtype), each part written as [M, N_i]
-        self.allocated_parts = [(o.name, c.part_shapes(o), c.output_dtype(o)) for o in p.outputs.values()
+        self.allocated_parts = [(o.name, c.part_shapes(), c.output_dtype(o)) for o in p.outputs.values()
                                 if o.per_b_part]
         self.partials = _partial_shapes(c, cfg)
         # (name, finishing step, the output's shape)
@@ -179,7 +179,7 @@ class Plan:
     def _tile_stride(self, c, base, dim):
         out = c.program.outputs.get(base)
         if out is not None and out.per_b_part:  # contiguous [M, N_i] parts; 0 past the call's parts
-            widths = [shape[-1] for shape in c.part_shapes(out)]
+            widths = [shape[-1] for shape in c.part_shapes()]
             return tuple((widths[i], 1)[dim] if i < len(widths) else 0 for i in range(MAX_B_PARTS))
         if base in c.operands:
             return c.operands[base].stride(dim)
