@@ -84,8 +84,8 @@ def apply_rope(q: Tensor, k: Tensor, positions: Tensor | None = None, inv_freq: 
     returns them: heads side by side along the last dim), differentiable in q and k.
 
     Equals Hugging Face's ``apply_rotary_pos_emb`` on the heads (rotate_half, or the interleaved
-    convention), computed in fp32 and rounded once; the two results in allocations of their own. The angles come as in
-    :func:`codetta.ops.rmsnorm_qkv_rope`: ``positions`` (one per token of q's leading dims) and
+    convention), computed in fp32 and rounded once; the two results in allocations of their own.
+    The angles come as in :func:`codetta.ops.rmsnorm_qkv_rope`: ``positions`` (one per token of q's leading dims) and
     ``inv_freq`` [R/2] with ``attention_scaling``, or ``cos_sin``, a Hugging Face rotary
     embedding's (cos, sin) [..., R] (broadcasting to q's leading dims, the two halves of each
     equal); rotary_dim R (default D) even and at most D (no power of two and no divisor of D
