@@ -1225,6 +1225,58 @@ def test_tensors_the_kernels_cannot_read_as_stored_are_refused(where, kind):
         call(make)
 
 
+def _operator_calls():
+    """name -> (each public operator called on small valid tensors from a maker of tensors
+    (``m(*shape, integer=False)``), the argument names in the order the maker is called): a
+    maker that makes one of them sparse or nested shows what each operator says of it."""
+    def t(*shape):
+        return torch.randn(*shape, device=DEVICE)
+
+    pos, inv_freq = torch.arange(4, device=DEVICE), torch.ones(2, device=DEVICE)
+    return {
+        "linear": (lambda m: codetta.linear(m(4, 8), m(6, 8), m(6)), ["x", "weight", "bias"]),
+        "rms_norm": (lambda m: ops.rms_norm(m(4, 8), m(8)), ["x", "weight"]),
+        "gated_activation": (lambda m: ops.gated_activation(m(4, 8), m(4, 8)), ["gate", "up"]),
+        "apply_rope": (lambda m: ops.apply_rope(m(4, 8), m(4, 4), pos, inv_freq, head_dim=4), ["q", "k"]),
+        "rmsnorm_linear": (lambda m: ops.rmsnorm_linear(m(4, 8), m(8), [t(6, 8), m(2, 8)]), ["x", "norm_weight",
+                                                                                          "weight"]),
+        "linear_residual": (lambda m: ops.linear_residual(m(4, 6), m(8, 6), m(4, 8), m(8)),
+                            ["a", "weight", "residual", "norm_weight"]),
+        "rmsnorm_swiglu": (lambda m: ops.rmsnorm_swiglu(m(4, 8), m(8), m(6, 8), m(6, 8)),
+                           ["x", "norm_weight", "w_gate", "w_up"]),
+        "swiglu_mlp": (lambda m: ops.swiglu_mlp(m(4, 8), m(8), m(6, 8), m(6, 8), m(8, 6)),
+                       ["x", "norm_weight", "w_gate", "w_up", "w_down"]),
+        "rmsnorm_qkv_rope": (lambda m: ops.rmsnorm_qkv_rope(m(4, 8), m(8), m(8, 8), m(4, 8), m(4, 8), pos, inv_freq,
+                                                            head_dim=4), ["x", "norm_weight", "w_q", "w_k", "w_v"]),
+        "linear_cross_entropy": (lambda m: ops.linear_cross_entropy(m(4, 8), m(10, 8), m(4, integer=True)),
+                                 ["x", "weight", "target"]),
+    }
+
+
+@pytest.mark.parametrize("kind", ["sparse", "nested"])
+@pytest.mark.parametrize("op", sorted(_operator_calls()))
+def test_operators_refuse_sparse_and_nested_tensors_by_name(op, kind):
+    """Each public operator runs on dense tensors and refuses a sparse or a nested one in any of
+    its tensor arguments (also inside a list of weights) with a ValueError naming the operator and
+    the argument, not an error from deep inside a reshape."""
+    call, names = _operator_calls()[op]
+    make_unreadable, message = UNREADABLE[kind]
+
+    def dense(*shape, integer=False):
+        return torch.randint(0, 4, shape, device=DEVICE) if integer else torch.randn(*shape, device=DEVICE)
+
+    call(dense)
+    for bad in names:
+        made = []
+
+        def make(*shape, integer=False):
+            made.append(names[len(made)])
+            return make_unreadable(*shape) if made[-1] == bad else dense(*shape, integer=integer)
+
+        with pytest.raises(ValueError, match=rf"^{op}: {bad} {message}"):
+            call(make)
+
+
 def test_a_negated_view_reaches_no_kernel_as_stored():
     """codetta.linear refuses a negated view (it reaches the GEMM as it is); the operators that
     copy a strided input first compute on its values; one that would hand a contiguous negated

@@ -261,19 +261,23 @@ def test_stats_must_be_those_of_the_x_norm_weight_and_eps_given():
     a, wo, res = torch.randn(m, k, device=DEVICE), torch.randn(d, k, device=DEVICE) / 4, torch.randn(m, d, device=DEVICE)
     g, w = 1 + 0.1 * torch.randn(d, device=DEVICE), torch.randn(24, d, device=DEVICE) / 6
     x1, stats = linear_residual(a, wo, res, g, EPS)
-    z = rmsnorm_linear(x1, g, w, EPS, stats=stats)  # the right pair: taken
-    assert rel(z, unfused(x1.double(), g.double(), [w.double()])) < 1e-5
-    with pytest.raises(ValueError, match="another tensor than x"):
-        rmsnorm_linear(torch.randn(m, d, device=DEVICE), g, w, EPS, stats=stats)
-    with pytest.raises(ValueError, match="another norm_weight"):
-        rmsnorm_linear(x1, g.clone(), w, EPS, stats=stats)
-    with pytest.raises(ValueError, match="made with eps"):
-        rmsnorm_linear(x1, g, w, 1e-2, stats=stats)
+    u, rstd = stats
+    for given in (stats, (u, rstd)):  # as returned, or unpacked and handed on as a plain pair
+        z = rmsnorm_linear(x1, g, w, EPS, stats=given)  # the right pair: taken
+        assert rel(z, unfused(x1.double(), g.double(), [w.double()])) < 1e-5
+        with pytest.raises(ValueError, match="another tensor than x"):
+            rmsnorm_linear(torch.randn(m, d, device=DEVICE), g, w, EPS, stats=given)
+        with pytest.raises(ValueError, match="another norm_weight"):
+            rmsnorm_linear(x1, g.clone(), w, EPS, stats=given)
+        with pytest.raises(ValueError, match="made with eps"):
+            rmsnorm_linear(x1, g, w, 1e-2, stats=given)
     x1.mul_(2)  # changed in place after the producer
-    with pytest.raises(ValueError, match="changed in place"):
-        rmsnorm_linear(x1, g, w, EPS, stats=stats)
-    u, rstd = stats  # a plain pair (made by the caller) is taken as it is
-    assert rmsnorm_linear(x1, g, w, EPS, stats=(u, rstd)).shape == (m, 24)
+    for given in (stats, (u, rstd)):
+        with pytest.raises(ValueError, match="changed in place"):
+            rmsnorm_linear(x1, g, w, EPS, stats=given)
+    # a pair of the caller's own tensors is taken as it is (here the statistics of x1 before its change)
+    z = rmsnorm_linear(x1, g, w, EPS, stats=(u.clone(), rstd.clone()))
+    assert rel(z, unfused(x1.double() / 2, g.double(), [w.double()])) < 1e-5
 
 
 def test_stats_refused_for_a_reordered_view_of_x():

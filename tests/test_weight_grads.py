@@ -254,6 +254,25 @@ def test_a_weight_with_a_post_accumulate_hook_keeps_autograd_accumulation(added_
         assert ((w.grad.double() - ref).norm() / ref.norm()).item() < 1e-5
 
 
+def test_a_lazily_negated_grad_is_accumulated_by_autograd(added_in_gemm):
+    """A .grad that is a lazily negated view (PyTorch's negative bit: its memory holds -values)
+    cannot be added into as stored: autograd accumulates it, as without the context."""
+    shapes, op, _ = OPS["rmsnorm_linear"]
+    weights = [torch.nn.Parameter(torch.randn(*s, device=DEVICE) / D**0.5) for s in shapes]
+    earlier = [torch.randn_like(w) for w in weights]
+    weights[0].grad = torch._neg_view(-earlier[0])
+    weights[1].grad = earlier[1].clone()
+    assert weights[0].grad.is_neg()
+    g = torch.ones(D, device=DEVICE)
+    (x, pos), = _micro_batches(1)
+    dy = torch.randn(M, 40, device=DEVICE)
+    with accumulate_weight_grads():
+        (op(x, g, pos, weights) * dy).sum().backward()
+    assert added_in_gemm() == 1  # W_1 only
+    for w, before, ref in zip(weights, earlier, _reference_grads("rmsnorm_linear", weights, g, [(x, pos)], [dy])):
+        assert ((w.grad.double() - before.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
 def test_a_weight_with_a_gradient_hook_keeps_autograd_accumulation(added_in_gemm):
     """A hook on a weight's gradient (register_hook: here a mask zeroing half of it) sees every
     micro-batch's gradient, as without the context."""

@@ -5,9 +5,9 @@ A call goes through ``call`` (checked), ``path`` (TMA or pointers), ``tuning`` (
 ``launch`` holds ``gemm`` and ``explain``.
 """
 
-from .call import KERNEL_DTYPES, GemmError, check_device, interleave
+from .call import KERNEL_DTYPES, GemmError, check_device, interleave, layout_problem
 from .config import Config
 from .launch import explain, gemm, large_interpreter_tiles
 
-__all__ = ["Config", "GemmError", "KERNEL_DTYPES", "check_device", "explain", "gemm", "interleave",
+__all__ = ["Config", "GemmError", "KERNEL_DTYPES", "check_device", "explain", "gemm", "interleave", "layout_problem",
            "large_interpreter_tiles"]

@@ -38,12 +38,20 @@ def interleave(b0, b1) -> Interleaved:
     return Interleaved((b0, b1))
 
 
+def layout_problem(t: torch.Tensor) -> str | None:
+    """Why the kernels cannot address ``t`` (a sparse or nested tensor has no strides, nor one
+    data pointer), to follow its name in an error message; None for a dense tensor."""
+    if t.layout != torch.strided or t.is_nested:
+        return f"is a {'nested' if t.is_nested else t.layout} tensor: codetta's kernels take dense (strided) tensors"
+    return None
+
+
 def check_tensor(t, what, device):
     if not isinstance(t, torch.Tensor):
         raise GemmError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-    if t.layout != torch.strided or t.is_nested:
-        kind = "nested" if t.is_nested else str(t.layout)
-        raise GemmError(f"{what} is a {kind} tensor: codetta's kernels take dense (strided) tensors")
+    problem = layout_problem(t)
+    if problem is not None:
+        raise GemmError(f"{what} {problem}")
     if t.is_neg():
         raise GemmError(f"{what} has PyTorch's negative bit set (a lazily negated view, as z.conj().imag is): the "
                         "kernels read and write memory as it is stored; resolve it first (resolve_neg())")

@@ -25,7 +25,7 @@ from torch import Tensor
 from ..kernels.rope import rotate
 from ..matmul import KERNEL_DTYPES, check_device
 from .autograd import direct_op
-from .shapes import rows
+from .shapes import dense_tensors_only, rows
 from .rope import rope_tables_for
 
 
@@ -77,6 +77,7 @@ def _backward(ctx, dqk):
 _apply_rope_op.register_autograd(_backward, setup_context=_setup)
 
 
+@dense_tensors_only
 def apply_rope(q: Tensor, k: Tensor, positions: Tensor | None = None, inv_freq: Tensor | None = None, *,
                head_dim: int, rotary_dim: int | None = None, attention_scaling: float = 1.0,
                cos_sin: tuple | None = None, interleaved: bool = False) -> tuple[Tensor, Tensor]:

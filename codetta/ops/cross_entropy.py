@@ -589,6 +589,7 @@ def _check_inputs(x, weight, target, bias, norm_weight, reduction, chunk_size, l
         fail(f"softcap must be None or a positive finite number, got {softcap!r}")
 
 
+@shapes.dense_tensors_only
 @casts_under_autocast("weight", "bias", streams_if=(("x", "norm_weight"),))
 def linear_cross_entropy(x, weight, target, *, bias=None, ignore_index=-100, reduction="mean",
                          norm_weight=None, eps=1e-6, chunk_size=None, label_smoothing=0.0, z_loss=0.0, softcap=None):

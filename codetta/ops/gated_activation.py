@@ -36,7 +36,7 @@ from ..kernels.swiglu import gated_activation_backward
 from ..matmul import KERNEL_DTYPES, check_device
 from .activations import check_activation
 from .autograd import arguments_needing_grad, direct_op, saved_tensors_freed_after
-from .shapes import rows
+from .shapes import dense_tensors_only, rows
 
 
 @direct_op("codetta::gated_activation")
@@ -90,6 +90,7 @@ def _backward(ctx, dy):
 _gated_activation_op.register_autograd(_backward, setup_context=_setup)
 
 
+@dense_tensors_only
 def gated_activation(gate: Tensor, up: Tensor, activation: str = "silu", *, inputs_consumed: bool = False) -> Tensor:
     """act(gate) * up, computed in fp32 and rounded once; differentiable in gate and up.
 

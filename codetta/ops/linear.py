@@ -16,7 +16,7 @@ from .autocast import casts_under_autocast
 from .autograd import arguments_needing_grad, direct_op
 from .weight_grads import weight_grad
 
-from .shapes import described, rows
+from .shapes import dense_tensors_only, described, rows
 
 
 @functools.lru_cache(maxsize=None)
@@ -72,6 +72,7 @@ def _backward(ctx, dy):
 _linear_op.register_autograd(_backward, setup_context=_setup)
 
 
+@dense_tensors_only
 @casts_under_autocast("x", "weight", "bias")
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """y = x W^T + b, equal to ``torch.nn.functional.linear``, differentiable.

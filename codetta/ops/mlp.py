@@ -58,7 +58,7 @@ from .rmsnorm import (NormStats, _check_norm_inputs, _linear_residual_op, _weigh
                       given_stats, rmsnorm_linear_backward, rstd_like, scaled, used_rstd)
 from .swiglu import _rmsnorm_swiglu_op, bias_grad_sums, bias_grads, rmsnorm_swiglu_reference
 from .weight_grads import for_autograd, run_backward, skipping, weight_grad, weight_grads_like
-from .shapes import check_biases, check_vector, rows
+from .shapes import check_biases, dense_tensors_only, check_vector, rows
 
 
 @direct_op("codetta::swiglu_mlp")
@@ -145,6 +145,7 @@ def _backward(ctx, dx2, *_unused):
 _mlp_op.register_autograd(_backward, setup_context=_setup)
 
 
+@dense_tensors_only
 @casts_under_autocast("w_gate", "w_up", "w_down", "stats", "bias", streams=("x",))
 def swiglu_mlp(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, eps: float = 1e-6, *,
                stats=None, next_norm_weight: Tensor | None = None, next_eps: float = 1e-6, bias: tuple | None = None,

@@ -27,6 +27,7 @@ from ..kernels.rmsnorm import rmsnorm, rmsnorm_backward
 from ..matmul import KERNEL_DTYPES, check_device
 from .autograd import arguments_needing_grad, direct_op, only_first_output_differentiable
 from .rmsnorm import check_eps
+from .shapes import dense_tensors_only
 
 
 
@@ -72,6 +73,7 @@ def _backward(ctx, dh, _drstd):
 _rms_norm_op.register_autograd(_backward, setup_context=_setup)
 
 
+@dense_tensors_only
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, *, dtype: Optional[torch.dtype] = None) -> Tensor:
     """x / sqrt(mean(x^2) + eps) * weight over the last dim, computed in fp32 and rounded once to
     ``dtype`` (default x's); differentiable in x and weight.

@@ -74,7 +74,7 @@ from ..matmul.memory import merged_leading_dims
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .weight_grads import for_autograd, run_backward, skipping, weight_grads, weight_grads_like
-from .shapes import check_vector, described, rows
+from .shapes import check_vector, dense_tensors_only, described, rows
 
 # ---------------------------------------------------------------------------------------
 # Programs
@@ -195,6 +195,10 @@ def _row_layout(t: Tensor) -> tuple:
     return t.data_ptr(), t.shape[-1], t.stride(-1) if t.shape[-1] > 1 else 0, lead
 
 
+# u -> what NormStats.of made it of (x's rows, versions, norm weight, eps; not x itself), while u lives
+_SOURCES_BY_U = torch.utils.weak.WeakIdKeyDictionary()
+
+
 class NormStats(tuple):
     """The statistics ``(u, rstd)`` of the RMSNorm of one tensor x with one norm weight g and
     epsilon, as :func:`linear_residual` and :func:`codetta.ops.swiglu_mlp` return them (u = x g
@@ -205,9 +209,11 @@ class NormStats(tuple):
     it gets that very x, unchanged since, with the same g and epsilon, its rows in the same
     order (x or a reshape of it, not a transposed view of the same memory): stale or borrowed
     statistics would give a silently wrong norm. It holds a reference to x, so that a new
-    tensor cannot take x's memory (and pass for it) while the statistics live. A plain
-    ``(u, rstd)`` pair is taken as it is. Writes that PyTorch does not count in the version
-    counter (through ``.data``, or numpy memory shared with x) cannot be seen.
+    tensor cannot take x's memory (and pass for it) while the statistics live. Unpacked and
+    handed on as a plain ``(u, rstd)`` pair, they are checked alike by their u (:meth:`made_for`),
+    but for x's identity (a new tensor in x's memory, with x's shape, would pass); a pair of
+    other tensors is taken as it is. Writes that PyTorch does not count in the version counter
+    (through ``.data``, or numpy memory shared with x) cannot be seen.
     """
 
     source: tuple
@@ -220,6 +226,18 @@ class NormStats(tuple):
             return u, rstd
         stats = tuple.__new__(NormStats, (u, rstd))
         stats.source = (x, _row_layout(x), x._version, norm_weight, norm_weight._version, float(eps))
+        _SOURCES_BY_U[u] = (None, *stats.source[1:])
+        return stats
+
+    @staticmethod
+    def made_for(u: Tensor, rstd: Tensor) -> Optional["NormStats"]:
+        """The statistics (without x itself) that :meth:`of` made with this very u, as a plain
+        pair hands them on; None for a u it did not make."""
+        source = _SOURCES_BY_U.get(u)
+        if source is None:
+            return None
+        stats = tuple.__new__(NormStats, (u, rstd))
+        stats.source = source
         return stats
 
     def with_u(self, u: Tensor) -> "NormStats":
@@ -273,8 +291,10 @@ def given_stats(x: Tensor, stats, operand_dtype: torch.dtype, norm_weight: Tenso
     if u.dtype != operand_dtype or rstd.dtype != torch.float32:
         raise ValueError(f"stats must be (u in the weights' dtype {operand_dtype}, rstd in torch.float32), got "
                          f"({u.dtype}, {rstd.dtype})")
-    if isinstance(stats, NormStats) and not torch.compiler.is_compiling():
-        stats.check(x, norm_weight, eps)
+    if not torch.compiler.is_compiling():
+        made = stats if isinstance(stats, NormStats) else NormStats.made_for(u, rstd)
+        if made is not None:
+            made.check(x, norm_weight, eps)
     return u, rstd
 
 
@@ -420,6 +440,7 @@ def _rmsnorm_linear_backward(ctx, dz, _drstd):
 _rmsnorm_linear_op.register_autograd(_rmsnorm_linear_backward, setup_context=_rmsnorm_linear_setup)
 
 
+@dense_tensors_only
 @casts_under_autocast("weight", "stats", streams=("x",))
 def rmsnorm_linear(x: Tensor, norm_weight: Tensor, weight, eps: float = 1e-6, *, stats=None) -> Tensor:
     """``F.linear(F.rms_norm(x, (d,), norm_weight, eps), W)`` with the norm folded into the GEMM.
@@ -520,6 +541,7 @@ def _linear_residual_backward(ctx, dx, _du, _drstd):
 _linear_residual_op.register_autograd(_linear_residual_backward, setup_context=_linear_residual_setup)
 
 
+@dense_tensors_only
 @casts_under_autocast("a", "weight", "bias", streams=("residual",))
 def linear_residual(a: Tensor, weight, residual: Tensor, norm_weight: Tensor | None = None, eps: float = 1e-6, *,
                     bias: Tensor | None = None, branch_scale: float = 1.0):

@@ -77,7 +77,7 @@ from .rmsnorm import (_check_norm_inputs, _weight_t, check_eps, finite_real, giv
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
 from .weight_grads import for_autograd, run_backward, skipping, weight_grads_like
-from .shapes import broadcasts_to, check_biases, check_vector, concat_biases, rows
+from .shapes import broadcasts_to, check_biases, check_vector, concat_biases, dense_tensors_only, rows
 
 
 def _pair_segment(rotary_dim: int, interleaved: bool) -> int:
@@ -430,6 +430,7 @@ def rope_tables_for(x: Tensor, head_dim, positions, inv_freq, *, rotary_dim, att
     return head_dim, rotary_dim, cos, sin
 
 
+@dense_tensors_only
 @casts_under_autocast("w_q", "w_k", "w_v", "bias", "stats", streams=("x",))
 def rmsnorm_qkv_rope(x: Tensor, norm_weight: Tensor, w_q: Tensor, w_k: Tensor, w_v: Tensor,
                      positions: Tensor | None = None, inv_freq: Tensor | None = None, *, head_dim: int,

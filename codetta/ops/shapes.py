@@ -1,14 +1,16 @@
-"""Shapes of the operators' tensors."""
+"""Shapes and layouts of the operators' tensors."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from ..matmul import KERNEL_DTYPES
+from ..matmul import KERNEL_DTYPES, layout_problem
 
 
 def rows(t: Tensor) -> Tensor:
@@ -56,3 +58,28 @@ def concat_biases(biases: tuple, dims: tuple[int, ...]) -> Optional[Tensor]:
     if not given:
         return None
     return torch.cat([b if b is not None else given[0].new_zeros(n) for b, n in zip(biases, dims)])
+
+
+def _layout_problem_in(value) -> Optional[str]:
+    if isinstance(value, Tensor):
+        return layout_problem(value)
+    if isinstance(value, (list, tuple)):
+        return next((p for p in map(_layout_problem_in, value) if p is not None), None)
+    return None
+
+
+def dense_tensors_only(fn):
+    """Decorator for an operator's public function: an argument that is a sparse or a nested
+    tensor, or a list or tuple holding one, is refused with a ValueError that names it, before
+    the operator reshapes or reads it (PyTorch's own errors from there say little)."""
+    names = list(inspect.signature(fn).parameters)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        for name, value in (*zip(names, args), *kwargs.items()):
+            problem = _layout_problem_in(value)
+            if problem is not None:
+                raise ValueError(f"{fn.__name__}: {name} {problem}")
+        return fn(*args, **kwargs)
+
+    return wrapper

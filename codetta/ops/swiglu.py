@@ -52,7 +52,7 @@ from .activations import check_activation, eager_activation, epilogue_activation
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable, saved_tensors_freed_after
 from .weight_grads import for_autograd, run_backward, skipping, weight_grads_like
-from .shapes import check_biases, concat_biases, rows
+from .shapes import check_biases, concat_biases, dense_tensors_only, rows
 
 
 @functools.lru_cache(maxsize=None)
@@ -164,6 +164,7 @@ def _backward(ctx, dy, _dz, _drstd):
 _rmsnorm_swiglu_op.register_autograd(_backward, setup_context=_setup)
 
 
+@dense_tensors_only
 @casts_under_autocast("w_gate", "w_up", "stats", "bias", streams=("x",))
 def rmsnorm_swiglu(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, eps: float = 1e-6, *, stats=None,
                    bias: tuple | None = None, activation: str = "silu"):

@@ -77,7 +77,8 @@ def _existing_grad(w: Tensor) -> Optional[Tensor]:
     if type(g) is not torch.Tensor or getattr(w, "_backward_hooks", None) \
             or getattr(w, "_post_accumulate_grad_hooks", None):
         return None
-    if g.shape != w.shape or g.dtype != w.dtype or g.device != w.device:
+    # a .grad the kernels cannot write as it is (a lazily negated or conjugated view): autograd's
+    if g.shape != w.shape or g.dtype != w.dtype or g.device != w.device or g.is_neg() or g.is_conj():
         return None
     return g
 
