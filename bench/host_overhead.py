@@ -1,6 +1,6 @@
 """Host (CPU) time per call: what a training step costs before the GPU does any work.
 
-    python bench/host_overhead.py [--layers 2] [--seq 256] [--calls 200]
+    python bench/host_overhead.py [--layers 2] [--seq 256] [--calls 200] [--lora q_proj,v_proj]
 
 Shapes are small, so the GPU finishes each kernel long before the host issues the next
 one: the wall time of a loop of calls without a synchronization is then the host's time
@@ -10,10 +10,13 @@ to issue them (Python, checks, planning, Triton's and PyTorch's launchers). Meas
   of the same codetta kernel alone (its recorded arguments replayed);
 - a training step (forward + backward) of a small Llama-shape model per layer: HF eager,
   HF + codetta, HF + Liger-Kernel (when importable; patched last, as it replaces
-  transformers' classes for the whole process).
+  transformers' classes for the whole process); with ``--lora``, PEFT LoRA adapters (r = 16)
+  on the projections it names, as bench/train_bench.py puts them.
 
-Without a GPU the kernels run as no-ops under Triton's interpreter, so the numbers are
-codetta's own Python only. Writes bench/results/host_overhead.{md,json}.
+Without a GPU the kernels run as no-ops under Triton's interpreter (Liger's too), and the
+model is narrow (d = 64), so the numbers are the host's own work (Python, autograd, PyTorch's
+CPU ops on small tensors): a proxy for comparing the variants' host time. Writes
+bench/results/host_overhead{_lora_<targets>}.{md,json} (``_cpu`` appended without a GPU).
 """
 
 from __future__ import annotations
@@ -115,18 +118,25 @@ def gemm_rows(calls):
     return rows
 
 
-def build_model(layers, patch):
+def build_model(layers, patch, lora=""):
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
-                                      num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
-                                      max_position_embeddings=8192, tie_word_embeddings=True,
-                                      attn_implementation="sdpa")
+    # on the CPU a narrow model: its unfused ops compute for real there (codetta's and Liger's kernels do not)
+    hidden, ffn, heads = (2048, 8192, 32) if ON_GPU else (64, 128, 4)
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=ffn,
+                                      num_hidden_layers=layers, num_attention_heads=heads,
+                                      num_key_value_heads=heads // 4, max_position_embeddings=8192,
+                                      tie_word_embeddings=True, attn_implementation="sdpa")
     torch.manual_seed(0)
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     model = transformers.LlamaForCausalLM(config).to(device=DEVICE, dtype=dtype)
     if patch:
         codetta.patch(model)
+    if lora:
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                                            target_modules=lora.split(",")))
     return model
 
 
@@ -142,6 +152,7 @@ def main():
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--lora", default="", help="PEFT LoRA adapters on these projections (comma-separated)")
     args = parser.parse_args()
     os.environ.setdefault("CODETTA_AUTOTUNE", "0")  # tuning is not host overhead of a step
     if not ON_GPU:
@@ -149,21 +160,22 @@ def main():
     rows = gemm_rows(args.calls)
     ids = torch.randint(0, 32000, (1, args.seq), device=DEVICE)
     step_calls = max(args.calls // 20, 3)
-    rows.append(step_row("HF eager", build_model(args.layers, False), ids, step_calls))
-    rows.append(step_row("HF + codetta", build_model(args.layers, True), ids, step_calls))
+    rows.append(step_row("HF eager", build_model(args.layers, False, args.lora), ids, step_calls))
+    rows.append(step_row("HF + codetta", build_model(args.layers, True, args.lora), ids, step_calls))
     try:
         from liger_kernel.transformers import apply_liger_kernel_to_llama
     except ImportError:
         pass
     else:
         apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
-        rows.append(step_row("HF + Liger", build_model(args.layers, False), ids, step_calls))
+        rows.append(step_row("HF + Liger", build_model(args.layers, False, args.lora), ids, step_calls))
     for row in rows:
         if row["what"].startswith("train step"):
             row["per_layer_us"] = row["host_us"] / args.layers
     table = markdown_table(rows, ["what", "host_us", "per_layer_us"])
     print(table)
-    write_results("host_overhead", rows, table + ("" if ON_GPU else "\n(no GPU: kernels stubbed, codetta's Python only)"))
+    name = "host_overhead" + ("_lora_" + args.lora.replace(",", "_") if args.lora else "") + ("" if ON_GPU else "_cpu")
+    write_results(name, rows, table + ("" if ON_GPU else "\n(no GPU: kernels stubbed, the host's own work only)"))
 
 
 if __name__ == "__main__":
