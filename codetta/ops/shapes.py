@@ -60,12 +60,20 @@ def concat_biases(biases: tuple, dims: tuple[int, ...]) -> Optional[Tensor]:
     return torch.cat([b if b is not None else given[0].new_zeros(n) for b, n in zip(biases, dims)])
 
 
-def _layout_problem_in(value) -> Optional[str]:
+def _dense(value) -> bool:
+    """Whether ``value`` is no sparse or nested tensor, nor a list or tuple holding one."""
     if isinstance(value, Tensor):
-        return layout_problem(value)
+        return value.layout == torch.strided and not value.is_nested
     if isinstance(value, (list, tuple)):
-        return next((p for p in map(_layout_problem_in, value) if p is not None), None)
-    return None
+        return all(map(_dense, value))
+    return True
+
+
+def _not_dense(value) -> Tensor:
+    """The sparse or nested tensor that ``value`` is or holds (``_dense(value)`` is False)."""
+    if isinstance(value, Tensor):
+        return value
+    return _not_dense(next(v for v in value if not _dense(v)))
 
 
 def dense_tensors_only(fn):
@@ -76,10 +84,10 @@ def dense_tensors_only(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        for name, value in (*zip(names, args), *kwargs.items()):
-            problem = _layout_problem_in(value)
-            if problem is not None:
-                raise ValueError(f"{fn.__name__}: {name} {problem}")
+        if not (all(map(_dense, args)) and all(map(_dense, kwargs.values()))):
+            name, tensor = next((name, _not_dense(value)) for name, value in (*zip(names, args), *kwargs.items())
+                                if not _dense(value))
+            raise ValueError(f"{fn.__name__}: {name} {layout_problem(tensor)}")
         return fn(*args, **kwargs)
 
     return wrapper
