@@ -18,7 +18,7 @@ def write_atomically(file: Path, text: str):
     failed write leaves no temporary file behind."""
     tmp = file.with_name(f".{file.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        with open(tmp, "w") as f:
+        with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, file)
     except BaseException:

@@ -862,6 +862,23 @@ def test_width_is_checked(width, declare):
         declare(ep.Program("widths"), width)
 
 
+def test_a_programs_operands_and_outputs_are_read_only():
+    """A program grows through its builder only: its ``outputs`` and ``operands`` refuse changes
+    (a stored output swapped for another of the same name would keep the first one's analysis and
+    kernel, a silently wrong result)."""
+    p = ep.Program("read_only_probe")
+    doubled, tripled = p.acc * 2.0, p.acc * p.scalar("s")
+    p.store("y", doubled)
+    with pytest.raises(TypeError):
+        del p.outputs["y"]
+    with pytest.raises(TypeError):
+        p.outputs["y"] = tripled
+    with pytest.raises(TypeError):
+        p.operands["s"] = None
+    assert list(p.outputs) == ["y"] and list(p.operands) == ["s"]
+    assert repr(p) == "Program(name='read_only_probe', operands=['s'], outputs=['y'])"
+
+
 def test_an_unusable_kernel_cache_falls_back_to_a_folder_of_the_process(tmp_path, monkeypatch):
     """CODETTA_CACHE_DIR naming a file (or anything that cannot be written): the kernels go to a
     temporary folder of this process, with a warning, and the GEMM still runs."""
@@ -877,6 +894,29 @@ def test_an_unusable_kernel_cache_falls_back_to_a_folder_of_the_process(tmp_path
     with pytest.warns(UserWarning, match="cannot use the kernel cache"):
         out = codetta.gemm(a, b, p)["y"]
     torch.testing.assert_close(out, 3.0 * (a.double() @ b.double()).float())
+
+
+@pytest.mark.parametrize("damage", [b"\xff\xfe\x00 not text", b"import triton\n"])
+def test_a_damaged_kernel_file_in_the_cache_is_written_again(tmp_path, monkeypatch, damage):
+    """A kernel file of the cache that holds something else (bytes that are not text, a truncated
+    source) is written again when a process next loads that kernel, which then runs."""
+    from codetta.epilogue import codegen
+
+    monkeypatch.setenv("CODETTA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(codegen, "_LOADED", {})  # as in a new process: the kernel not yet loaded
+    monkeypatch.setattr(launch, "_PLANS", {})
+    p = ep.Program("damaged_cache_probe")
+    p.store("y", p.acc * 3.0, dtype=torch.float32)
+    a, b = dyadic(8, 5), dyadic(5, 6)
+    codetta.gemm(a, b, p)
+    files = list((tmp_path / "kernels").glob("damaged_cache_probe*.py"))
+    assert len(files) == 1
+    source = files[0].read_bytes()
+    files[0].write_bytes(damage)
+    monkeypatch.setattr(codegen, "_LOADED", {})
+    monkeypatch.setattr(launch, "_PLANS", {})
+    torch.testing.assert_close(codetta.gemm(a, b, p)["y"], 3.0 * (a.double() @ b.double()).float())
+    assert files[0].read_bytes() == source
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="without a GPU only: codetta then needs Triton's interpreter")

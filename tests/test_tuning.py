@@ -319,6 +319,15 @@ def test_an_autotune_setting_neither_on_nor_off_is_refused(cache_dir, monkeypatc
         tuning.choose("k5", CONFIGS, lambda cfg: 1.0)
 
 
+def test_a_bad_autotune_setting_is_refused_by_any_gemm(monkeypatch):
+    """Also where the call would not tune (on the CPU, with a config given): a setting that works
+    here fails nowhere else."""
+    monkeypatch.setenv("CODETTA_AUTOTUNE", "banana")
+    a, b = torch.randn(5, 3, device=DEVICE), torch.randn(3, 7, device=DEVICE)
+    with pytest.raises(ValueError, match="CODETTA_AUTOTUNE='banana': expected 1 or 0"):
+        codetta.gemm(a, b, config=Config(BM=64, BN=64, BK=32))
+
+
 def test_candidates_respect_program_and_parts():
     """Tiles hold the program's segments whole and never straddle B parts (TMA path)."""
     for cfg in candidates(elem_bytes=2, min_bn=256, n_parts_sizes=(4096, 1024)):

@@ -479,12 +479,12 @@ def _cache_dir() -> Path:
 
 
 def _source_file(name: str, source: str) -> Path:
-    """The file holding ``source``, written where missing or different: in the cache folder
-    or, where that cannot be written (read-only, not a folder), in a temporary folder of this
-    process, with a warning."""
+    """The file holding ``source``, written where missing or different (also where it is not
+    text: a damaged file): in the cache folder or, where that cannot be written (read-only, not
+    a folder), in a temporary folder of this process, with a warning."""
     try:
         file = _cache_dir() / f"{name}.py"
-        if not file.exists() or file.read_text() != source:
+        if not file.exists() or file.read_bytes() != source.encode():
             write_atomically(file, source)
         return file
     except OSError as exc:

@@ -29,7 +29,9 @@ from __future__ import annotations
 import enum
 import hashlib
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
@@ -437,8 +439,8 @@ class Program:
 
     name: str
     _nodes: list = field(default_factory=list, repr=False, init=False)
-    operands: dict = field(default_factory=dict, init=False)
-    outputs: dict = field(default_factory=dict, init=False)
+    _operands: dict = field(default_factory=dict, init=False)
+    _outputs: dict = field(default_factory=dict, init=False)
     _acc: Expr | None = field(default=None, repr=False, init=False)
     _analysis: dict = field(default_factory=dict, repr=False, init=False)
     _loads: dict = field(default_factory=dict, repr=False, init=False)
@@ -450,13 +452,27 @@ class Program:
                                 f"(it names the kernel and its file), got {value!r:.120}")
         super().__setattr__(key, value)
 
+    def __repr__(self):
+        return f"Program(name={self.name!r}, operands={list(self._operands)}, outputs={list(self._outputs)})"
+
+    @property
+    def operands(self) -> Mapping[str, Operand]:
+        """The operands declared so far, by name (read-only: the builder's methods declare them)."""
+        return MappingProxyType(self._operands)
+
+    @property
+    def outputs(self) -> Mapping[str, Output]:
+        """The outputs stored or reduced so far, by name (read-only: ``store`` and the reductions
+        add them; a program's analysis and its kernels are kept until it grows)."""
+        return MappingProxyType(self._outputs)
+
     def _register(self, node):
         self._nodes.append(node)
         return len(self._nodes) - 1
 
     def _cached(self, what, compute):
         """``compute()`` memoized until the program changes (calls check it on every launch)."""
-        version = (len(self._nodes), len(self.operands), len(self.outputs))
+        version = (len(self._nodes), len(self._operands), len(self._outputs))
         if self._analysis.get("version") != version:
             self._analysis = {"version": version}
         if what not in self._analysis:
@@ -483,7 +499,7 @@ class Program:
                                 f"{new.describe()}")
         if name in self.outputs:
             raise EpilogueError(f"program {self.name!r}: {name!r} is already an output")
-        self.operands[name] = new
+        self._operands[name] = new
 
     def _check_width(self, width):
         if not isinstance(width, Width):
@@ -556,7 +572,7 @@ class Program:
             raise EpilogueError(
                 f"program {self.name!r}: output {out.name!r} needs a value that varies over columns"
             )
-        self.outputs[out.name] = out
+        self._outputs[out.name] = out
 
     def store(self, name, value, dtype=None, accumulate=False, per_b_part=False):
         """Write ``value`` as an [M, width] tensor of ``dtype`` (None: the inputs' dtype).

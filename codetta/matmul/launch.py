@@ -256,6 +256,7 @@ def _plan(a, b, program, operands, out, config):
 
 def _choose(call, config):
     """(path, config): TMA when every operand allows it; the config given, or tuned."""
+    tuning.autotune_enabled()  # a bad CODETTA_AUTOTUNE is refused wherever a plan is made, tuned or not
     call.layout = layouts(call)
     min_bn = call.program.min_block_n()
     tma_min_bn = max(min_bn, table_block_n(call.program))
