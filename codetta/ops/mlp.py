@@ -58,7 +58,7 @@ from .rmsnorm import (NormStats, _check_norm_inputs, _linear_residual_op, _weigh
                       given_stats, rmsnorm_linear_backward, rstd_like, scaled, used_rstd)
 from .swiglu import _rmsnorm_swiglu_op, bias_grad_sums, bias_grads, rmsnorm_swiglu_reference
 from .weight_grads import for_autograd, run_backward, skipping, weight_grad, weight_grads_like
-from .shapes import check_biases, dense_tensors_only, check_vector, rows
+from .shapes import check_biases, check_vector, dense_tensors_only, rows
 
 
 @direct_op("codetta::swiglu_mlp")
