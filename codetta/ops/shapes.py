@@ -63,7 +63,7 @@ def concat_biases(biases: tuple, dims: tuple[int, ...]) -> Optional[Tensor]:
 def _dense(value) -> bool:
     """Whether ``value`` is no sparse or nested tensor, nor a list or tuple holding one."""
     if isinstance(value, Tensor):
-        return value.layout == torch.strided and not value.is_nested
+        return layout_problem(value) is None
     if isinstance(value, (list, tuple)):
         return all(map(_dense, value))
     return True
