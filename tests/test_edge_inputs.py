@@ -327,6 +327,15 @@ def test_vmap_runs_every_operator_per_sample_forward_and_backward():
     has no fallback) gives the outputs and gradients of one call per sample."""
     xs, w, g, wo = (torch.randn(*shape, device=DEVICE, requires_grad=True) for shape in ((3, 4, 8), (6, 8), (8,), (8, 8)))
     positions, inv_freq = torch.arange(4, device=DEVICE), torch.ones(1, device=DEVICE)
+
+    def residual_then_norm(t):  # the next norm's statistics handed to their consumer (unchecked under vmap)
+        x, stats = ops.linear_residual(t, wo, t * 2, g)
+        return ops.rmsnorm_linear(x, g, w, stats=stats)
+
+    def mlp_then_norm(t):
+        x2, stats = ops.swiglu_mlp(t, g, w, w * 0.5, wo[:, :6], next_norm_weight=g)
+        return ops.rmsnorm_linear(x2, g, w, stats=stats)
+
     calls = {
         "linear": lambda t: codetta.linear(t, w),
         "rms_norm": lambda t: ops.rms_norm(t, g),
@@ -334,6 +343,8 @@ def test_vmap_runs_every_operator_per_sample_forward_and_backward():
         "rmsnorm_swiglu": lambda t: ops.rmsnorm_swiglu(t, g, w, w * 0.5),
         "swiglu_mlp": lambda t: ops.swiglu_mlp(t, g, w, w * 0.5, wo[:, :6]),
         "linear_residual": lambda t: ops.linear_residual(t, wo, t * 2),
+        "linear_residual_stats": residual_then_norm,
+        "swiglu_mlp_stats": mlp_then_norm,
         "rmsnorm_qkv_rope": lambda t: torch.cat(
             ops.rmsnorm_qkv_rope(t, g, w[:4], w[4:6], wo[:2], positions, inv_freq, head_dim=2)[:3], -1),
         "apply_rope": lambda t: torch.cat(ops.apply_rope(t, t[..., :2] * 2, positions, inv_freq, head_dim=2), -1),
@@ -468,10 +479,21 @@ def test_batched_gradients_are_refused_by_name_and_one_at_a_time_work():
     x, w, g = (torch.randn(3, 8, device=DEVICE, requires_grad=True), torch.randn(5, 8, device=DEVICE),
                torch.rand(8, device=DEVICE) + 0.5)
     target = torch.randint(0, 5, (3,), device=DEVICE)
+    positions, inv_freq = torch.arange(3, device=DEVICE), torch.tensor([0.5], device=DEVICE)
+    cos, sin = (f(positions[:, None] * inv_freq).repeat(1, 2) for f in (torch.cos, torch.sin))
+
+    def rope(t):  # HF's rotate_half on heads of 2, in plain PyTorch
+        heads = t.unflatten(-1, (-1, 2))
+        rotated = torch.cat([-heads[..., 1:], heads[..., :1]], -1)
+        return (heads * cos[:, None] + rotated * sin[:, None]).flatten(-2)
+
     functions = {
         "linear": (lambda t: codetta.linear(t, w), lambda t: F.linear(t, w)),
         "rms_norm": (lambda t: ops.rms_norm(t, g), lambda t: F.rms_norm(t, (8,), g, 1e-6)),
         "gated_activation": (lambda t: ops.gated_activation(t, t * 0.5), lambda t: F.silu(t) * t * 0.5),
+        # several differentiable outputs: their gradients reach the backward as one list
+        "apply_rope": (lambda t: torch.cat(ops.apply_rope(t[:, :4], t[:, 4:], positions, inv_freq, head_dim=2), -1),
+                       lambda t: torch.cat([rope(t[:, :4]), rope(t[:, 4:])], -1)),
         "linear_cross_entropy": (lambda t: ops.linear_cross_entropy(t, w, target),
                                  lambda t: F.cross_entropy(F.linear(t, w), target)),
     }

@@ -48,7 +48,7 @@ def refuse_batched_gradients(name: str, grads) -> None:
     names none of codetta's)."""
     functorch = torch._C._functorch  # is_grads_batched batches with PyTorch's older vmap ("legacy" batched tensors)
     if any(isinstance(g, torch.Tensor) and (functorch.is_legacy_batchedtensor(g) or functorch.is_batchedtensor(g))
-           for g in grads):
+           for grad in grads for g in (grad if isinstance(grad, list) else (grad,))):  # (several outputs': a list)
         raise RuntimeError(f"{name}: codetta's operators cannot take batched gradients in their backward "
                            "(torch.autograd.grad(is_grads_batched=True), jacobian or hessian with vectorize=True); "
                            "backpropagate one gradient at a time (vectorize=False)")

@@ -221,8 +221,10 @@ class NormStats(tuple):
     @staticmethod
     def of(u: Tensor, rstd: Tensor, x: Tensor, norm_weight: Tensor, eps: float):
         """The pair, as NormStats where it can be checked later (eager, tensors with version
-        counters), else as a plain tuple (traced by torch.compile, inference tensors)."""
-        if torch.compiler.is_compiling() or x.is_inference() or norm_weight.is_inference():
+        counters and memory), else as a plain tuple (traced by torch.compile, inference tensors,
+        under torch.func's transforms: vmap's wrapped tensors have no memory to locate x's rows)."""
+        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() \
+                or x.is_inference() or norm_weight.is_inference():
             return u, rstd
         stats = tuple.__new__(NormStats, (u, rstd))
         stats.source = (x, _row_layout(x), x._version, norm_weight, norm_weight._version, float(eps))
@@ -291,7 +293,7 @@ def given_stats(x: Tensor, stats, operand_dtype: torch.dtype, norm_weight: Tenso
     if u.dtype != operand_dtype or rstd.dtype != torch.float32:
         raise ValueError(f"stats must be (u in the weights' dtype {operand_dtype}, rstd in torch.float32), got "
                          f"({u.dtype}, {rstd.dtype})")
-    if not torch.compiler.is_compiling():
+    if not (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()):
         made = stats if isinstance(stats, NormStats) else NormStats.made_for(u, rstd)
         if made is not None:
             made.check(x, norm_weight, eps)
