@@ -88,7 +88,7 @@ def _checked_writes(program, a, b, operands, out):
     tuner's timed launches write there too): see :func:`check_untracked`, :func:`check_written_apart`."""
     written = written_in_place(program, operands, out)
     check_untracked(written)
-    check_written_apart(program, a, b, operands, out)
+    check_written_apart(program, a, b, operands, written)
     return written
 
 

@@ -50,21 +50,18 @@ def count_writes(written) -> None:
         torch.autograd.graph.increment_version(t)
 
 
-def check_written_apart(program, a, b, operands, out):
-    """What the kernel writes (outputs given in ``out``, operands accumulated into) must not
-    share an element with a, b or the program's operands, which tiles read beyond their own
-    output tile, nor with another written tensor: tiles would overwrite what others still read
-    (e.g. ``gemm(a, b, out=a)``: silently wrong, as torch.mm's ``out=a`` is). An aux tile
-    operand written in place (the same elements, in the same layout, as the output) is fine:
-    each tile reads its own tile of it before writing that tile. Checked on every call: it
-    depends on the addresses, which a plan does not fix. Arguments of the wrong type are left
-    to the call's own checks."""
-    if not isinstance(program, Program):
+def check_written_apart(program, a, b, operands, written):
+    """What the kernel writes (``written``, :func:`written_in_place`'s list: outputs given in ``out``,
+    operands accumulated into) must not share an element with a, b or the program's operands,
+    which tiles read beyond their own output tile, nor with another written tensor: tiles would
+    overwrite what others still read (e.g. ``gemm(a, b, out=a)``: silently wrong, as torch.mm's
+    ``out=a`` is). An aux tile operand written in place (the same elements, in the same layout,
+    as the output) is fine: each tile reads its own tile of it before writing that tile.
+    Checked on every call: it depends on the addresses, which a plan does not fix. Arguments of
+    the wrong type are left to the call's own checks."""
+    if not isinstance(program, Program) or not written:
         return
     accumulated = {o.name for o in program.outputs.values() if o.kind == "store" and o.accumulate}
-    written = written_in_place(program, operands, out)
-    if not written:
-        return
     parts = b if isinstance(b, (list, tuple)) else (b,)
     read = [("a", a, False)] + [(f"b[{i}]" if len(parts) > 1 else "b", t, False) for i, t in enumerate(parts)]
     read += [(f"operand {n!r}", operands.get(n), o.kind == "aux") for n, o in program.operands.items()
