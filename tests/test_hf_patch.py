@@ -1103,6 +1103,41 @@ def test_norm_statistics_handed_across_layers(name, monkeypatch):
                for layer in model.model.layers)
 
 
+CHANGES_TO_A_NORM = {
+    "a new weight": lambda norm: setattr(norm, "weight", torch.nn.Parameter(norm.weight.detach() * 2)),
+    "its weight scaled in place": lambda norm: norm.weight.mul_(2),
+    "another epsilon": lambda norm: setattr(norm, "variance_epsilon", 0.5),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES_TO_A_NORM))
+@pytest.mark.parametrize("grad", [False, True])
+def test_layers_run_one_by_one_with_the_next_norm_changed_in_between(change, grad):
+    """As calibration loops do (AWQ, SmoothQuant fold scales into the next layer's input norm
+    between running one layer and the next on its output): the statistics the first layer made
+    for the norm as it was are not used, and the second layer computes what the unpatched one
+    does (it raised, or silently used the old weight)."""
+    ref = tiny("LlamaForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (2, 7), device=DEVICE)
+    outputs = []
+    for m in (ref, model):
+        decoder = m.model
+        with torch.set_grad_enabled(grad):
+            h = decoder.embed_tokens(ids)
+            positions = decoder.rotary_emb(h, torch.arange(7, device=DEVICE)[None])
+            h = decoder.layers[0](h, position_embeddings=positions)
+            with torch.no_grad():
+                CHANGES_TO_A_NORM[change](decoder.layers[1].input_layernorm)
+            outputs.append(decoder.layers[1](h, position_embeddings=positions))
+    expected, got = outputs
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    if grad:
+        weights = [m.model.layers[0].mlp.down_proj.weight for m in (ref, model)]
+        grads = [torch.autograd.grad(out.square().sum(), w)[0] for out, w in zip(outputs, weights)]
+        torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-5)
+
+
 def test_mixture_of_experts_runs_its_own_module(monkeypatch):
     """A mixture of experts runs as the model's module (hooks on it run, and do not unfuse the
     layer) on the MLP norm's output; a dense layer's MLP is fused and makes the next layer's norm
@@ -1257,13 +1292,14 @@ def test_a_statistics_slot_shared_by_threads_hands_each_its_own_or_none():
     from codetta.integrations.hf.layer import StatsHandoff
 
     slot, wrong, barrier = StatsHandoff(), [], threading.Barrier(2)
+    norm = torch.nn.RMSNorm(1)
 
     def run(tag):
         x = torch.zeros(1)
         barrier.wait()
         for i in range(20_000):
-            slot.put(x, (tag, i), tag)
-            stats, weight = slot.take(x)
+            slot.put(x, (tag, i), tag, norm, 1e-6)
+            stats, weight = slot.take(x, norm, 1e-6)
             if stats is not None and (stats != (tag, i) or weight != tag):
                 wrong.append((tag, i, stats, weight))
 

@@ -83,9 +83,12 @@ class StatsHandoff:
     """The RMSNorm statistics (u, rstd) of one residual stream tensor, from the GEMM that made
     it, for the next layer's input norm: one slot between two consecutive layers.
 
-    ``take`` returns them only for that very tensor, unchanged since (anything else: None, and
-    the norm computes its own; e.g. after a forward hook changed the layer's output in place),
-    and empties the slot, so nothing is kept past the next layer's start.
+    ``take`` returns them only for that very tensor, unchanged since, and for that norm as it
+    was when they were made: its weight the same parameter, unchanged since, its epsilon the same
+    (anything else: None, and the norm computes its own; e.g. after a forward hook changed the
+    layer's output in place, or where layers are run one by one and the next one's norm changed
+    in between, as calibration loops fold scales into it); and it empties the slot, so nothing
+    is kept past the next layer's start.
 
     In eager mode the slot holds the tensor only through a weak reference, and empties itself
     when that tensor dies: where the next layer does not run (layers cut or skipped after
@@ -114,12 +117,13 @@ class StatsHandoff:
         held = self._held
         return None if held is None else held.norm_weight
 
-    def put(self, tensor, stats, norm_weight):
-        """Hold ``stats`` of ``tensor``: one record, replaced whole, so that two threads running one
-        model (an eval forward beside training) never see parts of each other's."""
+    def put(self, tensor, stats, norm_weight, norm, eps: float):
+        """Hold ``stats`` of ``tensor``, made with ``norm_weight`` (what the module ``norm`` multiplies
+        by) and ``eps``: one record, replaced whole, so that two threads running one model (an eval
+        forward beside training) never see parts of each other's."""
         if torch.compiler.is_compiling():  # traced: an in-place change is in the graph, no counter to read
-            self._held = _Held(None, tensor, None, stats, norm_weight)
-        elif tensor.is_inference():  # no version counter to tell an in-place change: nothing is handed on
+            self._held = _Held(None, tensor, None, stats, norm_weight, (norm.weight, None, eps))
+        elif tensor.is_inference() or norm.weight.is_inference():  # no version counter to tell an in-place change
             self._held = None
         else:
             slot = weakref.ref(self)
@@ -130,16 +134,25 @@ class StatsHandoff:
                     handoff._held = None
 
             stats = stats.apart_from_x() if isinstance(stats, NormStats) else stats
-            self._held = _Held(weakref.ref(tensor, died), None, tensor._version, stats, norm_weight)
+            self._held = _Held(weakref.ref(tensor, died), None, tensor._version, stats, norm_weight,
+                               (norm.weight, norm.weight._version, eps))
 
-    def take(self, tensor):
-        """(the statistics, the norm weight they were made with) of ``tensor``, or (None, None)."""
+    def drop(self):
+        """Empty the slot: the statistics handed on go unused."""
+        self._held = None
+
+    def take(self, tensor, norm, eps: float):
+        """(the statistics, the norm weight they were made with) of ``tensor`` for the module ``norm``
+        with ``eps``, or (None, None)."""
         held, self._held = self._held, None
-        if held is None or tensor is None:
+        if held is None:
             return None, None
         same = (held.ref() if held.ref is not None else held.traced) is tensor
         fresh = same and (held.version is None or tensor._version == held.version)
-        return (held.stats, held.norm_weight) if fresh else (None, None)
+        weight, weight_version, made_eps = held.norm
+        same_norm = norm.weight is weight and eps == made_eps and (
+            weight_version is None or norm.weight._version == weight_version)
+        return (held.stats, held.norm_weight) if fresh and same_norm else (None, None)
 
     def __getstate__(self):
         """A copy (deepcopy, pickle: torch.save of a whole model) starts empty: what the slot holds
@@ -151,15 +164,17 @@ class StatsHandoff:
 
 class _Held(NamedTuple):
     """What a :class:`StatsHandoff` holds: the tensor (a weak reference in eager mode, the tensor
-    itself while traced), its version counter at put (None when traced), its statistics, and the
+    itself while traced), its version counter at put (None when traced), its statistics, the
     weight the norm multiplies by, as the statistics were made with it (Gemma's 1 + w: a tensor
-    made once for both layers, which the next layer's norm then reuses)."""
+    made once for both layers, which the next layer's norm then reuses), and what they were made
+    of: (the norm module's weight parameter, its version counter (None when traced), epsilon)."""
 
     ref: Optional[weakref.ref]
     traced: Optional[torch.Tensor]
     version: Optional[int]
     stats: Optional[tuple]
     norm_weight: Optional[torch.Tensor]
+    norm: tuple
 
 
 class WeakModule:
@@ -562,7 +577,7 @@ def fused_decoder_forward(layer, hidden_states, attention_mask=None, position_id
     plan: LayerPlan = layer._codetta_plan
     own = _unfused_halves(layer, plan, hidden_states)
     if own == BOTH:
-        plan.incoming.take(None)  # the statistics handed to this layer go unused
+        plan.incoming.drop()  # the statistics handed to this layer go unused
         return type(layer).forward(layer, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                    use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
     return checkpointing.run(_fused_layer, layer, hidden_states, attention_mask=attention_mask,
@@ -576,13 +591,14 @@ def _fused_layer(layer, x, attention_mask, position_ids, use_cache, position_emb
     plan: LayerPlan = layer._codetta_plan
     arch, attn = plan.arch, layer.self_attn
     if own_half == ATTENTION:
-        plan.incoming.take(None)
+        plan.incoming.drop()
         x1 = _own_half(layer, plan, ATTENTION, x, dict(attention_mask=attention_mask, position_ids=position_ids,
                                                          use_cache=use_cache, position_embeddings=position_embeddings,
                                                          **kwargs))
         return _mlp_residual(layer, plan, x1)
-    stats, g1 = plan.incoming.take(x)
-    norm = (stats, g1 if stats is not None else arch.norm_weight(layer.input_layernorm))
+    ln = layer.input_layernorm
+    stats, g1 = plan.incoming.take(x, ln, arch.norm_epsilon(ln))
+    norm = (stats, g1 if stats is not None else arch.norm_weight(ln))
     q, k, v, kv_kept = _qkv(layer, plan, x, norm, position_ids, position_embeddings)
     a = _attention(attn, plan, q, k, v, attention_mask, dict(position_ids=position_ids, use_cache=use_cache, **kwargs),
                    kv_kept)
@@ -684,7 +700,7 @@ def _mlp_residual(layer, plan: LayerPlan, x1, stats=None, g2=None):
     if not hand_on:
         return out
     x2, stats2 = out
-    plan.outgoing.put(x2, stats2, next_norm["next_norm_weight"])
+    plan.outgoing.put(x2, stats2, next_norm["next_norm_weight"], ln_next, next_norm["next_eps"])
     return x2
 
 
