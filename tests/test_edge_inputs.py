@@ -50,6 +50,11 @@ def test_strided_norm_weights():
 M, D, N, FF = 10, 24, 16, 20
 OUTPUT_OPS = {  # name: the operator on (x [M, D], g [D], w [N, D], w_gate, w_up [FF, D], w_down [D, FF])
     "linear": lambda x, g, w, wg, wu, wd: codetta.linear(x, w),
+    "rms_norm": lambda x, g, w, wg, wu, wd: ops.rms_norm(x, g, EPS),
+    "gated_activation": lambda x, g, w, wg, wu, wd: ops.gated_activation(x @ wg.T, x @ wu.T),
+    "apply_rope": lambda x, g, w, wg, wu, wd: ops.apply_rope(
+        x @ w.T, x @ w[:8].T, torch.arange(M, device=DEVICE), 1.0 / 100 ** torch.arange(0, 1, 0.25, device=DEVICE),
+        head_dim=8)[0],
     "rmsnorm_linear": lambda x, g, w, wg, wu, wd: ops.rmsnorm_linear(x, g, w, EPS),
     "linear_residual": lambda x, g, w, wg, wu, wd: ops.linear_residual(torch.tanh(x) @ wg.T, wd, x, g, EPS)[0],
     "rmsnorm_swiglu": lambda x, g, w, wg, wu, wd: ops.rmsnorm_swiglu(x, g, wg, wu, EPS),
@@ -67,11 +72,16 @@ OUTPUT_OPS = {  # name: the operator on (x [M, D], g [D], w [N, D], w_gate, w_up
 SAVE_THEIR_OUTPUT = {"rmsnorm_linear", "rmsnorm_qkv_rope"}
 
 
+@pytest.mark.parametrize("route", ["direct", "registered"])
 @pytest.mark.parametrize("name", sorted(OUTPUT_OPS))
 @pytest.mark.parametrize("lead", [(M,), (2, M // 2)], ids=["2d", "3d"])
-def test_outputs_edited_in_place(name, lead):
+def test_outputs_edited_in_place(name, lead, route, monkeypatch):
     """y.mul_(2) on an operator's output, then backward: the gradients of 2 y, as for torch's ops;
-    or, where the backward reads the output (as torch.sigmoid's does), autograd's error."""
+    or, where the backward reads the output (as torch.sigmoid's does), autograd's error. On either
+    route: the direct eager one, and the registered op's (torch.compile's, tensor subclasses'),
+    where autograd refused the edit of an output reshaped inside the op."""
+    if route == "registered":
+        monkeypatch.setattr("codetta.ops.autograd._runs_directly", lambda args: False)
     torch.manual_seed(0)
     tensors = [torch.randn(*lead, D, device=DEVICE), 1 + 0.2 * torch.randn(D, device=DEVICE),
                *(torch.randn(*s, device=DEVICE) / s[1] ** 0.5 for s in ((N, D), (FF, D), (FF, D), (D, FF)))]

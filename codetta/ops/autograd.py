@@ -13,6 +13,8 @@ through the registered op.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch._C._functorch import TransformType
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
@@ -159,6 +161,17 @@ def _not_views(output):
     return tuple(map(own, output)) if isinstance(output, tuple) else own(output)
 
 
+def _returning_no_views(impl):
+    """``impl`` with its outputs as :func:`_not_views` makes them: what the registered op runs
+    (the route of torch.compile, tensor subclasses), whose autograd refuses in-place changes to
+    view outputs just as the direct route's Function does."""
+    @functools.wraps(impl)
+    def run(*args):
+        return _not_views(impl(*args))
+
+    return run
+
+
 class _Direct(torch.autograd.Function):
     """An op's implementation with its own setup_context and backward, lists flattened."""
 
@@ -223,7 +236,8 @@ class DirectOp:
 
     def __init__(self, name: str, impl, differentiable: int = 1):
         self.impl = impl
-        self.op = torch.library.custom_op(name, impl, mutates_args=())
+        self.op = torch.library.custom_op(name, _returning_no_views(impl), mutates_args=(),
+                                          schema=torch.library.infer_schema(impl, mutates_args=()))
         self.op.register_vmap(_per_sample(self.op))
         self.setup_context = self.backward = None
         self.differentiable = differentiable
