@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .ops import linear_cross_entropy, linear_residual, rmsnorm_qkv_rope, swiglu_mlp
-from .ops.rmsnorm import NormStats, weight_readable_ahead
+from .ops.rmsnorm import NormStats, hooks_between, weight_readable_ahead
 
 __all__ = ["Decoder", "DecoderConfig", "DecoderLayer"]
 
@@ -76,10 +76,10 @@ def _linear_weight(out_features: int, in_features: int, std: float) -> nn.Parame
 
 
 def _still_fit(stats, x: Tensor, norm_weight: Tensor, eps: float) -> bool:
-    """Whether a layer may take the statistics the previous one made of its output x: not where a
-    hook on the layer replaced x or changed it in place since (:meth:`NormStats.mismatch`), nor
-    under inference_mode, whose tensors have no version counter to tell (a plain pair then);
-    taken as they are while torch.compile traces."""
+    """Whether a layer may take the statistics the previous one made of its output x: not where x
+    was replaced or changed in place since (:meth:`NormStats.mismatch`), nor under inference_mode,
+    whose tensors have no version counter to tell (a plain pair then); taken as they are while
+    torch.compile traces (none are made where hooks run between the layers: :meth:`Decoder.hidden_states`)."""
     if isinstance(stats, NormStats):
         return stats.mismatch(x, norm_weight, eps) is None
     return torch.compiler.is_compiling()
@@ -156,8 +156,9 @@ class Decoder(nn.Module):
         stats = None  # the first layer's QKV operator makes its norm's statistics itself (inside the custom op)
         for i, layer in enumerate(self.layers):
             next_layer = self.layers[i + 1] if i + 1 < len(self.layers) else None
-            # none, or under FSDP2: that layer then makes its norm's statistics itself
-            handed_on = next_layer is not None and weight_readable_ahead(next_layer, next_layer.input_norm)
+            # none, under FSDP2, or with hooks in between: that layer then makes its norm's statistics itself
+            handed_on = next_layer is not None and weight_readable_ahead(next_layer, next_layer.input_norm) \
+                and not hooks_between(layer, next_layer)
             x, stats = layer(x, stats, positions, inv_freq, next_layer.input_norm if handed_on else None)
         return x
 

@@ -188,6 +188,17 @@ def weight_readable_ahead(module, weight) -> bool:
     return not getattr(module, "_is_fsdp_managed_module", False) and type(weight) in (Tensor, torch.nn.Parameter)
 
 
+def hooks_between(layer, next_layer, only_records=lambda hook: False) -> bool:
+    """Whether hooks run between ``layer``'s forward and ``next_layer``'s (the first's forward
+    hooks, the second's pre-hooks, global ones, but those that ``only_records``), which may replace
+    or change the residual stream in place (activation steering): the statistics a layer makes of
+    its output for the next layer's norm are then not handed on. In eager mode the version counter
+    and the tensor's identity would tell (:class:`NormStats`); not while torch.compile traces."""
+    hooks = torch.nn.modules.module
+    return (any(not only_records(h) for h in layer._forward_hooks.values()) or bool(next_layer._forward_pre_hooks)
+            or bool(hooks._global_forward_hooks) or bool(hooks._global_forward_pre_hooks))
+
+
 def _row_layout(t: Tensor) -> tuple:
     """Where the rows of t [..., d] lie, in order: (address, d, the stride along a row, the merged
     leading dims): equal for x and its reshapes, not for a transposed view of the same memory."""

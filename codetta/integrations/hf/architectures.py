@@ -42,6 +42,7 @@ from torch.nn.modules import module as nn_module
 from torch.nn.utils import parametrize
 from transformers import activations
 
+from ...ops.rmsnorm import hooks_between as runs_hooks_between
 from .. import UnsupportedModelError
 
 
@@ -514,11 +515,8 @@ def output_owned_by_caller(module) -> bool:
 
 
 def hooks_between(layer, next_layer) -> bool:
-    """Whether hooks run between ``layer``'s forward and ``next_layer``'s (the first's forward
-    hooks, the second's pre-hooks, global ones), which may change the residual stream in
-    place (activation steering); transformers' own recorders are left out (they only record)."""
-    return (any(getattr(h, "__name__", None) != _TRANSFORMERS_RECORDER for h in layer._forward_hooks.values())
-            or bool(next_layer._forward_pre_hooks) or global_hooks(backward=False))
+    """:func:`codetta.ops.rmsnorm.hooks_between`, transformers' own recorders left out (they only record)."""
+    return runs_hooks_between(layer, next_layer, lambda hook: getattr(hook, "__name__", None) == _TRANSFORMERS_RECORDER)
 
 
 def hooked_module(modules: dict, arch: Architecture):
