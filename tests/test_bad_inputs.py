@@ -516,15 +516,18 @@ def test_out_buffer_of_wrong_shape_is_refused(name, shape, want):
         codetta.gemm(dyadic(8, 5), dyadic(5, 6), p, out={name: torch.zeros(shape, device=DEVICE)})
 
 
-def test_out_buffer_whose_rows_do_not_flatten_is_refused_naming_the_program():
-    """An out= tile with leading dims that cannot be merged into rows without a copy (a
-    transposed [B, S] view) is refused before any launch, naming the program."""
+@pytest.mark.parametrize("name, width", [("y", 6), ("per_head", 3)])
+def test_out_buffer_whose_rows_do_not_flatten_is_refused_naming_the_program(name, width):
+    """An out= tile (a store, or a reduction per segment) with leading dims that cannot be merged
+    into rows without a copy (a transposed [B, S] view) is refused before any launch, naming the
+    program and the argument."""
     p = ep.Program("rows_of_out")
     p.store("y", p.acc, dtype=torch.float32)
-    out = torch.zeros(3, 2, 6, device=DEVICE).transpose(0, 1)
-    with pytest.raises(EpilogueError, match=r"out\['y'\] of program 'rows_of_out' is written in place, so its "
-                                            r"leading dims must flatten without a copy"):
-        codetta.gemm(dyadic(2, 3, 5), dyadic(5, 6), p, out={"y": out})
+    p.row_sum("per_head", p.acc, segment=2)
+    out = torch.zeros(3, 2, width, device=DEVICE).transpose(0, 1)
+    with pytest.raises(EpilogueError, match=rf"out\['{name}'\] of program 'rows_of_out' is written in place, so "
+                                            r"its leading dims must flatten without a copy"):
+        codetta.gemm(dyadic(2, 3, 5), dyadic(5, 6), p, out={name: out})
     assert not out.any()
 
 

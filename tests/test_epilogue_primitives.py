@@ -479,6 +479,22 @@ def test_accumulate_into_existing_output(ab):
     close(target, prior.double().cpu() + 0.5 * acc)
 
 
+def test_accumulating_store_returns_its_tensor_as_given_by_both_executors(ab):
+    """a with a leading dim [1, M, K] and the tensor added into given flat [M, N]: codetta.gemm
+    returns that tensor, the reference executor a new one of its shape (it returned [1, M, N])."""
+    a, b, acc = ab
+    prior = torch.randn(M, N, device=DEVICE)
+    p = ep.Program("accumulate_flat")
+    p.store("grad", p.acc * 0.5, accumulate=True)
+    batched = a.unsqueeze(0)
+    expected = codetta.run_reference(p, batched, b, {"grad": prior}, torch.float64)["grad"]
+    target = prior.clone()
+    got = codetta.gemm(batched, b, p, grad=target)["grad"]
+    assert got is target and expected.shape == target.shape == (M, N)
+    close(expected, prior.double().cpu() + 0.5 * acc)
+    close(got, prior.double().cpu() + 0.5 * acc)
+
+
 def test_half_width_operands_and_outputs(ab):
     """Column vectors and aux tiles over the N/2 pairs line up with pair outputs."""
     a, b, acc = ab

@@ -119,8 +119,8 @@ def run_reference(program: Program, a, b, operands, compute_dtype=torch.float32)
     operands: name -> tensor or number (and, for accumulating stores, the tensor to add into).
     Returns name -> output tensor, shaped as codetta.gemm returns it (a store per part of B: a
     tuple of tensors, one per part); an accumulating store's
-    result is a new tensor (prior + value: the operand is left as it was, where codetta.gemm
-    adds into it in place).
+    result is a new tensor in the operand's shape (prior + value: the operand is left as it was,
+    where codetta.gemm adds into it in place and returns it).
     """
     from ..matmul.call import Call
 
@@ -201,8 +201,8 @@ def run_reference(program: Program, a, b, operands, compute_dtype=torch.float32)
             if out.per_b_part:  # one tensor per part of B along N
                 results[out.name] = tuple(stored[:, start:end].reshape(*lead, end - start).clone()
                                           for start, end in zip(call.starts, call.ends))
-            else:
-                results[out.name] = stored.reshape(*lead, w)
+            else:  # an accumulating store in the shape its operand was given in ([M, w] for [..., M, K] too)
+                results[out.name] = stored.reshape(operands[out.name].shape if out.accumulate else (*lead, w))
         elif out.kind == "col_sum":
             results[out.name] = tile.sum(0).float()
         else:

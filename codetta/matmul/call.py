@@ -256,7 +256,7 @@ class Call:
                 raise EpilogueError(f"out[{name!r}] of program {p.name!r} must have shape {shape}, got {tuple(t.shape)}")
             what = f"out[{name!r}] of program {p.name!r}"
             check_no_overlap(t, what)
-            if o.kind == "store":
+            if o.kind == "store" or o.segment:
                 rows_view(t, shape[-1], what)  # written as [M, width] rows: a clear error if it cannot be
             checked[name] = t
         return checked
