@@ -156,6 +156,40 @@ def test_frozen_weights_cost_no_gradient_gemm(name, route, frozen, wgrad_program
             assert ((got.grad.double() - ref.grad).norm() / ref.grad.norm()).item() < 1e-5
 
 
+@pytest.mark.parametrize("route", ["eager", "compiled"])
+@pytest.mark.parametrize("name", ["rmsnorm_linear", "rmsnorm_swiglu", "swiglu_mlp", "rmsnorm_qkv_rope"])
+def test_all_weights_frozen_norm_backward_stores_no_h(name, route, monkeypatch, wgrad_programs):
+    """With every weight after the norm frozen (a LoRA model's base), nothing reads h = RMSNorm(x),
+    the wgrads' operand: the norm-backward GEMM does not store it; dx and the norm weight's
+    gradient are those of the fp64 math."""
+    programs = []
+    gemm = codetta.ops.rmsnorm.gemm
+
+    def recording(a, b, program=None, **kwargs):
+        programs.append(program)
+        return gemm(a, b, program, **kwargs)
+
+    monkeypatch.setattr(codetta.ops.rmsnorm, "gemm", recording)
+    shapes, op, reference = OPS[name]
+    weights = [torch.randn(*s, device=DEVICE) / D**0.5 for s in shapes]
+    g = (1 + 0.2 * torch.randn(D, device=DEVICE)).requires_grad_()
+    (x, pos), = _micro_batches(1)
+    x.requires_grad_()
+    if route == "compiled":
+        torch._dynamo.reset()
+        op = torch.compile(op, backend="aot_eager", fullgraph=True)
+    out = op(x, g, pos, weights)
+    dy = torch.randn_like(out)
+    (out * dy).sum().backward()
+    backward = [p for p in programs if p is not None and p.name.startswith("rmsnorm_linear_backward")]
+    assert len(backward) == 1 and "h" not in backward[0].outputs and "dx" in backward[0].outputs
+    assert not wgrad_programs
+    x64, g64 = x.detach().double().requires_grad_(), g.detach().double().requires_grad_()
+    (reference(x64, g64, pos, [w.double() for w in weights]) * dy.double()).sum().backward()
+    for got, ref in ((x.grad, x64.grad), (g.grad, g64.grad)):
+        assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
 def test_frozen_weight_under_torch_compile(wgrad_programs):
     """Through the registered op (torch.compile): autograd says which gradients it needs."""
     x = torch.randn(M, D, device=DEVICE, requires_grad=True)

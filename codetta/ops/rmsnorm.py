@@ -26,7 +26,8 @@ Backward of the consumer, given dz (one GEMM, one epilogue; dgrad layout):
     zdz_i = sum_k z_ik dz_ik                    (= r_i · dL/dr_i)
     dx = r ⊙row (acc ⊙col g) - (zdz r^2 / d) ⊙row x
     dg_j = sum_i r_i acc_ij x_ij                (column sums in the epilogue, finished after)
-    h = x ⊙row r ⊙col g                         (stored: the operand of dW = dz^T h)
+    h = x ⊙row r ⊙col g                         (stored: the operand of dW = dz^T h; not
+                                                 where every weight W is frozen)
 
 Where a bias b is added to the GEMM's output before it is stored (q/k/v biases, Llama's
 ``mlp_bias``), the backward's kernels see only the stored z + b, and zdz = (z + b) . dz - b . dz
@@ -73,7 +74,7 @@ from ..matmul.call import MAX_B_PARTS
 from ..matmul.memory import merged_leading_dims
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable
-from .weight_grads import for_autograd, run_backward, skipping, weight_grads, weight_grads_like
+from .weight_grads import any_weight_grad, for_autograd, run_backward, skipping, weight_grads, weight_grads_like
 from .shapes import check_vector, dense_tensors_only, described, rows
 
 # ---------------------------------------------------------------------------------------
@@ -111,15 +112,18 @@ def _consumer() -> ep.Program:
 
 
 @functools.lru_cache(maxsize=None)
-def _consumer_backward(with_residual_grad: bool = False, dx_dtype: Optional[torch.dtype] = None) -> ep.Program:
-    """dx stored in ``dx_dtype`` (x's, when wider than the GEMM's operands), h in the operands' dtype."""
+def _consumer_backward(with_residual_grad: bool = False, dx_dtype: Optional[torch.dtype] = None,
+                       with_h: bool = True) -> ep.Program:
+    """dx stored in ``dx_dtype`` (x's, when wider than the GEMM's operands), h in the operands' dtype
+    (``with_h``: where a weight gradient reads it; not for frozen weights)."""
     p = ep.Program("rmsnorm_linear_backward" + ("_residual" if with_residual_grad else "")
-                   + (f"_{_dtype_name(dx_dtype)}" if dx_dtype else ""))
+                   + (f"_{_dtype_name(dx_dtype)}" if dx_dtype else "") + ("" if with_h else "_no_h"))
     acc, r, g, x = p.acc, p.row("rstd"), p.col("norm_weight"), p.aux("x")
     dx = r * g * acc - p.row("zdz") * r * r * p.scalar("inv_d") * x
     p.store("dx", p.aux("residual_grad") + dx if with_residual_grad else dx, dtype=dx_dtype)
     p.col_sum("dnorm_weight", acc * r * x)
-    p.store("h", x * r * g)
+    if with_h:
+        p.store("h", x * r * g)
     return p
 
 
@@ -402,10 +406,11 @@ def rmsnorm_linear_backward(dz: Tensor, zdz: Optional[Tensor], x: Tensor, norm_w
         return _rmsnorm_linear_backward_unfused(dz2, x2, x.shape, norm_weight, weights, rstd, dweights_into,
                                                 residual_grad)
     extra = {} if residual_grad is None else {"residual_grad": rows(residual_grad)}
-    program = _consumer_backward(residual_grad is not None, x.dtype if x.dtype != dz2.dtype else None)
+    with_h = any_weight_grad(dweights_into)
+    program = _consumer_backward(residual_grad is not None, x.dtype if x.dtype != dz2.dtype else None, with_h)
     out = gemm(dz2, _weight_k(weights), program, rstd=rstd,
                norm_weight=norm_weight, x=x2, zdz=zdz, inv_d=1.0 / max(d, 1), **extra)
-    dweights = weight_grads(dz2, out["h"], weights, dweights_into)
+    dweights = weight_grads(dz2, out.get("h"), weights, dweights_into)
     return out["dx"].reshape(x.shape), out["dnorm_weight"].to(norm_weight.dtype), dweights
 
 
@@ -416,7 +421,7 @@ def _rmsnorm_linear_backward_unfused(dz2, x2, shape, norm_weight, weights, rstd,
     dx, dg = rmsnorm_backward(x2, norm_weight, rstd, dh, dx_out=x2.new_empty(x2.shape))  # contiguous, x's dtype
     if residual_grad is not None:
         dx += rows(residual_grad)
-    h = (x2.float() * rstd[:, None] * norm_weight.float()).to(dz2.dtype)
+    h = (x2.float() * rstd[:, None] * norm_weight.float()).to(dz2.dtype) if any_weight_grad(dweights_into) else None
     return dx.reshape(shape), dg.to(norm_weight.dtype), weight_grads(dz2, h, weights, dweights_into)
 
 

@@ -136,7 +136,13 @@ def weight_grad_program(dtype: torch.dtype, accumulate: bool) -> ep.Program:
     return p
 
 
-def weight_grads(dz: Tensor, h: Tensor, weights: list[Tensor], dweights_into=()) -> list[Tensor]:
+def any_weight_grad(dweights_into) -> bool:
+    """Whether :func:`weight_grads` with this ``dweights_into`` computes any gradient (reads h):
+    not where every weight is frozen (an empty tensor each)."""
+    return not dweights_into or any(t is None or t.numel() > 0 for t in dweights_into)
+
+
+def weight_grads(dz: Tensor, h: Optional[Tensor], weights: list[Tensor], dweights_into=()) -> list[Tensor]:
     """The gradients dW_i = dz_i^T h of the weights [N_i, d] whose outputs are the column blocks dz_i
     of dz [M, sum N_i], h [M, d].
 
@@ -146,6 +152,7 @@ def weight_grads(dz: Tensor, h: Tensor, weights: list[Tensor], dweights_into=())
     (W_k and W_v have few rows) leaves most of it idle, and it launches once. Where
     ``dweights_into`` gives a tensor, a GEMM per weight instead: dW_i added into that tensor
     (nothing computed for an empty one, a frozen weight) and an empty tensor returned for it.
+    h may be None where every weight is frozen (:func:`any_weight_grad` false).
     """
     into = list(dweights_into) or [None] * len(weights)
     if all(t is None for t in into):
@@ -162,15 +169,14 @@ def weight_grads_like(weights: list[Tensor], needs: list[bool]) -> list[Tensor]:
     return [w.new_empty(w.shape if need else 0) for w, need in zip(weights, needs)]
 
 
-def weight_grad(dz: Tensor, h: Tensor, into: Optional[Tensor]) -> Tensor:
+def weight_grad(dz: Tensor, h: Optional[Tensor], into: Optional[Tensor]) -> Tensor:
     """dz^T h [N, d] for dz [M, N], h [M, d]; with ``into``, added into it instead (an empty
-    ``into``: not computed), and an empty tensor returned."""
+    ``into``: not computed, h may be None), and an empty tensor returned."""
     if into is None:
         return gemm(dz.t(), h)
-    if into.numel() == 0:
-        return h.new_empty(0)
-    gemm(dz.t(), h, weight_grad_program(into.dtype, True), dw=into)
-    return h.new_empty(0)
+    if into.numel() > 0:
+        gemm(dz.t(), h, weight_grad_program(into.dtype, True), dw=into)
+    return dz.new_empty(0)
 
 
 def for_autograd(dws: list[Tensor], weights: list[Tensor]) -> list[Optional[Tensor]]:
