@@ -183,6 +183,8 @@ def _rms(x, g):
     return F.rms_norm(x, (x.shape[-1],), g, EPS)
 
 
+INV_FREQ_8 = 1.0 / 10000 ** (torch.arange(0, 8, 2, device=DEVICE, dtype=torch.float64) / 8)
+
 EMPTY = {  # name -> (codetta, fp64 math, input shapes): a dim of 0 somewhere
     "swiglu_no_rows": (lambda x, g, wg, wu: ops.rmsnorm_swiglu(x, g, wg, wu, EPS),
                        lambda x, g, wg, wu: F.silu(F.linear(_rms(x, g), wg)) * F.linear(_rms(x, g), wu),
@@ -209,6 +211,14 @@ EMPTY = {  # name -> (codetta, fp64 math, input shapes): a dim of 0 somewhere
                              lambda x, g, wg, wu, wd, b: x + F.linear(F.silu(F.linear(_rms(x, g), wg, b))
                                                                       * F.linear(_rms(x, g), wu, b), wd),
                              [(2, 3, 0), (0,), (6, 0), (6, 0), (0, 6), (6,)]),
+    # the package's own reference too: it reshapes heads of an empty batch
+    "qkv_rope_no_rows": (lambda x, g, wq, wk, wv: torch.cat(ops.rmsnorm_qkv_rope(
+                             x, g, wq, wk, wv, torch.zeros(0, dtype=torch.long, device=DEVICE),
+                             INV_FREQ_8.to(x.dtype), head_dim=8, q_norm_weight=g, k_norm_weight=g), -1),
+                         lambda x, g, wq, wk, wv: torch.cat(ops.rope.rmsnorm_qkv_rope_reference(
+                             x, g, wq, wk, wv, torch.zeros(0, dtype=torch.long, device=DEVICE),
+                             INV_FREQ_8.to(x.dtype), head_dim=8, q_norm_weight=g, k_norm_weight=g), -1),
+                         [(0, 8), (8,), (16, 8), (8, 8), (8, 8)]),
     "cross_entropy_final_norm_no_hidden": (
         lambda x, w, g, b: ops.linear_cross_entropy(x, w, torch.arange(3, device=DEVICE), bias=b, norm_weight=g),
         lambda x, w, g, b: F.cross_entropy(F.linear(_rms(x, g), w, b), torch.arange(3, device=DEVICE)),

@@ -65,13 +65,17 @@ def test_bf16_within_twice_eager_error(activation):
 def test_non_finite_values_where_pytorch_has_them(activation):
     """NaN and +-inf gates and upstream gradients give NaN and inf exactly where torch's activation
     gives them: relu(NaN) is NaN and passes its gradient; a negative gate selects a zero gradient
-    even for a NaN upstream gradient (ReLU's backward selects, it does not multiply)."""
+    even for a NaN upstream gradient (ReLU's backward selects, it does not multiply); the others
+    multiply, so a NaN upstream gradient or an inf up stays NaN where a saturated gate's slope is 0."""
     nan, inf = float("nan"), float("inf")
-    gate = torch.tensor([[nan, -1.0, 2.0, inf, -inf, 0.5], [-2.0, 3.0, -0.5, 1.0, nan, -inf]], device=DEVICE)
+    gate = torch.tensor([[nan, -1.0, 2.0, inf, -inf, 0.5], [-2.0, 3.0, -0.5, 1.0, nan, -inf],
+                         [-200.0, -200.0, -30.0, 1.0, 2.0, -1.0]], device=DEVICE)
     if activation == "gelu":  # torch's erf GELU on a CPU gives NaN for +-inf (x Phi(x) is inf and 0)
         gate = gate.nan_to_num(nan=nan, posinf=30.0, neginf=-30.0)
-    up = torch.tensor([[3.0, 5.0, 7.0, 2.0, 4.0, -1.0], [1.0, nan, 2.0, inf, 1.0, 3.0]], device=DEVICE)
-    dy = torch.tensor([[1.0, nan, 1.0, 1.0, 2.0, inf], [nan, 1.0, 1.0, -1.0, 1.0, 1.0]], device=DEVICE)
+    up = torch.tensor([[3.0, 5.0, 7.0, 2.0, 4.0, -1.0], [1.0, nan, 2.0, inf, 1.0, 3.0],
+                       [1.0, inf, 2.0, 1.0, 1.0, 1.0]], device=DEVICE)
+    dy = torch.tensor([[1.0, nan, 1.0, 1.0, 2.0, inf], [nan, 1.0, 1.0, -1.0, 1.0, 1.0],
+                       [nan, 1.0, nan, 1.0, 1.0, 1.0]], device=DEVICE)
     got = output_and_grads(lambda g, u: gated_activation(g, u, activation), gate, up, dy, torch.float32)
     expected = output_and_grads(lambda g, u: eager(g, u, activation), gate.cpu(), up.cpu(), dy.cpu(), torch.float32)
     for ours, theirs in zip(got, expected):

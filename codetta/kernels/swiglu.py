@@ -110,8 +110,11 @@ def _swiglu_backward_kernel(
     u = tl.load(u_ptr + rows64 * u_s0 + cols64, mask=mask, other=0.0).to(tl.float32)
 
     act, slope = _activation_and_slope(g, ACTIVATION)
-    # a zero slope selects 0, as PyTorch's ReLU backward does (a NaN dy there gives no NaN)
-    dg_st = cast(tl.where(slope == 0.0, 0.0, dy * u * slope), dg_ptr.dtype.element_ty, EMULATE_RNE)
+    if ACTIVATION == "relu":  # an off gate selects 0, as PyTorch's ReLU backward does (a NaN dy there gives no NaN)
+        dg = tl.where(slope == 0.0, 0.0, dy * u * slope)
+    else:  # a product, as PyTorch's SiLU and GELU backward take it: a NaN dy stays NaN where the slope is 0
+        dg = dy * u * slope
+    dg_st = cast(dg, dg_ptr.dtype.element_ty, EMULATE_RNE)
     du_st = cast(dy * act, du_ptr.dtype.element_ty, EMULATE_RNE)
     tl.store(dg_ptr + rows64 * dg_s0 + cols64, dg_st, mask=mask)
     tl.store(du_ptr + rows64 * du_s0 + cols64, du_st, mask=mask)

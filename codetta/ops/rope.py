@@ -508,7 +508,7 @@ def rmsnorm_qkv_rope_reference(x, norm_weight, w_q, w_k, w_v, positions, inv_fre
     bias = bias or (None, None, None)
     q, k, v = (torch.nn.functional.linear(h, w, b) for w, b in zip((w_q, w_k, w_v), bias))
     if q_norm_weight is not None:
-        q, k = (rms_norm(t.reshape(*t.shape[:-1], -1, head_dim), (head_dim,), w, qk_norm_eps).reshape(t.shape)
+        q, k = (rms_norm(t.unflatten(-1, (-1, head_dim)), (head_dim,), w, qk_norm_eps).reshape(t.shape)
                 for t, w in ((q, q_norm_weight), (k, k_norm_weight)))
     rotary_dim = rotary_dim or head_dim
     theta = positions.reshape(*positions.shape, 1).double() * inv_freq.double()
@@ -516,7 +516,7 @@ def rmsnorm_qkv_rope_reference(x, norm_weight, w_q, w_k, w_v, positions, inv_fre
     sin = (torch.sin(theta) * attention_scaling).to(x.dtype).unsqueeze(-2)
 
     def rope(t):
-        heads = t.reshape(*t.shape[:-1], -1, head_dim)
+        heads = t.unflatten(-1, (-1, head_dim))
         rot, rest = heads[..., :rotary_dim], heads[..., rotary_dim:]
         if interleaved:
             x1, x2 = rot[..., 0::2], rot[..., 1::2]
