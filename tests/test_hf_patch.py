@@ -1230,6 +1230,28 @@ def test_copied_pickled_and_inspected_like_the_model():
     assert_same_training_step(ref, model, input_ids=ids, labels=ids)
 
 
+@pytest.mark.parametrize("key", ["llama", "qwen3_qk_norm"])
+def test_a_patched_model_on_the_meta_device_runs_as_the_models_own(key):
+    """A model built on the meta device (shape and FLOP estimates before to_empty()) runs patched
+    as it runs unpatched: training with labels and its backward, and evaluation's logits, all meta
+    tensors of the unpatched model's shapes (autocast knows no meta device: not asked there)."""
+    name, overrides = MODELS[key]
+    model_cls = getattr(transformers, name)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, attn_implementation="sdpa", **overrides)
+    with torch.device("meta"):
+        ref, model = model_cls(model_cls.config_class(**common)), model_cls(model_cls.config_class(**common))
+    codetta.patch(model)
+    ids = torch.zeros(2, 12, dtype=torch.long, device="meta")
+    for m in (ref, model):
+        m.train()
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        assert loss.device.type == "meta" and loss.shape == ()
+        assert all(p.grad is not None and p.grad.shape == p.shape for p in m.parameters())
+    assert model.eval()(input_ids=ids).logits.shape == ref.eval()(input_ids=ids).logits.shape == (2, 12, VOCAB)
+
+
 def test_a_layer_removed_after_patching_is_freed():
     """Pruning a patched model (model.model.layers[:1]) frees the removed layers, as for the
     unpatched model: the layer before them holds its next layer weakly, and hands it nothing."""

@@ -34,7 +34,7 @@ def _cast(value, dtype):
     return value
 
 
-def _autocast_enabled(device: str) -> bool:
+def autocast_enabled(device: str) -> bool:
     """Whether autocast is on for ``device``; False for device types autocast does not know
     (meta): the operator then says what it makes of such tensors."""
     try:
@@ -68,7 +68,7 @@ def casts_under_autocast(*names: str, streams: tuple = (), streams_if: tuple = (
         def wrapper(*args, **kwargs):
             first = args[0] if args else kwargs.get(first_name)  # passed by position or by name
             device = first.device.type if isinstance(first, torch.Tensor) else None
-            if device is None or not _autocast_enabled(device):
+            if device is None or not autocast_enabled(device):
                 return fn(*args, **kwargs)
             dtype = torch.get_autocast_dtype(device)
             bound = signature.bind(*args, **kwargs)

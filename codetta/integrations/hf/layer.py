@@ -60,7 +60,7 @@ from ...ops import (apply_rope, gated_activation, linear_residual, rms_norm, rms
                     rmsnorm_swiglu, swiglu_mlp)
 from ...matmul import KERNEL_DTYPES
 from ...matmul.memory import overlaps_itself
-from ...ops.autocast import stream_under_autocast
+from ...ops.autocast import autocast_enabled, stream_under_autocast
 from ...ops.rmsnorm import NormStats, scaled, stream_fits, weight_readable_ahead
 from ...ops.rope import angles_need_grad, fits_qkv_epilogue, saves_qkv
 from .. import warn_unless_traced
@@ -542,7 +542,7 @@ def _unfused_halves(layer, plan: LayerPlan, hidden_states) -> frozenset:
     device_type = hidden_states.device.type
     if projections:  # (none where the attention half runs as its modules and the MLP is a mixture of experts)
         operand, stream = stored_weight(projections[0]).dtype, hidden_states.dtype
-        if torch.is_autocast_enabled(device_type):
+        if autocast_enabled(device_type):
             operand = torch.get_autocast_dtype(device_type)
             stream = stream_under_autocast(stream, operand)
         if not stream_fits(stream, operand):
