@@ -538,6 +538,26 @@ def test_second_backward_through_saved_gradients_raises_clearly(grad_output):
         torch.autograd.grad(loss, inputs["x"])
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("edited", ["weight", "norm_weight"])
+def test_weights_edited_in_place_before_the_backward_raise_as_in_pytorch(edited, reduction):
+    """The gradients made in the forward are those of the weights it read: an in-place edit of one
+    between forward and backward raises autograd's error, as eager's backward does (which reads
+    them; not the bias)."""
+    inputs = make(bias=True, norm=True)
+    for fn in (lambda: linear_cross_entropy(inputs["x"], inputs["weight"], inputs["target"], bias=inputs["bias"],
+                                            norm_weight=inputs["norm_weight"], reduction=reduction, eps=EPS),
+               lambda: torch.nn.functional.cross_entropy(
+                   torch.nn.functional.linear(torch.nn.functional.rms_norm(
+                       inputs["x"], (inputs["x"].shape[-1],), inputs["norm_weight"], EPS),
+                       inputs["weight"], inputs["bias"]), inputs["target"], reduction=reduction)):
+        loss = fn().sum()
+        with torch.no_grad():
+            inputs[edited].mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
 def test_reduction_none_backpropagated_twice():
     """reduction='none' recomputes the logits in its backward: a retained graph runs twice, as eager's."""
     inputs = make()

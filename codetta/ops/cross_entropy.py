@@ -475,8 +475,10 @@ def _setup_context(ctx, inputs, output):
      *needs) = inputs
     ctx.in_forward = _in_forward(reduction, needs)
     if any(ctx.in_forward):
-        # whether any target is counted (0-d), not the targets: the caller may reuse their buffer
-        ctx.save_for_backward(*output[1:], (target != ignore_index).any())
+        # whether any target is counted (0-d), not the targets: the caller may reuse their buffer; and the
+        # weights the gradients were made of, unused but checked by autograd when unpacked, as it checks those
+        # eager's backward reads (not the bias): an in-place edit between forward and backward raises
+        ctx.save_for_backward(*output[1:], (target != ignore_index).any(), weight, norm_weight)
     else:
         ctx.save_for_backward(x, weight, target, bias, norm_weight)
     ctx.options = (ignore_index, reduction, eps, label_smoothing, z_loss, softcap, chunk_size)
@@ -502,7 +504,7 @@ def _autograd_backward(ctx, grad_loss, *_grad_gradients):
                 "reduction='none' (its backward recomputes the logits) and reduce the losses yourself; a model "
                 "patched by codetta.patch computes its loss unfused with codetta.patch(model, cross_entropy=False)")
         ctx.gradients_handed_out = True
-        dx, dw, db, dg, any_counted = ctx.saved_tensors
+        dx, dw, db, dg, any_counted, *_parameters = ctx.saved_tensors
         # PyTorch gives ignored rows no gradient whatever grad_output is: with no target counted, every
         # gradient is exactly 0, also for an inf or nan grad_output (a "sum" divided by a count of 0, as
         # transformers' Trainer does with num_items_in_batch = 0), not the saved zeros times inf = nan
