@@ -126,6 +126,20 @@ def test_second_micro_batch_adds_into_grad_in_the_gemm(name, added_in_gemm):
         assert err < 1e-5, err
 
 
+def _forward_backward(op, route, g, weights):
+    """(x, positions, dy): op run on a random x that requires grad, eager or through torch.compile
+    ("compiled": the registered ops), and backpropagated from a random dy."""
+    (x, pos), = _micro_batches(1)
+    x.requires_grad_()
+    if route == "compiled":
+        torch._dynamo.reset()
+        op = torch.compile(op, backend="aot_eager", fullgraph=True)
+    out = op(x, g, pos, weights)
+    dy = torch.randn_like(out)
+    (out * dy).sum().backward()
+    return x, pos, dy
+
+
 @pytest.mark.parametrize("route, frozen", [("eager", 0), ("compiled", -1)])
 @pytest.mark.parametrize("name", [*OPS, "linear"])
 def test_frozen_weights_cost_no_gradient_gemm(name, route, frozen, wgrad_programs):
@@ -138,14 +152,7 @@ def test_frozen_weights_cost_no_gradient_gemm(name, route, frozen, wgrad_program
     weights = [torch.nn.Parameter(torch.randn(*s, device=DEVICE) / D**0.5) for s in shapes]
     weights[frozen].requires_grad_(False)
     g = 1 + 0.2 * torch.randn(D, device=DEVICE)
-    (x, pos), = _micro_batches(1)
-    x.requires_grad_()
-    if route == "compiled":
-        torch._dynamo.reset()
-        op = torch.compile(op, backend="aot_eager", fullgraph=True)
-    out = op(x, g, pos, weights)
-    dy = torch.randn_like(out)
-    (out * dy).sum().backward()
+    x, pos, dy = _forward_backward(op, route, g, weights)
     assert sum(wgrad_programs.rows) == sum(w.shape[0] for w in weights if w.requires_grad)
     assert weights[frozen].grad is None
     x64 = x.detach().double().requires_grad_()
@@ -173,14 +180,7 @@ def test_all_weights_frozen_norm_backward_stores_no_h(name, route, monkeypatch, 
     shapes, op, reference = OPS[name]
     weights = [torch.randn(*s, device=DEVICE) / D**0.5 for s in shapes]
     g = (1 + 0.2 * torch.randn(D, device=DEVICE)).requires_grad_()
-    (x, pos), = _micro_batches(1)
-    x.requires_grad_()
-    if route == "compiled":
-        torch._dynamo.reset()
-        op = torch.compile(op, backend="aot_eager", fullgraph=True)
-    out = op(x, g, pos, weights)
-    dy = torch.randn_like(out)
-    (out * dy).sum().backward()
+    x, pos, dy = _forward_backward(op, route, g, weights)
     backward = [p for p in programs if p is not None and p.name.startswith("rmsnorm_linear_backward")]
     assert len(backward) == 1 and "h" not in backward[0].outputs and "dx" in backward[0].outputs
     assert not wgrad_programs
