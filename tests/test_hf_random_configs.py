@@ -19,7 +19,7 @@ default: hypothesis's first draw is the minimal config, hidden size 1 and one to
 second a random one; with the first four families, 40 of each test passed on the CPU, and on the H200 80 of the fp32 test and 40 of the bf16 one:
 bench/results/h200_hf_random_configs.log; Gemma and Llama with their activations drawn, 10
 each: h200_hf_random_configs_gemma.log; Gemma2, Gemma3, Glm4 and VaultGemma, 6 each:
-h200_hf_random_configs_new_families.log).
+h200_hf_random_configs_new_families.log; every family, 8 each, on an H100: h100_hf_random_configs.log).
 """
 
 import copy
