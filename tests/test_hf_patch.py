@@ -34,13 +34,19 @@ from codetta.ops import apply_rope  # noqa: E402
 VOCAB = 96
 
 
-def tiny(name, **overrides):
+def tiny_config(name, **overrides):
+    """(the model class ``name`` of transformers, a tiny config of it with ``overrides``)."""
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=256, attn_implementation="sdpa")
     common.update(overrides)
     model_cls = getattr(transformers, name)
+    return model_cls, model_cls.config_class(**common)
+
+
+def tiny(name, **overrides):
+    model_cls, config = tiny_config(name, **overrides)
     torch.manual_seed(0)
-    model = model_cls(model_cls.config_class(**common)).to(DEVICE).float()
+    model = model_cls(config).to(DEVICE).float()
     with torch.no_grad():  # transformers initializes biases and the norms' weights to constants: make them count
         for param_name, param in model.named_parameters():
             if param_name.endswith(".bias") or "norm" in param_name:
@@ -1235,12 +1241,9 @@ def test_a_patched_model_on_the_meta_device_runs_as_the_models_own(key):
     """A model built on the meta device (shape and FLOP estimates before to_empty()) runs patched
     as it runs unpatched: training with labels and its backward, and evaluation's logits, all meta
     tensors of the unpatched model's shapes (autocast knows no meta device: not asked there)."""
-    name, overrides = MODELS[key]
-    model_cls = getattr(transformers, name)
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, attn_implementation="sdpa", **overrides)
+    model_cls, config = tiny_config(MODELS[key][0], **MODELS[key][1])
     with torch.device("meta"):
-        ref, model = model_cls(model_cls.config_class(**common)), model_cls(model_cls.config_class(**common))
+        ref, model = model_cls(config), model_cls(copy.deepcopy(config))
     codetta.patch(model)
     ids = torch.zeros(2, 12, dtype=torch.long, device="meta")
     for m in (ref, model):
