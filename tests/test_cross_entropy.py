@@ -318,6 +318,21 @@ def test_no_valid_target_with_a_non_finite_grad_output(reduction, grad_output):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("grad_output", [float("inf"), float("nan")])
+def test_ignored_rows_get_no_gradient_from_a_non_finite_grad_output(reduction, grad_output):
+    """With some targets ignored and an inf or nan grad_output, PyTorch's dx is exactly 0 on the
+    ignored rows and not finite on the others (so is every weight gradient); so is codetta's."""
+    inputs = make(lead=(6,), bias=True, norm=True, ignored=2)
+    grad_output = torch.full(inputs["target"].shape if reduction == "none" else (), grad_output, device=DEVICE)
+    _, grads = ours(inputs, reduction, grad_output, chunk_size=4)
+    _, ref_grads = pytorch(inputs, reduction, grad_output=grad_output, dtype=torch.float32)
+    for dx in (grads["x"], ref_grads["x"]):
+        assert torch.equal(dx[:2], torch.zeros_like(dx[:2])) and not dx[2:].isfinite().any(dim=-1).any()
+    for name in PARAMS[1:]:
+        assert not grads[name].isfinite().all() and not ref_grads[name].isfinite().all(), name
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 def test_a_logit_of_plus_inf_gives_nan_as_pytorch(reduction, grad):
     """A +inf logit (two columns of overflowed bias; a -inf one too) makes every row's loss NaN in
@@ -736,6 +751,15 @@ def test_bad_inputs(changes, message):
         pytest.skip("on a GPU out-of-range targets raise a device-side assert (no host sync), fatal to the process")
     with pytest.raises(ValueError, match=message):
         _call(**changes)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU out-of-range targets raise a device-side assert")
+def test_an_out_of_range_target_raises_the_index_error_pytorch_raises():
+    x, weight, target = torch.randn(3, 8), torch.randn(11, 8), torch.tensor([0, 11, 1])
+    with pytest.raises(IndexError):
+        F.cross_entropy(F.linear(x, weight), target)
+    with pytest.raises(IndexError, match=r"target\[1\] = 11"):
+        linear_cross_entropy(x, weight, target)
 
 
 def test_ignore_index_outside_the_vocabulary_is_no_error():

@@ -230,15 +230,21 @@ def _store_logits(logits, h, weight, bias):
         gemm(h, weight.t(), linear_program(True), out={"out": logits}, bias=bias)
 
 
+class TargetOutOfRangeError(ValueError, IndexError):
+    """A class index outside [0, V) that is not ``ignore_index``: an IndexError, as PyTorch's
+    cross-entropy raises on the CPU, and a ValueError, as codetta's other bad inputs."""
+
+
 def _check_target_values(target, vocab, ignore_index):
-    """Targets in [0, V) or ignore_index: a ValueError on the CPU, a device-side assert elsewhere."""
+    """Targets in [0, V) or ignore_index: a :class:`TargetOutOfRangeError` on the CPU, a device-side
+    assert elsewhere (raising there would synchronize with the GPU)."""
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
     message = f"linear_cross_entropy: target values must be in [0, {vocab}) or ignore_index={ignore_index}"
     if target.device.type != "cpu":
         torch._assert_async(~bad.any(), message)
     elif bad.any():
         i = int(bad.nonzero()[0, 0])
-        raise ValueError(f"{message}; target[{i}] = {int(target[i])} (flattened index)")
+        raise TargetOutOfRangeError(f"{message}; target[{i}] = {int(target[i])} (flattened index)")
 
 
 def _losses(valid, lse_parts, target_logit, logit_sum, vocab, label_smoothing, z_loss):
@@ -475,10 +481,10 @@ def _setup_context(ctx, inputs, output):
      *needs) = inputs
     ctx.in_forward = _in_forward(reduction, needs)
     if any(ctx.in_forward):
-        # whether any target is counted (0-d), not the targets: the caller may reuse their buffer; and the
-        # weights the gradients were made of, unused but checked by autograd when unpacked, as it checks those
-        # eager's backward reads (not the bias): an in-place edit between forward and backward raises
-        ctx.save_for_backward(*output[1:], (target != ignore_index).any(), weight, norm_weight)
+        # which targets are counted, not the targets: the caller may reuse their buffer; and the weights the
+        # gradients were made of, unused but checked by autograd when unpacked, as it checks those eager's
+        # backward reads (not the bias): an in-place edit between forward and backward raises
+        ctx.save_for_backward(*output[1:], target != ignore_index, weight, norm_weight)
     else:
         ctx.save_for_backward(x, weight, target, bias, norm_weight)
     ctx.options = (ignore_index, reduction, eps, label_smoothing, z_loss, softcap, chunk_size)
@@ -504,18 +510,19 @@ def _autograd_backward(ctx, grad_loss, *_grad_gradients):
                 "reduction='none' (its backward recomputes the logits) and reduce the losses yourself; a model "
                 "patched by codetta.patch computes its loss unfused with codetta.patch(model, cross_entropy=False)")
         ctx.gradients_handed_out = True
-        dx, dw, db, dg, any_counted, *_parameters = ctx.saved_tensors
-        # PyTorch gives ignored rows no gradient whatever grad_output is: with no target counted, every
-        # gradient is exactly 0, also for an inf or nan grad_output (a "sum" divided by a count of 0, as
-        # transformers' Trainer does with num_items_in_batch = 0), not the saved zeros times inf = nan
-        grad_loss = torch.where(any_counted, grad_loss, torch.zeros_like(grad_loss))
+        dx, dw, db, dg, counted, *_parameters = ctx.saved_tensors
+        # PyTorch gives ignored rows no gradient whatever grad_output is, also an inf or nan one (not the
+        # saved zeros times inf = nan): their rows of dx stay 0, and with no target counted every gradient is
+        # exactly 0 (a "sum" divided by a count of 0, as transformers' Trainer does with num_items_in_batch = 0)
+        grad_loss = torch.where(counted.any(), grad_loss, torch.zeros_like(grad_loss))
         wide_dw = needs[1] and dw.dtype != ctx.dtypes[1]  # fp16 weights: dW kept in fp32 (_wide_dweight)
         if not wide_dw:
             _scale_(grad_loss, dw)
         grads = [dx, dw, db, dg]
+        scales = (torch.where(counted, grad_loss, 0.0)[:, None], grad_loss, grad_loss, grad_loss)
         for i in (0, 1, 2, 3) if wide_dw else (0, 2, 3):  # fp32 until here: scaled and rounded once
             if needs[i]:
-                grads[i] = (grads[i] * grad_loss).to(ctx.dtypes[i])
+                grads[i] = (grads[i] * scales[i]).to(ctx.dtypes[i])
     else:
         grads = _backward(grad_loss, *ctx.saved_tensors, *ctx.options, *needs)
     dx, dw, db, dg = (g if n else None for g, n in zip(grads, needs))
