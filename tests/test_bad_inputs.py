@@ -464,6 +464,14 @@ def test_where_of_a_python_comparison_names_eq():
         ep.where(p.acc == 0, 1.0, 0.0)
 
 
+def test_a_stored_python_comparison_names_eq():
+    """``p.acc == p.acc`` is Python's object comparison (a bool): a store of it points to .eq()."""
+    p = ep.Program("python_eq_stored")
+    with pytest.raises(EpilogueError, match=r"output 'y' needs a value of this program \(== and != compare Python "
+                                            r"objects: compare values with .eq\(\) and .ne\(\)\)"):
+        p.store("y", p.acc == p.acc)
+
+
 def test_an_operand_declared_twice_differently_and_values_of_two_programs_are_refused():
     p = ep.Program("twice")
     p.row("v")

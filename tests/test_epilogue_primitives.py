@@ -167,12 +167,17 @@ def test_numeric_constants_of_any_real_type():
     ("x // y", lambda x: x // 2, "floor"), ("x // y", lambda x: 2 // x, "floor"),
     ("x % y", lambda x: x % 2, "floor"), ("x % y", lambda x: 2 % x, "floor"),
     ("round(x)", round, "round_to"), ("math.floor", math.floor, "floor"), ("math.floor", math.ceil, "floor"),
-    ("math.floor", math.trunc, "floor"),
-], ids=["pow", "rpow", "floordiv", "rfloordiv", "mod", "rmod", "round", "floor", "ceil", "trunc"])
+    ("math.floor", math.trunc, "floor"), ("x @ y", lambda x: x @ x, "x \\* y"),
+], ids=["pow", "rpow", "floordiv", "rfloordiv", "mod", "rmod", "round", "floor", "ceil", "trunc", "matmul"])
 def test_python_operators_without_an_epilogue_operation_are_refused_naming_the_program(spelled, apply, instead):
     p = ep.Program("no_such_operation")
     with pytest.raises(ep.EpilogueError, match=rf"'no_such_operation'.*{re.escape(spelled)}.*{instead}"):
         apply(p.acc)
+
+
+def test_unary_plus_is_the_value_itself():
+    p = ep.Program("unary_plus")
+    assert +p.acc is p.acc
 
 
 def test_constants_are_fp32_as_in_the_reference():
@@ -416,6 +421,24 @@ def test_relu_keeps_nan(ab):
     assert torch.equal(out.isinf(), expected.isinf())
     assert torch.equal(ep.run_reference(p, a, b, {"x": x})["out"].isnan().cpu(), expected.isnan())
     close(out.nan_to_num(posinf=0.0), expected.nan_to_num(posinf=0.0))
+
+
+@pytest.mark.parametrize("name", ["gelu_erf", "gelu_tanh"])
+def test_gelu_in_both_executors_at_inf_and_in_the_tail(name, ab):
+    """GELU(+inf) = inf, GELU(-inf) = NaN (x times 0: the formula's, fp64 PyTorch's) and the negative
+    tail to fp32's absolute precision (1 + erf(x) cancels there), in the kernel and in the reference
+    executor alike."""
+    a, b, acc = ab
+    x = torch.zeros(M, N, device=DEVICE)
+    x[:, :8] = torch.tensor([float("inf"), float("-inf"), -3.0, -5.0, -8.0, 3.0, 1e30, -1e30])
+    p = ep.Program(f"{name}_extremes")
+    p.store("out", getattr(ep, name)(p.aux("x")), dtype=torch.float32)
+    x64 = x.double().cpu()
+    expected = UNARY[name][1](x64)
+    for got in (codetta.gemm(a, b, p, x=x)["out"].cpu(), ep.run_reference(p, a, b, {"x": x})["out"].cpu()):
+        assert torch.equal(got.isnan(), expected.isnan()) and torch.equal(got.isinf(), expected.isinf())
+        finite = expected.isfinite()
+        torch.testing.assert_close(got.double()[finite], expected[finite], rtol=2e-6, atol=1e-7)
 
 
 def test_logsumexp_of_minus_infinity_rows(ab):

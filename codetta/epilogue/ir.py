@@ -159,6 +159,9 @@ class Expr:
     def __abs__(self):
         return _unary("abs", self)
 
+    def __pos__(self):
+        return self
+
     def __bool__(self):
         raise EpilogueError(
             f"program {self.program.name!r}: an epilogue value has no truth value while the "
@@ -168,6 +171,7 @@ class Expr:
     __hash__ = object.__hash__
 
     __pow__ = __rpow__ = _no_operation("x ** y", "square(x), sqrt(x), rsqrt(x) or exp(y * log(x))")
+    __matmul__ = __rmatmul__ = _no_operation("x @ y", "x * y (elementwise; the GEMM's product is the program's acc)")
     __floordiv__ = __rfloordiv__ = _no_operation("x // y", "floor(x / y)")
     __mod__ = __rmod__ = _no_operation("x % y", "x - y * floor(x / y)")
     __round__ = _no_operation("round(x)", "floor(x + 0.5), or round_to(x, dtype) for a dtype's rounding")
@@ -565,7 +569,8 @@ class Program:
         if out.name in self.operands:
             raise EpilogueError(f"program {self.name!r}: output {out.name!r} is also an operand")
         if not isinstance(out.value, Expr) or out.value.program is not self:
-            raise EpilogueError(f"program {self.name!r}: output {out.name!r} needs a value of this program")
+            hint = _EQ_HINT if isinstance(out.value, bool) else ""
+            raise EpilogueError(f"program {self.name!r}: output {out.name!r} needs a value of this program{hint}")
         if out.value.is_bool:
             raise EpilogueError(f"program {self.name!r}: output {out.name!r} is boolean; use where()")
         if out.value.width is None:
