@@ -424,10 +424,10 @@ def test_relu_keeps_nan(ab):
 
 
 @pytest.mark.parametrize("name", ["gelu_erf", "gelu_tanh"])
-def test_gelu_in_both_executors_at_inf_and_in_the_tail(name, ab):
-    """GELU(+inf) = inf, GELU(-inf) = NaN (x times 0: the formula's, fp64 PyTorch's) and the negative
-    tail to fp32's absolute precision (1 + erf(x) cancels there), in the kernel and in the reference
-    executor alike."""
+def test_gelu_in_both_executors_at_inf(name, ab):
+    """GELU(+inf) = inf and GELU(-inf) = NaN (x times 0: the formula's, fp64 PyTorch's) in the kernel
+    and in the reference executor alike (PyTorch's vectorized CPU F.gelu gave NaN at +inf); the finite
+    values to fp32's absolute precision (1 + erf(x) cancels in the negative tail: a few 1e-7 times |x|)."""
     a, b, acc = ab
     x = torch.zeros(M, N, device=DEVICE)
     x[:, :8] = torch.tensor([float("inf"), float("-inf"), -3.0, -5.0, -8.0, 3.0, 1e30, -1e30])
@@ -438,7 +438,7 @@ def test_gelu_in_both_executors_at_inf_and_in_the_tail(name, ab):
     for got in (codetta.gemm(a, b, p, x=x)["out"].cpu(), ep.run_reference(p, a, b, {"x": x})["out"].cpu()):
         assert torch.equal(got.isnan(), expected.isnan()) and torch.equal(got.isinf(), expected.isinf())
         finite = expected.isfinite()
-        torch.testing.assert_close(got.double()[finite], expected[finite], rtol=2e-6, atol=1e-7)
+        torch.testing.assert_close(got.double()[finite], expected[finite], rtol=2e-6, atol=1e-6)
 
 
 def test_logsumexp_of_minus_infinity_rows(ab):
