@@ -8,6 +8,7 @@ included) must be identical, bit for bit; statistics outputs get no gradient eit
 import pytest
 import torch
 
+import codetta
 from codetta.ops import autograd, linear_residual, rmsnorm_linear, rmsnorm_qkv_rope, rmsnorm_swiglu, swiglu_mlp
 from conftest import DEVICE
 
@@ -47,7 +48,7 @@ def block(t):
 
 def run(route_direct: bool, monkeypatch):
     if not route_direct:
-        monkeypatch.setattr(autograd, "_runs_directly", lambda args: False)
+        monkeypatch.setattr(autograd, "_runs_directly", lambda name, arg_names, args: False)
     t = inputs()
     outs = block(t)
     torch.manual_seed(1)
@@ -77,17 +78,44 @@ def test_direct_and_dispatched_routes_agree(monkeypatch):
 
 
 def test_direct_route_is_taken_for_plain_tensors_only():
-    assert autograd._runs_directly((torch.zeros(1), [torch.zeros(1)], 1.0, None))
+    def direct(*args):
+        return autograd._runs_directly("codetta::op", [f"t{i}" for i in range(len(args))], args)
+
+    assert direct(torch.zeros(1), [torch.zeros(1)], 1.0, None)
     param = torch.nn.Parameter(torch.zeros(1))
-    assert autograd._runs_directly((param, [param]))
+    assert direct(param, [param])
 
     class Sub(torch.Tensor):
         pass
 
     sub = torch.zeros(1).as_subclass(Sub)
-    assert not autograd._runs_directly((sub,))
-    assert not autograd._runs_directly(([torch.zeros(1), sub],))
-    assert not autograd._runs_directly((torch.zeros(1), [torch.zeros(1, device="meta")]))
+    assert not direct(sub)
+    assert not direct([torch.zeros(1), sub])
+    assert not direct(torch.zeros(1, device="meta"), [torch.zeros(1, device="meta")])
+
+
+def test_meta_tensors_beside_tensors_with_data_are_refused():
+    """A weight (or given statistics) on the meta device beside inputs with data is refused,
+    naming both: the dispatcher would run the op's fake implementation and hand back
+    uninitialized memory on the inputs' device (found by a probe: codetta.linear,
+    linear_residual, swiglu_mlp's w_down and rmsnorm_linear's stats did; eager F.linear does)."""
+    x, g, w, a = torch.randn(5, 16), torch.ones(16), torch.randn(12, 16), torch.randn(5, 8)
+    meta = {name: t.to("meta") for name, t in dict(x=x, g=g, w=w).items()}
+    calls = {
+        r"codetta::linear: weight on the meta device \(no data\) but x on cpu": lambda: codetta.linear(x, meta["w"]),
+        r"codetta::linear: bias on the meta device": lambda: codetta.linear(x, w, torch.zeros(12, device="meta")),
+        r"codetta::linear_residual: weights on the meta device \(no data\) but a on cpu":
+            lambda: linear_residual(a, torch.randn(16, 8, device="meta"), x, g),
+        r"codetta::swiglu_mlp: w_down on the meta device \(no data\) but x on cpu":
+            lambda: swiglu_mlp(x, g, w, w, torch.randn(16, 12, device="meta")),
+        r"codetta::rmsnorm_linear: u, rstd on the meta device \(no data\) but x on cpu":
+            lambda: rmsnorm_linear(x, g, w, stats=(meta["x"], torch.ones(5, device="meta"))),
+    }
+    for message, call in calls.items():
+        with pytest.raises(ValueError, match=message):
+            call()
+    # all on the meta device: the shapes, as before
+    assert codetta.linear(meta["x"], meta["w"]).shape == (5, 12)
 
 
 def test_no_op_returns_a_tuple_of_one_tensor():

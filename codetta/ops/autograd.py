@@ -113,17 +113,28 @@ def saved_tensors_freed_after(ctx) -> bool:
         and not torch.compiler.is_compiling() and not keeps_graph()
 
 
-def _runs_directly(args) -> bool:
+def _runs_directly(name: str, arg_names, args) -> bool:
     """Not under torch.compile nor a torch.func transform (vmap, grad: its wrapped tensors look
     plain), and every tensor argument (also in lists) a plain Tensor or Parameter with data (on
-    the meta device the registered op's fake implementation gives the shapes)."""
+    the meta device the registered op's fake implementation gives the shapes). Tensors on the
+    meta device beside tensors with data are refused: the dispatcher would run the fake
+    implementation and return uninitialized memory on the other device."""
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return False
-    for a in args:
+    plain, meta, data = True, [], None
+    for arg_name, a in zip(arg_names, args):
         for t in (a if isinstance(a, list) else (a,)):
-            if isinstance(t, torch.Tensor) and (type(t) not in _PLAIN or t.is_meta):
-                return False
-    return True
+            if isinstance(t, torch.Tensor):
+                if type(t) not in _PLAIN:
+                    plain = False
+                elif t.is_meta:
+                    meta.append(arg_name)
+                elif data is None:
+                    data = (arg_name, t.device)
+    if meta and data is not None:
+        raise ValueError(f"{name}: {', '.join(dict.fromkeys(meta))} on the meta device (no data) but {data[0]} on "
+                         f"{data[1]}: give every tensor on one device")
+    return plain and not meta
 
 
 def _flatten(args):
@@ -241,6 +252,7 @@ class DirectOp:
         self.op.register_vmap(_per_sample(self.op))
         self.setup_context = self.backward = None
         self.differentiable = differentiable
+        self._arg_names = [a.name for a in self.op._opoverload._schema.arguments]
 
     def register_fake(self, fake):
         self.op.register_fake(fake)
@@ -260,7 +272,7 @@ class DirectOp:
 
     def __call__(self, *args):
         refuse_unsupported_autodiff(self.op._qualname, args)
-        if not _runs_directly(args):
+        if not _runs_directly(self.op._qualname, self._arg_names, args):
             return self.op(*args)
         flat, layout = _flatten(args)
         if not torch.is_grad_enabled() or not any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
