@@ -6,7 +6,7 @@ registered op under torch.compile), bad inputs refused."""
 import pytest
 import torch
 
-from codetta.ops import apply_rope
+from codetta.ops import apply_rope, rmsnorm_qkv_rope
 from conftest import DEVICE, INTERPRET
 from test_ops_rope import rel, rotate_half, rotate_half_interleaved
 
@@ -207,3 +207,25 @@ def test_bad_inputs():
         args = dict(q=q, k=k, positions=positions, inv_freq=inv_freq, head_dim=8) | change
         with pytest.raises(ValueError, match=message):
             apply_rope(**args)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU unequal halves raise a device-side assert (no host sync), "
+                    "fatal to the process")
+@pytest.mark.parametrize("unequal", ["cos", "sin"])
+def test_cos_sin_with_unequal_halves_are_refused(unequal):
+    """cos and sin repeated per adjacent pair ([c0, c0, c1, c1, ...], as other libraries make them
+    for the interleaved convention) are refused, by apply_rope and the QKV epilogue's op alike:
+    the kernels read the first halves, which were then other angles (found by a probe: accepted
+    silently). NaNs in both halves alike are not a mismatch."""
+    _, _, cos, sin = angles((5,), 8, 100, 1.0)
+    q, k = torch.randn(5, 16, device=DEVICE), torch.randn(5, 8, device=DEVICE)
+    pair_repeated = {name: t[..., :4].repeat_interleave(2, dim=-1).float() for name, t in dict(cos=cos, sin=sin).items()}
+    tables = dict(cos=cos.float(), sin=sin.float()) | {unequal: pair_repeated[unequal]}
+    with pytest.raises(ValueError, match=r"cos and sin \(5, 8\) must each be two equal halves"):
+        apply_rope(q, k, head_dim=8, cos_sin=(tables["cos"], tables["sin"]), interleaved=True)
+    x, w = torch.randn(5, 8, device=DEVICE), torch.randn(8, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="must each be two equal halves"):
+        rmsnorm_qkv_rope(x, torch.ones(8, device=DEVICE), w, w, w, head_dim=8, cos_sin=(tables["cos"], tables["sin"]))
+    nan = torch.full((5, 8), float("nan"), device=DEVICE)
+    rq, rk = apply_rope(q, k, head_dim=8, cos_sin=(nan, sin.float()))
+    assert rq.isnan().all() and rk.isnan().all()

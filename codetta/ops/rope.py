@@ -186,11 +186,32 @@ def rope_tables(positions: Tensor, inv_freq: Tensor, scale: float) -> tuple[Tens
     return _cached_tables((positions, inv_freq), float(scale), make)
 
 
+def _check_halves(cos: Tensor, sin: Tensor) -> None:
+    """cos and sin [..., R] must each be two equal halves, or the first halves alone would give
+    other angles than the caller's (e.g. tables repeated per adjacent pair, [c0, c0, c1, c1, ...]):
+    a ValueError on the CPU; on a GPU a device-side assert (raising would synchronize with it),
+    as for cross-entropy's targets (NaNs match NaNs). Not checked while torch.compile traces, a
+    torch.func transform runs or a CUDA graph captures."""
+    if cos.is_meta or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() \
+            or (cos.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    half = cos.shape[-1] // 2
+    equal = torch.stack([torch.isclose(t[..., :half], t[..., half:], rtol=0, atol=0, equal_nan=True).all()
+                         for t in (cos, sin)]).all()
+    message = (f"cos and sin {tuple(cos.shape)} must each be two equal halves along the last dim (cat(freqs, freqs), "
+               "as Hugging Face's rotary embeddings make them): codetta's RoPE reads their first halves")
+    if cos.device.type != "cpu":
+        torch._assert_async(equal, message)
+    elif not equal:
+        raise ValueError(message)
+
+
 def tables_from_cos_sin(cos: Tensor, sin: Tensor, lead: torch.Size) -> tuple[Tensor, Tensor]:
     """A Hugging Face rotary embedding's (cos, sin) [..., R] (broadcasting to x's leading dims
-    ``lead``; their two halves equal, as its cat(freqs, freqs)) as the epilogue's tables: the
-    first halves, [M, R/2] fp32 each (reused while the inputs are unchanged: :func:`_cached_tables`)."""
+    ``lead``; their two halves equal, as its cat(freqs, freqs): checked) as the epilogue's tables:
+    the first halves, [M, R/2] fp32 each (reused while the inputs are unchanged: :func:`_cached_tables`)."""
     def make():
+        _check_halves(cos, sin)
         half = cos.shape[-1] // 2
         return tuple(t[..., :half].expand(*lead, half).reshape(-1, half).float().contiguous() for t in (cos, sin))
 
