@@ -320,8 +320,16 @@ class ModelClasses:
     def computes_as(self, module, cls) -> bool:
         """Whether ``module`` computes as ``cls`` (one of these classes) as transformers defines it:
         its class's forward is cls's, still the one checked at patch time (a forward set on the
-        class since then is left to run)."""
-        return cls is not None and type(module).forward is cls.forward and cls.forward in self.patched_forwards
+        class since then is left to run), or transformers' wrapper of it in a subclass that
+        defines no forward of its own (FSDP2's ``FSDP<Layer>``: see :func:`_subclass_wrapper`)."""
+        if cls is None or cls.forward not in self.patched_forwards:
+            return False
+        forward = type(module).forward
+        while forward is not cls.forward:
+            if not _subclass_wrapper(forward):
+                return False
+            forward = forward.__wrapped__
+        return True
 
     @property
     def modeling(self) -> ModuleType:
@@ -341,6 +349,17 @@ _TRANSFORMERS_DIR = _package_dir("transformers")
 # rotary embeddings' forward in some releases) and by those of the hub-kernels library it uses
 # (`kernels`: use_kernel_forward_from_hub), which compute the same function
 _WRAPPER_DIRS = tuple(d for d in map(_package_dir, ("transformers", "torch", "kernels")) if d is not None)
+
+
+def _subclass_wrapper(forward) -> bool:
+    """Whether ``forward`` is the wrapper that transformers (>= 5.23) puts around the forward of
+    every subclass of a decoder layer (``GradientCheckpointingLayer.__init_subclass__``): for a
+    subclass that inherits its forward, as the ``FSDP<Layer>`` class FSDP2's ``fully_shard``
+    makes does, the inherited forward, run as it is but for the checkpointing, which the fused
+    forward does itself (:mod:`codetta.integrations.hf.checkpointing`)."""
+    code = getattr(forward, "__code__", None)
+    return code is not None and code.co_name == "forward_with_checkpointing" \
+        and code.co_filename.startswith(_TRANSFORMERS_DIR) and hasattr(forward, "__wrapped__")
 
 
 def transformers_own(forward) -> bool:
