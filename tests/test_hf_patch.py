@@ -1231,8 +1231,25 @@ def test_copied_pickled_and_inspected_like_the_model():
     ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
     for other in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
         assert other._codetta_patched == model._codetta_patched
-        assert other.model.layers[0]._codetta_plan.next_layer.get() is other.model.layers[1]
+        assert layer_module.next_layer_of(other.model.layers[0]._codetta_plan) is other.model.layers[1]
         assert_same_training_step(ref, other, input_ids=ids, labels=ids)
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+
+
+def test_one_layer_copied_copies_that_layer_alone():
+    """copy.deepcopy of one patched layer (PEFT's layer_replication, depth up-scaling) copies that
+    layer's parameters alone, as for the unpatched model (found by a probe: its plan's references to
+    the decoder and the next layer copied the whole model along, once per copied layer); the copy
+    appended to the model trains as the unpatched model's copy does."""
+    ref = tiny("LlamaForCausalLM", num_hidden_layers=3)
+    model = codetta.patch(copy.deepcopy(ref))
+    for m in (ref, model):
+        memo = {}
+        m.model.layers.append(copy.deepcopy(m.model.layers[1], memo))
+        copied = {name for name, p in m.named_parameters() if id(p) in memo}
+        assert copied and all(name.startswith("model.layers.1.") for name in copied), sorted(copied)
+    assert layer_module.next_layer_of(model.model.layers[3]._codetta_plan) is None  # its slot is no layer's
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
     assert_same_training_step(ref, model, input_ids=ids, labels=ids)
 
 
@@ -1421,8 +1438,8 @@ def test_unsupported_models_and_options_are_refused_untouched():
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16),
         vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
                            image_size=28, patch_size=14), mm_tokens_per_image=4))
-    with pytest.raises(UnsupportedModelError, match=r"Gemma3Model .a model around a Gemma3TextModel.*text decoder: "
-                                                    r"patch that one, model\.language_model;"):
+    with pytest.raises(UnsupportedModelError, match=r"Gemma3Model .a model around a Gemma3TextModel.*text decoder.*: "
+                                                    r"patch that one, model\.language_model; the model's own head"):
         codetta.patch(multimodal)
     assert codetta.patch(multimodal.language_model).layers[0]._codetta_plan is not None
 
@@ -1799,6 +1816,9 @@ def test_peft_lora_adapters_on_a_patched_model(monkeypatch):
     assert any(p.grad is not None and "lora_A" in n for n, p in model.named_parameters())
     with pytest.raises(codetta.UnsupportedModelError, match=r"got PeftModel.*model.get_base_model\(\)"):
         codetta.patch(peft.get_peft_model(copy.deepcopy(base), lora))
+    with pytest.raises(codetta.UnsupportedModelError, match=r"got LoraModel .a model around a LlamaForCausalLM.*"
+                                                            r"patch that one, model\.model; its head and loss fused"):
+        codetta.patch(peft.get_peft_model(copy.deepcopy(base), lora).base_model)
     ref, model = ref.merge_and_unload().requires_grad_(), model.merge_and_unload().requires_grad_()  # PEFT froze them
     with warnings.catch_warnings():
         warnings.simplefilter("error")

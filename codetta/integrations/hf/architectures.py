@@ -592,11 +592,13 @@ def _wrapped_model(model):
 
 
 def _decoder_inside(model):
-    """(the class name, the path) of the first module inside ``model`` that codetta patches, such as a
-    multimodal model's text decoder (Mistral3Model's MistralModel at ``language_model``); else None."""
+    """(the class name, the path, the kind) of the first module inside ``model`` that codetta patches,
+    such as a multimodal model's text decoder (Mistral3Model's MistralModel at ``language_model``) or
+    a PEFT tuner's causal LM (LoraModel's at ``model``); else None."""
     for path, module in model.named_modules():
-        if path and family_and_kind(type(module)):
-            return type(module).__name__, path
+        found = family_and_kind(type(module)) if path else None
+        if found:
+            return type(module).__name__, path, found[1]
     return None
 
 
@@ -616,8 +618,10 @@ def architecture_of(model) -> Architecture:
                    "may compute otherwise; a wrapper's, as FSDP2's fully_shard(model) makes, is patched before "
                    "wrapping: patch, then wrap)")
         elif decoder := _decoder_inside(model):
-            why = (f" (a model around a {decoder[0]}, as a multimodal model holds its text decoder: patch that one, "
-                   f"model.{decoder[1]}; the model's own head and loss run around it)")
+            around = "its head and loss fused too" if decoder[2] == "ForCausalLM" else \
+                "the model's own head and loss run around it"
+            why = (f" (a model around a {decoder[0]}, as a multimodal model holds its text decoder or PEFT's tuner "
+                   f"its model: patch that one, model.{decoder[1]}; {around})")
         else:
             why = ""
         raise UnsupportedModelError(

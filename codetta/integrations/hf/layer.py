@@ -183,8 +183,10 @@ class WeakModule:
     layer reads). Held strongly, these would be reference cycles, and a deleted patched model
     (its parameters, on the GPU too) would stay allocated until Python's cycle collector ran,
     where the unpatched model is freed by ``del`` at once. ``weak()`` is the module (an error
-    once it is gone), ``weak.get()`` the module or None. A copy (deepcopy, pickle) refers to the
-    copy of the module, as a plain reference would."""
+    once it is gone), ``weak.get()`` the module or None. A deep copy refers to the module's copy
+    where the same deepcopy made one before (a whole model copied: its decoder stack), else to
+    the module itself, which it does not copy (one layer copied, as PEFT's layer replication
+    does: not the whole decoder with it); a pickle refers to the module, which it stores."""
 
     __slots__ = ("_ref",)
 
@@ -200,11 +202,22 @@ class WeakModule:
             raise RuntimeError("codetta: the patched module this belongs to was deleted")
         return module
 
+    def __deepcopy__(self, memo):
+        module = self._ref()
+        copied = memo.get(id(module)) if module is not None else None
+        return WeakModule(copied if copied is not None else module) if module is not None else _dead_module()
+
     def __getstate__(self):
         return (self._ref(),)
 
     def __setstate__(self, state):
         self._ref = weakref.ref(state[0]) if state[0] is not None else (lambda: None)
+
+
+def _dead_module() -> WeakModule:
+    weak = WeakModule.__new__(WeakModule)
+    weak._ref = lambda: None
+    return weak
 
 
 @dataclass
@@ -672,7 +685,7 @@ def _mlp_residual(layer, plan: LayerPlan, x1, stats=None, g2=None):
     down = mlp.down_proj
     if not reads_weight(down):  # called: its output added as the model's layer adds it, nothing handed on
         return x1 + scaled(down(_mlp_hidden(layer, plan, x1, g2, eps2, stats)), branch_scale)
-    next_layer = plan.next_layer.get() if plan.next_layer is not None else None
+    next_layer = next_layer_of(plan)
     ln_next = next_layer.input_layernorm if next_layer is not None else None
     hand_on = (
         next_layer is not None
@@ -702,6 +715,26 @@ def _mlp_residual(layer, plan: LayerPlan, x1, stats=None, g2=None):
     x2, stats2 = out
     plan.outgoing.put(x2, stats2, next_norm["next_norm_weight"], ln_next, next_norm["next_eps"])
     return x2
+
+
+def next_layer_of(plan: LayerPlan):
+    """The layer that takes what this one hands on (``plan.outgoing`` is its incoming slot), or None.
+    A deep copy of a whole model copies the layers in order, so a copied layer's reference to the
+    next one, not copied yet, names the original's (:class:`WeakModule`): then the copy's decoder
+    holds the layer whose slot it is, found and remembered; a layer copied alone hands on nothing
+    (its slot, copied with it, is no layer's)."""
+    layer = plan.next_layer.get() if plan.next_layer is not None else None
+    if layer is None or _incoming_slot(layer) is plan.outgoing:
+        return layer
+    base = plan.base_model.get()
+    layer = next((other for other in getattr(base, "layers", ()) if _incoming_slot(other) is plan.outgoing), None)
+    plan.next_layer = WeakModule(layer) if layer is not None else None
+    return layer
+
+
+def _incoming_slot(layer) -> Optional[StatsHandoff]:
+    plan = getattr(layer, "_codetta_plan", None)
+    return plan.incoming if isinstance(plan, LayerPlan) else None
 
 
 def _reads_qkv_weights(attn, plan: LayerPlan) -> bool:
