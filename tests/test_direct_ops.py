@@ -99,16 +99,17 @@ def test_meta_tensors_beside_tensors_with_data_are_refused():
     naming both: the dispatcher would run the op's fake implementation and hand back
     uninitialized memory on the inputs' device (found by a probe: codetta.linear,
     linear_residual, swiglu_mlp's w_down and rmsnorm_linear's stats did; eager F.linear does)."""
-    x, g, w, a = torch.randn(5, 16), torch.ones(16), torch.randn(12, 16), torch.randn(5, 8)
+    x, g, w, a = (torch.randn(*shape, device=DEVICE) for shape in ((5, 16), (16,), (12, 16), (5, 8)))
     meta = {name: t.to("meta") for name, t in dict(x=x, g=g, w=w).items()}
     calls = {
-        r"codetta::linear: weight on the meta device \(no data\) but x on cpu": lambda: codetta.linear(x, meta["w"]),
+        rf"codetta::linear: weight on the meta device \(no data\) but x on {DEVICE}":
+            lambda: codetta.linear(x, meta["w"]),
         r"codetta::linear: bias on the meta device": lambda: codetta.linear(x, w, torch.zeros(12, device="meta")),
-        r"codetta::linear_residual: weights on the meta device \(no data\) but a on cpu":
+        rf"codetta::linear_residual: weights on the meta device \(no data\) but a on {DEVICE}":
             lambda: linear_residual(a, torch.randn(16, 8, device="meta"), x, g),
-        r"codetta::swiglu_mlp: w_down on the meta device \(no data\) but x on cpu":
+        rf"codetta::swiglu_mlp: w_down on the meta device \(no data\) but x on {DEVICE}":
             lambda: swiglu_mlp(x, g, w, w, torch.randn(16, 12, device="meta")),
-        r"codetta::rmsnorm_linear: u, rstd on the meta device \(no data\) but x on cpu":
+        rf"codetta::rmsnorm_linear: u, rstd on the meta device \(no data\) but x on {DEVICE}":
             lambda: rmsnorm_linear(x, g, w, stats=(meta["x"], torch.ones(5, device="meta"))),
     }
     for message, call in calls.items():
