@@ -1236,6 +1236,25 @@ def test_copied_pickled_and_inspected_like_the_model():
     assert_same_training_step(ref, model, input_ids=ids, labels=ids)
 
 
+def test_hub_kernels_of_from_pretrained_are_turned_off(tmp_path, monkeypatch):
+    """transformers' from_pretrained turns its hub kernels on by default (5.2x, with the ``kernels``
+    package): each change between train() and eval() kernelizes the model again, which removed the
+    forward codetta sets on the final norm (found by a probe: after the Trainer's model.train() the
+    final norm ran unfused). patch turns them off; the model trains as the unpatched one."""
+    ref = tiny("LlamaForCausalLM")
+    ref.save_pretrained(tmp_path)
+    model = type(ref).from_pretrained(tmp_path).to(DEVICE)
+    if not getattr(model, "use_kernels", False):
+        pytest.skip("this transformers (or its kernels package) does not turn hub kernels on")
+    codetta.patch(model)
+    assert model.use_kernels is False
+    final_norms = count_calls(monkeypatch, "codetta.integrations.hf.layer.rms_norm")
+    model.eval().train().eval().train()  # the Trainer's mode changes
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    assert_same_training_step(ref.train(), model, input_ids=ids, labels=ids)
+    assert len(final_norms) == 1
+
+
 def test_one_layer_copied_copies_that_layer_alone():
     """copy.deepcopy of one patched layer (PEFT's layer_replication, depth up-scaling) copies that
     layer's parameters alone, as for the unpatched model (found by a probe: its plan's references to

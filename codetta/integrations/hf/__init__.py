@@ -115,6 +115,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
     check_model(model, arch, classes)
     cross_entropy = cross_entropy and is_causal_lm(model)
     _check_instance_forwards(model, classes, rms_norm, cross_entropy)
+    _turn_off_hub_kernels(model)
     unpatch(model)
     decoder = decoder_of(model)
     if rms_norm:
@@ -158,10 +159,22 @@ def _check_instance_forwards(model, classes, rms_norm: bool, cross_entropy: bool
         [("the final norm", final_norm)] if rms_norm and final_norm is not None else [])
     for where, module in replaced:
         forward = module.__dict__.get("forward")
-        if forward is not None and not isinstance(forward, FusedForward):
+        if forward is not None and not isinstance(forward, FusedForward) and "_kernel_repo" not in module.__dict__:
             raise UnsupportedModelError(f"{where} has a forward set on its instance (accelerate's hooks or a "
                                         "parallelism wrapper set one), which patching would replace; patch the model "
                                         "before adding them. Nothing was patched.")
+
+
+def _turn_off_hub_kernels(model) -> None:
+    """transformers' hub kernels off (``model.use_kernels``, which ``from_pretrained`` turns on by default
+    from transformers 5.2x where the ``kernels`` package is installed): at each change between train()
+    and eval() it kernelizes the model again, setting on each RMSNorm instance (and other modules its
+    decorators name) the forward of a hub kernel, or, where none applies (on a CPU, without the hub),
+    removing the forward set on the instance: codetta's on the final norm too (found by a probe: after
+    the Trainer's model.train() the final norm ran unfused). codetta's fused operators take their
+    place; ``model.use_kernels = True`` after :func:`unpatch` turns them on again."""
+    if getattr(model, "use_kernels", False) is True:
+        model.use_kernels = False  # transformers' setter: the modules' own forwards back, and no kernelize after
 
 
 def _final_norm(decoder, classes):
