@@ -203,21 +203,15 @@ class WeakModule:
         return module
 
     def __deepcopy__(self, memo):
-        module = self._ref()
-        copied = memo.get(id(module)) if module is not None else None
-        return WeakModule(copied if copied is not None else module) if module is not None else _dead_module()
+        module, copy = self._ref(), WeakModule.__new__(WeakModule)
+        copy.__setstate__((memo.get(id(module), module) if module is not None else None,))
+        return copy
 
     def __getstate__(self):
         return (self._ref(),)
 
     def __setstate__(self, state):
         self._ref = weakref.ref(state[0]) if state[0] is not None else (lambda: None)
-
-
-def _dead_module() -> WeakModule:
-    weak = WeakModule.__new__(WeakModule)
-    weak._ref = lambda: None
-    return weak
 
 
 @dataclass
