@@ -1236,6 +1236,24 @@ def test_copied_pickled_and_inspected_like_the_model():
     assert_same_training_step(ref, model, input_ids=ids, labels=ids)
 
 
+def test_a_frozen_first_layer_is_left_out_of_the_backward(monkeypatch):
+    """Embeddings and layer 0 frozen (partial fine-tuning): layer 0's output needs no gradient, so
+    autograd keeps nothing for its backward and runs none, as for the unpatched model (found by a
+    probe: the trainable norm weight of layer 1, from which layer 0's last GEMM makes that norm's
+    statistics, made layer 0's output require grad, and its MLP backward ran)."""
+    ref = tiny("LlamaForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    backward_calls = count_calls(monkeypatch, "codetta.ops.mlp.swiglu_mlp_backward")
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    for m in (ref, model):
+        for p in (*m.model.embed_tokens.parameters(), *m.model.layers[0].parameters()):
+            p.requires_grad_(False)
+        hidden = m(input_ids=ids, output_hidden_states=True).hidden_states
+        assert not hidden[1].requires_grad and hidden[2].requires_grad
+    assert_same_training_step(ref, model, input_ids=ids, labels=ids)
+    assert len(backward_calls) == 1  # layer 1's alone
+
+
 def test_hub_kernels_of_from_pretrained_are_turned_off(tmp_path, monkeypatch):
     """transformers' from_pretrained turns its hub kernels on by default (5.2x, with the ``kernels``
     package): each change between train() and eval() kernelizes the model again, which removed the

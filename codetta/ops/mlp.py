@@ -54,8 +54,8 @@ from ..matmul import gemm
 from .activations import check_activation
 from .autocast import casts_under_autocast
 from .autograd import direct_op, only_first_output_differentiable, saved_tensors_freed_after
-from .rmsnorm import (NormStats, _check_norm_inputs, _linear_residual_op, _weight_k, check_eps, finite_real,
-                      given_stats, rmsnorm_linear_backward, rstd_like, scaled, used_rstd)
+from .rmsnorm import (NormStats, _check_norm_inputs, _linear_residual_op, _weight_k, check_eps, detached,
+                      finite_real, given_stats, rmsnorm_linear_backward, rstd_like, scaled, used_rstd)
 from .swiglu import _rmsnorm_swiglu_op, bias_grad_sums, bias_grads, rmsnorm_swiglu_reference
 from .weight_grads import for_autograd, run_backward, skipping, weight_grad, weight_grads_like
 from .shapes import check_biases, check_vector, dense_tensors_only, rows
@@ -178,7 +178,7 @@ def swiglu_mlp(x: Tensor, norm_weight: Tensor, w_gate: Tensor, w_up: Tensor, w_d
     biases = check_biases(bias, ("b_gate", "b_up", "b_down"), (f, f, d), x.device)
     u, rstd = given_stats(x, stats, w_gate.dtype, norm_weight, eps)
     branch_scale = finite_real("branch_scale", branch_scale)
-    x2, u2, rstd2, *_ = _mlp_op(x, norm_weight, w_gate, w_up, w_down, float(eps), u, rstd, next_norm_weight,
+    x2, u2, rstd2, *_ = _mlp_op(x, norm_weight, w_gate, w_up, w_down, float(eps), u, rstd, detached(next_norm_weight),
                                 float(next_eps), *biases, branch_scale, check_activation(activation))
     return x2 if next_norm_weight is None else (x2, NormStats.of(u2, rstd2, x2, next_norm_weight, next_eps))
 

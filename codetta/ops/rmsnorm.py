@@ -594,8 +594,15 @@ def linear_residual(a: Tensor, weight, residual: Tensor, norm_weight: Tensor | N
             check_vector(name, vec, residual.shape[-1], residual.device)
     check_eps(eps=eps)
     branch_scale = finite_real("branch_scale", branch_scale)
-    x, u, rstd = _linear_residual_op(a, weights, residual, bias, norm_weight, float(eps), branch_scale)
+    # g makes only the statistics, which carry no gradient: detached, it does not make x need one (a frozen
+    # layer before a trainable norm, found by a probe: its output required grad, its backward ran)
+    x, u, rstd = _linear_residual_op(a, weights, residual, bias, detached(norm_weight), float(eps), branch_scale)
     return x if norm_weight is None else (x, NormStats.of(u, rstd, x, norm_weight, eps))
+
+
+def detached(t: Tensor | None) -> Tensor | None:
+    """t.detach() (None for None): a norm weight that makes only statistics, which carry no gradient."""
+    return None if t is None else t.detach()
 
 
 def finite_real(name: str, value) -> float:
