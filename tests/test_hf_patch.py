@@ -1254,6 +1254,24 @@ def test_a_frozen_first_layer_is_left_out_of_the_backward(monkeypatch):
     assert len(backward_calls) == 1  # layer 1's alone
 
 
+def test_a_layer_output_whose_memory_was_swapped_gets_its_norm_made_again():
+    """Layers run by hand, a layer's output given new memory through ``.data =`` (which no version
+    counter sees) before the next layer: that layer normalizes the new values, as the unpatched one
+    does (found by a probe: the statistics handed on were taken, and the operator refused them)."""
+    ref = tiny("LlamaForCausalLM")
+    model = codetta.patch(copy.deepcopy(ref))
+    ids = torch.randint(0, VOCAB, (2, 8), device=DEVICE)
+    outputs = []
+    for m in (ref, model):
+        x = m.model.embed_tokens(ids)
+        angles = m.model.rotary_emb(x, torch.arange(8, device=DEVICE)[None])
+        with torch.no_grad():
+            x1 = m.model.layers[0](x, position_embeddings=angles, attention_mask=None)
+            x1.data = x1.data * 3 + 1
+            outputs.append(m.model.layers[1](x1, position_embeddings=angles, attention_mask=None))
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
+
+
 def test_hub_kernels_of_from_pretrained_are_turned_off(tmp_path, monkeypatch):
     """transformers' from_pretrained turns its hub kernels on by default (5.2x, with the ``kernels``
     package): each change between train() and eval() kernelizes the model again, which removed the

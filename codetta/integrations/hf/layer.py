@@ -152,7 +152,10 @@ class StatsHandoff:
         weight, weight_version, made_eps = held.norm
         same_norm = norm.weight is weight and eps == made_eps and (
             weight_version is None or norm.weight._version == weight_version)
-        return (held.stats, held.norm_weight) if fresh and same_norm else (None, None)
+        # the same tensor whose memory was swapped (``x.data = ...``, which no version counter sees): its
+        # statistics, which the operator would refuse, are left for the norm to make again
+        moved = isinstance(held.stats, NormStats) and held.stats.mismatch(tensor, held.norm_weight, made_eps) is not None
+        return (held.stats, held.norm_weight) if fresh and same_norm and not moved else (None, None)
 
     def __getstate__(self):
         """A copy (deepcopy, pickle: torch.save of a whole model) starts empty: what the slot holds
