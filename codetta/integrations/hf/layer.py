@@ -154,7 +154,8 @@ class StatsHandoff:
             weight_version is None or norm.weight._version == weight_version)
         # the same tensor whose memory was swapped (``x.data = ...``, which no version counter sees): its
         # statistics, which the operator would refuse, are left for the norm to make again
-        moved = isinstance(held.stats, NormStats) and held.stats.mismatch(tensor, held.norm_weight, made_eps) is not None
+        moved = isinstance(held.stats, NormStats) \
+            and held.stats.mismatch(tensor, held.norm_weight, made_eps) is not None
         return (held.stats, held.norm_weight) if fresh and same_norm and not moved else (None, None)
 
     def __getstate__(self):
