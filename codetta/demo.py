@@ -144,8 +144,9 @@ def run(out: Path, steps: int | None = None) -> int:
     end_plain, end_fused = sum(loss_plain[-tail:]) / tail, sum(loss_fused[-tail:]) / tail
     tolerance = 0.02 if setup.dtype == torch.bfloat16 else 1e-3
     gap = abs(end_fused - end_plain) / loss_plain[0]
-    print(f"mean loss of the last {tail} step{'s' if tail > 1 else ''}: {end_plain:.4f} vs {end_fused:.4f} (gap {gap:.1e} of the first "
-          f"loss, tolerance {tolerance:.0e})")
+    last = f"last {tail} steps" if tail > 1 else "last step"
+    print(f"mean loss of the {last}: {end_plain:.4f} vs {end_fused:.4f} (gap {gap:.1e} of the first loss, "
+          f"tolerance {tolerance:.0e})")
     if gap > tolerance:
         print("FAILED: the patched run's loss is not the unpatched run's")
         return 1

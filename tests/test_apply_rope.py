@@ -219,7 +219,8 @@ def test_cos_sin_with_unequal_halves_are_refused(unequal):
     silently). NaNs in both halves alike are not a mismatch."""
     _, _, cos, sin = angles((5,), 8, 100, 1.0)
     q, k = torch.randn(5, 16, device=DEVICE), torch.randn(5, 8, device=DEVICE)
-    pair_repeated = {name: t[..., :4].repeat_interleave(2, dim=-1).float() for name, t in dict(cos=cos, sin=sin).items()}
+    pair_repeated = {name: t[..., :4].repeat_interleave(2, dim=-1).float()
+                     for name, t in dict(cos=cos, sin=sin).items()}
     tables = dict(cos=cos.float(), sin=sin.float()) | {unequal: pair_repeated[unequal]}
     with pytest.raises(ValueError, match=r"cos and sin \(5, 8\) must each be two equal halves"):
         apply_rope(q, k, head_dim=8, cos_sin=(tables["cos"], tables["sin"]), interleaved=True)
