@@ -5,7 +5,7 @@
 # first when present. The device copy's .git may be older than
 # its files: pass CODETTA_CODE_COMMIT=<the sending machine's HEAD> so results name the code.
 # ab, kparts-ab: bench/version_ab.py, bench/kparts_ab.py against OLD_TREE (default old/, gitignored: `mkdir old && git archive <commit> codetta bench | tar -x -C old`, carried to the device).
-#   M=16384,4096 OPS=a,b,c,d,e TESTS=tests WORKERS=8 VARIANTS=hf_liger,hf_codetta LORA=q_proj,v_proj bash bench/device_run.sh [smoke] [test] [host] [op-profile] [gemm] [gemm-quick] [gemm-1b] [breakdown] [sweep] [ops] [ops-compile] [ops-paper] [block] [train] [profile] [host-profile] [demo] [rope] [ab] [kparts-ab]
+#   M=16384,4096 OPS=a,b,c,d,e TESTS=tests WORKERS=8 VARIANTS=hf_liger,hf_codetta LORA=q_proj,v_proj bash bench/device_run.sh [smoke] [test] [host] [op-profile] [gemm] [gemm-quick] [gemm-1b] [breakdown] [sweep] [ops] [ops-compile] [ops-paper] [block] [train] [profile] [host-profile] [demo] [rope] [ab] [kparts-ab] [check]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 CODETTA_CACHE_DIR=/tmp/codetta-cache
 OUT=${OUT:-/tmp/out}
@@ -49,6 +49,7 @@ for step in "$@"; do
     rope) python3 bench/rope_bench.py 2>&1 | tee "$OUT/rope.log" | tail -30 ;;
     ab) python3 bench/version_ab.py "${OLD_TREE:-old}" 2>&1 | tee "$OUT/version_ab.log" | tail -25 ;;
     kparts-ab) python3 bench/kparts_ab.py "${OLD_TREE:-old}" 2>&1 | tee "$OUT/kparts_ab.md" ;;
+    check) python3 bench/training_shapes_check.py --part "${PART:-all}" 2>&1 | tee "$OUT/training_shapes_check.log" | tail -40 ;;
   esac
 done
 # Only the result files this call wrote come back (the tool returns at most 8 files), and
