@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import sys
 from pathlib import Path
 
@@ -118,7 +119,7 @@ def cases(m: int, positions, inv_freq, target):
                        lambda x, g, wg, wu, wd: x + F.linear(unfused_swiglu(x, g, wg, wu), wd)),
         "linear_residual (down)": ([((m, FFN), 1.0), w_down, x], lambda y, wd, r: ops.linear_residual(y, wd, r),
                                    lambda y, wd, r: F.linear(y, wd) + r),
-        "linear, with bias": ([x, w_gate, ((FFN,), 0.1)], codetta.linear, F.linear),
+        "linear, with bias": ([x, w_gate, ((FFN,), 0.1)], codetta.linear, lambda x, w, b: F.linear(x, w, b)),
         "linear_cross_entropy, mean": cross_entropy("mean"),
         "linear_cross_entropy, none": cross_entropy("none"),
     }
@@ -159,8 +160,8 @@ def check_ops(m: int) -> list[dict]:
         ref, upstream = _run(unfused, inputs, FP64, None)
         eager, _ = _run(unfused, inputs, BF16, upstream)
         ours, _ = _run(fused, inputs, BF16, upstream)
-        n_out = len(upstream)
-        labels = [f"out {i}" for i in range(n_out)] + [f"grad {i}" for i in range(len(inputs))]
+        labels = ([f"output {i}" for i in range(len(upstream))]
+                  + [f"grad {n}" for n in list(inspect.signature(unfused).parameters)[:len(inputs)]])
         for label, got, base, r in zip(labels, ours, eager, ref):
             rows.append(_row(f"{name} [M {m}]", label, got, base, r))
         del inputs, ref, eager, ours
