@@ -228,7 +228,8 @@ def main():
                              "eager_bf16_err": f"{r['eager_bf16_err']:.2e}"} for r in rows], columns)
     over = [r for r in rows if r["ratio"] > 2]
     summary = f"{len(rows)} outputs and gradients, {len(over)} over 2x the unfused bf16 error"
-    path = write_results("training_shapes_check", rows, f"{table}\n\n{summary}")
+    name = "training_shapes_check" + ("" if args.part == "all" else f"_{args.part}")
+    path = write_results(name, rows, f"{table}\n\n{summary}")
     print(table, summary, f"written: {path}", sep="\n")
 
 
