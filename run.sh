@@ -43,9 +43,17 @@ case "$cmd" in
     # the whole suite, by default in one test process per core (pytest-xdist; an idle process takes
     # tests queued for a busy one: the slow ones do not end the run alone), naming its slowest tests
     if [ $# -eq 0 ]; then set -- -n "$(nproc 2>/dev/null || echo 1)" --dist worksteal --durations=20; fi
-    # no test path among the args (options only, e.g. -x or -k name): codetta's tests, from any folder
-    names_a_path=0
-    for arg in "$@"; do case "$arg" in -*) ;; *) if [ -e "${arg%%::*}" ]; then names_a_path=1; fi ;; esac; done
+    # no test path among the args (options only, e.g. -x or -k name): codetta's tests, from any folder;
+    # the value of an option that takes one (-k name, -m mark, -p plugin, -n 2, ...) is no test path
+    names_a_path=0 value_of=""
+    for arg in "$@"; do
+      if [ -n "$value_of" ]; then value_of=""; continue; fi
+      case "$arg" in
+        -k|-m|-p|-n|-o|-c|-W|-r|--dist|--durations|--maxfail|--tb|--rootdir|--basetemp|--deselect|--ignore) value_of=1 ;;
+        -*) ;;
+        *) if [ -e "${arg%%::*}" ]; then names_a_path=1; fi ;;
+      esac
+    done
     if [ "$names_a_path" -eq 0 ]; then set -- "$@" "$here/tests"; fi
     exec "$py" -m pytest -q --rootdir "$here" -c "$here/pyproject.toml" "$@" ;;
 esac

@@ -221,7 +221,10 @@ def test_an_fp64_norm_weight_or_bias_is_refused_by_every_op(call, name):
     (lambda x, g, w: ops.rmsnorm_qkv_rope(x, g, w[:4], w[4:6, :7], w[4:6], torch.arange(3, device=DEVICE),
                                           torch.ones(1, device=DEVICE), head_dim=2), r"w_k must be \[out_features, 8\]"),
     (lambda x, g, w: ops.linear_residual(x, [w, None], x[:, :6]), "weight\\[1\\] must be a tensor"),
-], ids=["rmsnorm_linear-list", "rmsnorm_linear", "rmsnorm_swiglu", "swiglu_mlp", "rmsnorm_qkv_rope", "linear_residual"])
+    (lambda x, g, w: ops.linear_residual(x, [w, w.half()], x.new_zeros(3, 12)),
+     r"weight\[1\] must be \[out, 8\] of torch.float32, got \(6, 8\) torch.float16"),
+], ids=["rmsnorm_linear-list", "rmsnorm_linear", "rmsnorm_swiglu", "swiglu_mlp", "rmsnorm_qkv_rope", "linear_residual",
+        "linear_residual-list"])
 def test_a_bad_weight_is_named_as_the_op_names_it(call, message):
     """A weight of the wrong shape or dtype is named by its argument's name (w_k, w_up, weight[1]),
     not by its place in an internal list."""

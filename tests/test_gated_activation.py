@@ -172,7 +172,7 @@ def test_bad_inputs():
         (dict(up=up.half()), "gate and up must share their shape, dtype and device"),
         (dict(up=up[:, :7]), "gate and up must share"),
         (dict(up=[1.0]), "up must be a tensor"),
-        (dict(activation="gelu_erf"), "activation must be one of"),
+        (dict(activation="gelu_erf"), "^gated_activation: activation must be one of"),
     ]
     for change, message in cases:
         with pytest.raises(ValueError, match=message):

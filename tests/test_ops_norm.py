@@ -124,7 +124,7 @@ def test_bad_inputs_are_refused(args, message):
 
 def test_bad_eps_and_dtype_are_refused():
     x, w = torch.randn(3, 16, device=DEVICE), torch.ones(16, device=DEVICE)
-    with pytest.raises(ValueError, match="eps must be a number >= 0"):
+    with pytest.raises(ValueError, match="^rms_norm: eps must be a number >= 0"):
         rms_norm(x, w, -1.0)
     with pytest.raises(ValueError, match="dtype must be one of"):
         rms_norm(x, w, dtype=torch.int32)

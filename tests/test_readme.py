@@ -64,9 +64,10 @@ def test_run_sh_says_its_usage_before_any_setup(args, code, tmp_path):
 
 @pytest.mark.skipif(not (ROOT / ".venv" / "bin" / "python").exists(), reason="run.sh's environment is not set up")
 def test_run_sh_test_with_options_only_runs_codettas_tests_from_any_folder(tmp_path):
-    """`run.sh test -k name` from another folder collects codetta's tests, not that folder's;
-    a path given is taken as given."""
+    """`run.sh test -k name` from another folder collects codetta's tests, not that folder's (also
+    where that folder holds a file named as the option's value); a path given is taken as given."""
     (tmp_path / "test_stray.py").write_text("def test_stray():\n    pass\n")
+    (tmp_path / "test_the_readme_has_examples").write_text("")
 
     def collected(*args):
         result = subprocess.run(["bash", str(ROOT / "run.sh"), "test", "--collect-only", "-p", "no:cacheprovider",

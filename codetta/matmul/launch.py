@@ -65,8 +65,9 @@ def gemm(a, b, epilogue: Program | None = None, *, out=None, config=None, finish
     Returns:
         The output tensor for a plain GEMM, else a dict name -> tensor: stores as
         [..., M, width] in their dtype (an accumulating store: the tensor added into, as it was
-        given); row reductions fp32 [..., M] (per segment
-        [..., M, width / segment]); column reductions fp32 [width].
+        given; a store per part of B, ``per_b_part=True``: a tuple of [..., M, N_i], one per
+        part); row reductions fp32 [..., M] (per segment [..., M, width / segment]); column
+        reductions fp32 [width].
     """
     program = epilogue if epilogue is not None else _plain_program()
     out = _outputs_given(out, epilogue)

@@ -16,10 +16,12 @@ _ACTIVATIONS = {"silu": "silu", "gelu": "gelu_erf", "gelu_tanh": "gelu_tanh", "r
 GATE_ACTIVATIONS = tuple(_ACTIVATIONS)
 
 
-def check_activation(activation) -> str:
-    """The name, if it is one of :data:`GATE_ACTIVATIONS`; else a ValueError."""
+def check_activation(activation, prefix: str = "") -> str:
+    """The name, if it is one of :data:`GATE_ACTIVATIONS`; else a ValueError starting with
+    ``prefix`` (the operator's name, where its other messages give it)."""
     if activation not in _ACTIVATIONS:
-        raise ValueError(f"activation must be one of {', '.join(map(repr, GATE_ACTIVATIONS))}, got {activation!r}")
+        raise ValueError(f"{prefix}activation must be one of {', '.join(map(repr, GATE_ACTIVATIONS))}, "
+                         f"got {activation!r}")
     return activation
 
 

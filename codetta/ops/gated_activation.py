@@ -112,7 +112,7 @@ def gated_activation(gate: Tensor, up: Tensor, activation: str = "silu", *, inpu
         raise ValueError(f"gated_activation: gate and up must share their shape, dtype and device, got gate "
                          f"{gate.dtype} {tuple(gate.shape)} on {gate.device} and up {up.dtype} {tuple(up.shape)} "
                          f"on {up.device}")
-    check_activation(activation)
+    check_activation(activation, "gated_activation: ")
     if not gate.is_meta:  # on the meta device the registered op's fake implementation gives the shapes
         check_device(gate.device, "gate")
     return _gated_activation_op(gate, up, activation, bool(inputs_consumed) and _writable_over(gate, up))

@@ -93,7 +93,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, *, dtype: Optional[to
         raise ValueError(f"rms_norm: weight is on {weight.device} but x is on {x.device}")
     if dtype is not None and dtype not in KERNEL_DTYPES:
         raise ValueError(f"rms_norm: dtype must be one of {KERNEL_DTYPES}, got {dtype}")
-    check_eps(eps=eps)
+    check_eps("rms_norm: ", eps=eps)
     if not x.is_meta:  # on the meta device the registered op's fake implementation gives the shapes
         check_device(x.device, "x")
     return _rms_norm_op(x, weight, float(eps), dtype or x.dtype)[0]

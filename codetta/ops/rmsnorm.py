@@ -583,9 +583,9 @@ def linear_residual(a: Tensor, weight, residual: Tensor, norm_weight: Tensor | N
         raise ValueError(f"a has dtype {a.dtype}; the kernels take {KERNEL_DTYPES}")
     if residual.shape[:-1] != a.shape[:-1] or residual.shape[-1] != sum(w.shape[0] for w in weights):
         raise ValueError(f"residual {tuple(residual.shape)} does not match a {tuple(a.shape)} @ W^T")
-    for w in weights:
+    for name, w in named_weights(weight).items():
         if w.dim() != 2 or w.shape[1] != a.shape[-1] or w.dtype != a.dtype:
-            raise ValueError(f"weight must be [out, {a.shape[-1]}] of {a.dtype}, got {tuple(w.shape)} {w.dtype}")
+            raise ValueError(f"{name} must be [out, {a.shape[-1]}] of {a.dtype}, got {tuple(w.shape)} {w.dtype}")
     if not stream_fits(residual.dtype, a.dtype):
         raise ValueError(f"residual is {residual.dtype} but a is {a.dtype}: the residual must be in a's dtype, "
                          "or fp32 with 16-bit a and weights")
