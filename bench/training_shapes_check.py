@@ -13,9 +13,9 @@ RoPE, F.silu, F.cross_entropy), by the relative error ||got - ref|| / ||ref||; t
 code in bf16 gives the baseline. The project's rule: codetta's error at most about twice the
 baseline's (``ratio`` <= 2). The model rows compare codetta.patch(model) in bf16 with the
 unpatched bf16 model, both against the unpatched model in fp64 with the same (bf16-rounded)
-weights; there the q/k projection
-gradients are sums that cancel, whose error is the attention backward's rounding noise
-(tests/unfused_roundings.py), so a ratio a little over 2 there is that noise, not a defect.
+weights; there the q/k projection gradients are sums that cancel, whose error is the attention
+backward's rounding noise (tests/unfused_roundings.py), so a ratio a little over 2 there is
+that noise, not a defect.
 
     python3 bench/training_shapes_check.py [--m 4093] [--part ops|model|all]
 """
@@ -200,8 +200,9 @@ def check_model(batch: int = 2, seq: int = 2048) -> list[dict]:
         return [loss.detach()] + [p.grad for p in model.parameters()]
 
     def bf16_copy():
-        """The model in bf16 but for its rotary frequencies, kept fp32 as from_pretrained keeps them
-        (``.to(bf16)`` rounds the inv_freq buffer too: angles off by radians at position 2048)."""
+        """The model in bf16 but for its rotary frequencies, kept in fp32, the dtype the rotary
+        embedding makes them in (``.to(bf16)`` rounds the inv_freq buffer too: angles off by
+        radians at position 2048, the same in both models, which would hide what is compared)."""
         model = copy.deepcopy(reference).to(BF16)
         for name, buffer in reference.named_buffers():
             owner, _, attr = name.rpartition(".")
