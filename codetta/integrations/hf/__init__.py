@@ -85,7 +85,7 @@ def patch(model, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = Tru
     rms_norm: fold each RMSNorm that a GEMM reads into that GEMM (and its statistics into the
         GEMM before it); the others (the decoder's final norm, Gemma 2's and GLM-4's output norms,
         a mixture of experts' MLP norm) run as :func:`codetta.ops.rms_norm`; without it no layer
-        is patched.
+        is patched (pass ``rope=False, swiglu=False`` with it: both need it).
     rope: RoPE in the QKV GEMM's epilogue (with Qwen3's QK-norm before it, in the same
         epilogue); where the rotary dims, or head_dim with QK-norm, are no power of two, as
         Phi-3-mini's head_dim 96, or do not divide head_dim, as Phi-4-mini's 96 of 128, by

@@ -96,8 +96,8 @@ class Architecture:
     mlp_norm: str = "post_attention_layernorm"
     output_norms: tuple | None = None
     # Whether the attention passes its ``attn_logit_softcapping`` to the attention function as
-    # ``softcap`` (Gemma 2), and whether the causal LM caps its logits to s tanh(logits / s), s its
-    # config's ``final_logit_softcapping`` when that is not None (Gemma 2, Gemma 3)
+    # ``softcap`` (Gemma 2, VaultGemma), and whether the causal LM caps its logits to s tanh(logits / s),
+    # s its config's ``final_logit_softcapping`` when that is not None (Gemma 2, Gemma 3, VaultGemma)
     attention_softcap: bool = False
     logit_softcap: bool = False
     # Whether the rotary embedding keeps frequencies per attention layer type (``{type}_inv_freq``,
@@ -108,7 +108,8 @@ class Architecture:
     # MLP but the family's dense ``XMLP``, see :func:`mlp_is_fused`), which runs as its own module on
     # the MLP norm's output (the causal LM's output then a ``MoeCausalLMOutputWithPast``), and whether
     # the causal LM adds its routers' load-balancing loss to the loss where ``output_router_logits``
-    # asks (the modeling module's ``load_balancing_loss_func``: Mixtral, ...; not GLM-4.5)
+    # asks (the modeling module's ``load_balancing_loss_func``: Mixtral, ...; not GLM-4.5, dots.llm1,
+    # Solar Open)
     moe: bool = False
     router_loss: bool = False
 

@@ -34,10 +34,11 @@ as the model's own modules (:func:`_own_half`) and the other stays fused
 The next layer's input norm reads s' (a :class:`StatsHandoff` between the two layers)
 when it is given exactly x2, unchanged, as in the model's own layer loop; otherwise (the
 first layer, gradient checkpointing's recomputation, a caller passing another tensor, x2
-changed in place) it computes its statistics itself. Under gradient checkpointing no
-statistics are handed on at all, so that recomputed layers leave nothing behind; nor when
-the next norm's weight is not a plain tensor (FSDP2 shards it until the next layer's own
-forward), nor when hooks run between the two layers (they may change x2 in place).
+changed in place) it computes its statistics itself. No statistics are handed to or from a
+layer that gradient checkpointing recomputes, so that recomputed layers leave nothing
+behind; nor when the next norm's weight is not a plain tensor (FSDP2 shards it until the
+next layer's own forward), nor when hooks run between the two layers (they may change x2 in
+place).
 
 Attention, its mask, the KV cache and sliding windows are the model's own: codetta calls
 the attention interface the model is configured with, exactly as its attention module
