@@ -575,15 +575,15 @@ def linear_residual(a: Tensor, weight, residual: Tensor, norm_weight: Tensor | N
         fp32 [M]: pass the pair as ``stats``
         to :func:`rmsnorm_linear` (they carry no gradient of their own).
     """
-    weights = _as_list(weight)
-    for name, t in (("a", a), ("residual", residual), *named_weights(weight).items()):
+    weights, named = _as_list(weight), named_weights(weight)
+    for name, t in (("a", a), ("residual", residual), *named.items()):
         if not isinstance(t, Tensor) or t.dim() < 1:
             raise ValueError(f"{name} must be a tensor of at least 1 dim, got {described(t)}")
     if a.dtype not in KERNEL_DTYPES:
         raise ValueError(f"a has dtype {a.dtype}; the kernels take {KERNEL_DTYPES}")
     if residual.shape[:-1] != a.shape[:-1] or residual.shape[-1] != sum(w.shape[0] for w in weights):
         raise ValueError(f"residual {tuple(residual.shape)} does not match a {tuple(a.shape)} @ W^T")
-    for name, w in named_weights(weight).items():
+    for name, w in named.items():
         if w.dim() != 2 or w.shape[1] != a.shape[-1] or w.dtype != a.dtype:
             raise ValueError(f"{name} must be [out, {a.shape[-1]}] of {a.dtype}, got {tuple(w.shape)} {w.dtype}")
     if not stream_fits(residual.dtype, a.dtype):
