@@ -1,7 +1,8 @@
 """codetta.patch on random configs of every supported family (hypothesis): whatever the sizes,
 head layout, rope scaling, biases, tying, attention implementation and batch (padding,
 ignored labels), the patched model's output, loss and every gradient equal the unpatched
-model's (fp32), its layers run fused wherever the docs say they do, and cast to bf16 its
+model's (fp32; where a draw is ill-conditioned, within 2x the unpatched model's error against
+the fp64 model), its layers run fused wherever the docs say they do, and cast to bf16 its
 errors against the fp64 model stay within 2x the unpatched bf16 model's. With PEFT's LoRA
 adapters on random projections of random layers (Llama, Mistral, Qwen2, Qwen3), the training
 step equals the unpatched model's with the same adapters, the adapted projections are called
@@ -22,6 +23,7 @@ each: h200_hf_random_configs_gemma.log; Gemma2, Gemma3, Glm4 and VaultGemma, 6 e
 h200_hf_random_configs_new_families.log; every family, 8 each, on an H100: h100_hf_random_configs.log).
 """
 
+import contextlib
 import copy
 import os
 import warnings
@@ -287,6 +289,26 @@ def step(model, batch):
     return None if main is None else main.detach(), loss.detach(), grads
 
 
+@contextlib.contextmanager
+def softmax_in_fp64():
+    """Softmax of fp64 tensors taken in fp64, for the fp64 reference models: transformers' eager
+    attention asks for fp32 (``softmax(..., dtype=torch.float32)``), where an fp64 model's mask value
+    (-1.8e308) becomes -inf, so that a query row with every key masked (a padded token) gives NaN,
+    not the uniform row fp32 and bf16 models give (and every gradient NaN)."""
+    softmax = torch.nn.functional.softmax
+
+    def in_fp64(input, dim=None, _stacklevel=3, dtype=None):
+        if input.dtype == torch.float64:
+            dtype = torch.float64
+        return softmax(input, dim, _stacklevel=_stacklevel, dtype=dtype)
+
+    torch.nn.functional.softmax = in_fp64
+    try:
+        yield
+    finally:
+        torch.nn.functional.softmax = softmax
+
+
 def typical(grads) -> float:
     """The root mean square of all gradients' elements: the floor under a gradient's norm in
     its relative error (a question-answering head's bias gets zero but for rounding: each
@@ -304,6 +326,43 @@ def relative_error(got, want, scale=0.0) -> float:
     got, want = got[~nan].double(), want[~nan].double()
     difference = (got - want).norm().item()
     return difference and difference / max(want.norm().item(), scale * want.numel() ** 0.5, 1e-300)
+
+
+def assert_fp32_match(name, patched_step, ref, batch):
+    """The patched fp32 model's :func:`step` equals the unpatched model ``ref``'s to fp32 precision:
+    its output and loss within 2e-5 of the unpatched model's, each gradient within 2e-4 (relative
+    to the typical gradient). A draw may be ill-conditioned, so that the unpatched fp32 model itself
+    is further than that from the exact result (norms of values near sqrt(eps), residual adds that
+    cancel: at hidden size 1 a Gemma 2 draw's output was 6.3e-5 from the fp64 model's, the patched
+    model's 1.6e-6): a value further apart than that must be within 2x the unpatched model's error
+    against the fp64 model (or within the tolerance of it)."""
+    main, loss, grads = patched_step
+    main_ref, loss_ref, grads_ref = step(ref, batch)
+    assert main is not None or name.endswith("ForCausalLM")  # a causal LM training with labels returns no logits
+    assert grads.keys() == grads_ref.keys()
+    # name -> (the patched model's, the unpatched model's, the tolerance, whether it is a gradient)
+    pairs = {n: (g, grads_ref[n], 2e-4, True) for n, g in grads.items()}
+    # a bare model's loss is a random projection of its output, a sum that may cancel to 1e-3 of
+    # its terms (a draw found it 3e-5 apart, relatively): its output itself is compared
+    if not name.endswith("Model"):
+        pairs["loss"] = (loss, loss_ref, 2e-5, False)
+    if main is not None:
+        pairs["output"] = (main, main_ref, 2e-5, False)
+    scale = typical(grads_ref)
+    errs = {n: relative_error(got, want, scale * is_grad) for n, (got, want, _, is_grad) in pairs.items()}
+    apart = {n: e for n, e in errs.items() if not e <= pairs[n][2]}  # NaN is apart
+    if not apart:
+        return
+    with softmax_in_fp64():
+        main64, loss64, grads64 = step(copy.deepcopy(ref).double(), batch)
+    exact, scale64 = {**grads64, "loss": loss64, "output": main64}, typical(grads64)
+    worse = {}
+    for n, error in apart.items():
+        got, want, tol, is_grad = pairs[n]
+        ours, theirs = (relative_error(t, exact[n], scale64 * is_grad) for t in (got, want))
+        if not ours <= max(tol, 2 * theirs):
+            worse[n] = dict(apart=error, patched_vs_fp64=ours, unpatched_vs_fp64=theirs)
+    assert not worse, worse
 
 
 @pytest.mark.parametrize("family", ARCHITECTURES)
@@ -325,29 +384,20 @@ def test_random_config_matches_unpatched(family, data):
     layers = decoder_of(patched).layers
     assert not messages  # every head_dim drawn is even: codetta applies RoPE, partial or not
     assert all(layer._codetta_plan.unfusable is None for layer in layers)
-    main_ref, loss_ref, grads_ref = step(ref, batch)
-    # a bare model's loss is a random projection of its output, a sum that may cancel to 1e-3 of
-    # its terms (a draw found it 3e-5 apart, relatively): its output itself is compared below
-    if not name.endswith("Model"):
-        assert relative_error(loss, loss_ref) <= 2e-5
-    if main is not None or not name.endswith("ForCausalLM"):  # a causal LM training with labels returns no logits
-        assert relative_error(main, main_ref) <= 2e-5
-    assert grads.keys() == grads_ref.keys()
-    scale = typical(grads_ref)
-    errs = {param: relative_error(grads[param], g, scale) for param, g in grads_ref.items()}
-    assert all(e <= 2e-4 for e in errs.values()), errs
+    assert_fp32_match(name, (main, loss, grads), ref, batch)
 
 
 def errors(model, ref64, batch):
     """{name: relative error in norm against the fp64 model} of the loss (the model's own: not a
     bare model's random projection of its output, a sum with cancellations), the output and each gradient."""
     main, loss, grads = step(model, batch)
-    main64, loss64, grads64 = step(ref64, batch)
+    with softmax_in_fp64():
+        main64, loss64, grads64 = step(ref64, batch)
     scale = typical(grads64)
     # A gradient zero but for rounding (a question-answering head's bias: softmax gradients sum
     # to zero) is bf16 noise in both models, not an error either of them makes: left out.
     errs = {n: relative_error(grads[n], g, scale) for n, g in grads64.items()
-            if g.norm() > 1e-9 * scale * g.numel() ** 0.5}
+            if not g.norm() <= 1e-9 * scale * g.numel() ** 0.5}
     if "labels" in batch or "start_positions" in batch:
         errs["loss"] = relative_error(loss, loss64)
     if main is not None:
@@ -392,7 +442,7 @@ def test_random_bf16_config_within_twice_the_unpatched_error(family, data):
     floors = {"loss": 2.0 ** -7} if name.endswith(("SequenceClassification", "QuestionAnswering")) else {}
     pairs = {n: (errs[n], errs_ref[n]) for n in errs}
     note(f"errors (patched, unpatched): {pairs}")
-    worse = {n: pair for n, pair in pairs.items() if pair[0] > 2 * pair[1] + floors.get(n, 2e-3)}
+    worse = {n: pair for n, pair in pairs.items() if not pair[0] <= 2 * pair[1] + floors.get(n, 2e-3)}  # NaN fails
     assert not worse, worse
 
 
@@ -429,15 +479,7 @@ def test_random_lora_adapters_match_unpatched(family, data):
         patched.load_state_dict(ref.state_dict())
         batch = batch_for(name, ids, mask, labels)
         main, loss, grads = step(patched, batch)
-    main_ref, loss_ref, grads_ref = step(ref, batch)
-    if not name.endswith("Model"):
-        assert relative_error(loss, loss_ref) <= 2e-5
-    if main is not None or not name.endswith("ForCausalLM"):
-        assert relative_error(main, main_ref) <= 2e-5
-    assert grads.keys() == grads_ref.keys()
-    scale = typical(grads_ref)
-    errs = {param: relative_error(grads[param], g, scale) for param, g in grads_ref.items()}
-    assert all(e <= 2e-4 for e in errs.values()), errs
+    assert_fp32_match(name, (main, loss, grads), ref, batch)
     # the adapted projections are called, the rest of every layer fused
     assert all((layer._codetta_plan.unfusable, layer._codetta_plan.unfused_half) == (None, None)
                for layer in decoder_of(patched.get_base_model()).layers)
