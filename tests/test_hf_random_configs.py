@@ -126,6 +126,8 @@ def models(draw, family, min_hidden=1, all_experts=False):
         shares = [0.25, 0.5, 0.75, 1.0]
         if config["rope_parameters"]["rope_type"] == "dynamic":  # transformers' dynamic NTK divides by (rotary dims - 2)
             shares = [share for share in shares if int(head_dim * share) > 2]
+        if config["rope_parameters"]["rope_type"] == "yarn":  # transformers' yarn fails to build on odd rotary dims
+            shares = [share for share in shares if int(head_dim * share) % 2 == 0]
         config["rope_parameters"]["partial_rotary_factor"] = draw(st.sampled_from(shares))
     if family == "Phi3":
         config["sliding_window"] = draw(st.sampled_from([None, 3, 8]))
