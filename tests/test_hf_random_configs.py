@@ -23,9 +23,9 @@ each: h200_hf_random_configs_gemma.log; Gemma2, Gemma3, Glm4 and VaultGemma, 6 e
 h200_hf_random_configs_new_families.log; every family, 8 each, on an H100: h100_hf_random_configs.log).
 """
 
-import contextlib
 import copy
 import os
+import unittest.mock
 import warnings
 
 import pytest
@@ -298,24 +298,18 @@ def step(model, batch):
     return None if main is None else main.detach(), loss.detach(), grads
 
 
-@contextlib.contextmanager
 def softmax_in_fp64():
-    """Softmax of fp64 tensors taken in fp64, for the fp64 reference models: transformers' eager
-    attention asks for fp32 (``softmax(..., dtype=torch.float32)``), where an fp64 model's mask value
-    (-1.8e308) becomes -inf, so that a query row with every key masked (a padded token) gives NaN,
-    not the uniform row fp32 and bf16 models give (and every gradient NaN)."""
+    """A context in which softmax of fp64 tensors is taken in fp64, for the fp64 reference models:
+    transformers' eager attention asks for fp32 (``softmax(..., dtype=torch.float32)``), where an fp64
+    model's mask value (-1.8e308) becomes -inf, so that a query row with every key masked (a padded
+    token) gives NaN, not the uniform row fp32 and bf16 models give (and every gradient NaN)."""
     softmax = torch.nn.functional.softmax
 
     def in_fp64(input, dim=None, _stacklevel=3, dtype=None):
-        if input.dtype == torch.float64:
-            dtype = torch.float64
-        return softmax(input, dim, _stacklevel=_stacklevel, dtype=dtype)
+        fp64 = input.dtype == torch.float64
+        return softmax(input, dim, _stacklevel=_stacklevel, dtype=torch.float64 if fp64 else dtype)
 
-    torch.nn.functional.softmax = in_fp64
-    try:
-        yield
-    finally:
-        torch.nn.functional.softmax = softmax
+    return unittest.mock.patch.object(torch.nn.functional, "softmax", in_fp64)
 
 
 def typical(grads) -> float:
