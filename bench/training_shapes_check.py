@@ -5,7 +5,7 @@ The test suite runs small shapes untuned (and tests/test_every_config.py forces 
 candidate on medium ones); this is what a user's first training step runs: the configs the
 tuner picks for Llama-3-8B widths (d 4096, 32 q and 8 kv heads of 128, FFN 14336, vocab
 128256) at a row count no multiple of any tile, and a two-layer model of Llama-3.2-1B's widths
-on 2 x 2048 tokens.
+on batches of 2 x 2048 tokens.
 
 Each output and each input gradient (random upstream gradients) is compared with an fp64
 evaluation of the usual unfused PyTorch code written here (F.rms_norm, F.linear, rotate_half
@@ -177,8 +177,12 @@ def _row(case, what, got, base, ref) -> dict:
             "verdict": "ok" if ratio <= 2 else "OVER 2x"}
 
 
-def check_model(batch: int = 2, seq: int = 2048) -> list[dict]:
-    """A two-layer Llama of Llama-3.2-1B's widths: loss and every parameter gradient."""
+def check_model(batch: int = 2, seq: int = 2048, loss_batches: int = 8) -> list[dict]:
+    """A two-layer Llama of Llama-3.2-1B's widths: the losses of ``loss_batches`` batches and
+    every parameter gradient of the first. One scalar loss's error is a single draw of the
+    rounding noise (the mean over tokens cancels most of it, by luck more or less), so the
+    loss row compares the vector of losses; the signed differences are printed as well, where
+    a bias would show."""
     import transformers
 
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=2048, intermediate_size=8192, num_hidden_layers=2,
@@ -191,13 +195,17 @@ def check_model(batch: int = 2, seq: int = 2048) -> list[dict]:
             if name.endswith("norm.weight"):
                 p.add_(0.1 * torch.randn_like(p))  # norm weights other than ones
             p.copy_(p.to(BF16))  # the bf16 models' weights: the error measured is the computation's alone
-    ids = torch.randint(0, VOCAB, (batch, seq), device="cuda")
+    batches = [torch.randint(0, VOCAB, (batch, seq), device="cuda") for _ in range(loss_batches)]
 
-    def loss_and_grads(model):
+    def losses_and_grads(model):
         model.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        return [loss.detach()] + [p.grad for p in model.parameters()]
+        losses = []
+        for i, ids in enumerate(batches):
+            loss = model(input_ids=ids, labels=ids).loss
+            if i == 0:
+                loss.backward()
+            losses.append(loss.detach())
+        return [torch.stack(losses)] + [p.grad for p in model.parameters()]
 
     def bf16_copy():
         """The model in bf16 but for its rotary frequencies, kept in fp32, the dtype the rotary
@@ -209,10 +217,12 @@ def check_model(batch: int = 2, seq: int = 2048) -> list[dict]:
             setattr(model.get_submodule(owner), attr, buffer.float())
         return model
 
-    ref = loss_and_grads(reference)
-    eager = loss_and_grads(bf16_copy())
-    ours = loss_and_grads(codetta.patch(bf16_copy()))
-    names = ["loss"] + [n for n, _ in reference.named_parameters()]
+    ref = losses_and_grads(reference)
+    eager = losses_and_grads(bf16_copy())
+    ours = losses_and_grads(codetta.patch(bf16_copy()))
+    for label, got in (("codetta", ours[0]), ("eager bf16", eager[0])):
+        print(f"loss - fp64 loss, {label}:", " ".join(f"{d:+.2e}" for d in (got.double() - ref[0]).tolist()))
+    names = [f"loss ({loss_batches} batches)"] + [n for n, _ in reference.named_parameters()]
     return [_row(f"patched Llama, 2 layers of 3.2-1B [{batch} x {seq}]", n, got, base, r)
             for n, got, base, r in zip(names, ours, eager, ref)]
 
