@@ -298,18 +298,19 @@ def step(model, batch):
     return None if main is None else main.detach(), loss.detach(), grads
 
 
-def softmax_in_fp64():
-    """A context in which softmax of fp64 tensors is taken in fp64, for the fp64 reference models:
+def fp64_step(model, batch):
+    """:func:`step` of a copy of the model in fp64, with softmax of fp64 tensors taken in fp64:
     transformers' eager attention asks for fp32 (``softmax(..., dtype=torch.float32)``), where an fp64
     model's mask value (-1.8e308) becomes -inf, so that a query row with every key masked (a padded
-    token) gives NaN, not the uniform row fp32 and bf16 models give (and every gradient NaN)."""
+    token) would give NaN, not the uniform row fp32 and bf16 models give (and every gradient NaN)."""
     softmax = torch.nn.functional.softmax
 
     def in_fp64(input, dim=None, _stacklevel=3, dtype=None):
         fp64 = input.dtype == torch.float64
         return softmax(input, dim, _stacklevel=_stacklevel, dtype=torch.float64 if fp64 else dtype)
 
-    return unittest.mock.patch.object(torch.nn.functional, "softmax", in_fp64)
+    with unittest.mock.patch.object(torch.nn.functional, "softmax", in_fp64):
+        return step(copy.deepcopy(model).double(), batch)
 
 
 def typical(grads) -> float:
@@ -356,8 +357,7 @@ def assert_fp32_match(name, patched_step, ref, batch):
     apart = {n: e for n, e in errs.items() if not e <= pairs[n][2]}  # NaN is apart
     if not apart:
         return
-    with softmax_in_fp64():
-        main64, loss64, grads64 = step(copy.deepcopy(ref).double(), batch)
+    main64, loss64, grads64 = fp64_step(ref, batch)
     exact, scale64 = {**grads64, "loss": loss64, "output": main64}, typical(grads64)
     worse = {}
     for n, error in apart.items():
@@ -391,7 +391,7 @@ def test_random_config_matches_unpatched(family, data):
 
 
 def errors(model, exact, batch):
-    """{name: relative error in norm against ``exact``, the fp64 model's :func:`step`} of the loss (the
+    """{name: relative error in norm against ``exact``, the unpatched model's :func:`fp64_step`} of the loss (the
     model's own: not a bare model's random projection of its output, a sum with cancellations), the
     output and each gradient."""
     main, loss, grads = step(model, batch)
@@ -431,8 +431,7 @@ def test_random_bf16_config_within_twice_the_unpatched_error(family, data):
     note(f"{name} {config}; batch {tuple(ids.shape)} seed {seed}")
     ref = build(name, config)
     ref16, batch = copy.deepcopy(ref).to(torch.bfloat16), batch_for(name, ids, mask, labels)
-    with softmax_in_fp64():
-        exact = step(copy.deepcopy(ref).double(), batch)
+    exact = fp64_step(ref, batch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # codetta's warnings are the fp32 test's (none); transformers' are not ours
         patched = codetta.patch(copy.deepcopy(ref16))
